@@ -1,0 +1,1 @@
+"""kvrouter router: the OpenAI-compatible front door, policy, proxy, tokenization and observability."""
