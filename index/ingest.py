@@ -1,0 +1,231 @@
+"""From decoded batches to store operations: keys, parents, block sizes, and per-source counters.
+
+The subscriber hands over chunks of ``(source index, batch)`` in stream order; all BlockStored token
+ids of a chunk are hashed in one vectorised call (:func:`index.keys.block_contents`), then events are
+applied one by one, because a block's key depends on its parent's, which may have arrived earlier in
+the same chunk.
+
+Decisions (each counted per source, see :class:`SourceStats`):
+
+- **Unknown parent** (we never saw the parent block, e.g. it was stored before we connected and fell
+  out of the replay buffer): the chain is anchored to a root derived from (source, parent hash).
+  Such keys can never equal a prompt's keys, whose chains start at the model/LoRA root, so they can
+  never produce a false match; their children still chain and their removals still resolve.
+- **Legacy offloading placeholders** (``token_ids`` empty and ``block_size`` 0): ignored; without
+  tokens there is nothing to key them by.
+- **Bad shape** (``len(token_ids) != block_size * len(block_hashes)``, e.g. vLLM's partial-block
+  path): skipped; a partial block can never match a prompt's full blocks anyway.
+- **Block size**: learned per source from events. A size different from the configured one is
+  logged once and counted; lookups hash prompts at each source's learned size, so a mismatch never
+  silently zeroes matches.
+- **LoRA**: ``lora_name`` salts the chain root, and is stripped from per-block extra keys; the other
+  extra keys (cache_salt, multimodal ids) salt their block. With only the deprecated ``lora_id``
+  (vLLM 0.11-0.13) the root is salted by the id, which no request name can match.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from index.keys import block_contents, chain, extra_hash, lora_root, stable_hash
+from index.store import PrefixStore, SourceId
+from index.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+
+log = logging.getLogger("kvrouter.index")
+
+
+class SourceStats:
+    """Counters of one event source (plain attributes: written by one thread, read by others)."""
+
+    __slots__ = (
+        "bad_events",
+        "batches",
+        "block_size",
+        "block_size_mismatch",
+        "blocks_removed",
+        "blocks_stored",
+        "cleared",
+        "decode_errors",
+        "last_applied",
+        "last_ts",
+        "placeholders",
+        "removed_events",
+        "stored_events",
+        "unknown_parents",
+    )
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.stored_events = 0
+        self.removed_events = 0
+        self.cleared = 0
+        self.blocks_stored = 0
+        self.blocks_removed = 0
+        self.unknown_parents = 0
+        self.placeholders = 0
+        self.bad_events = 0
+        self.decode_errors = 0
+        self.block_size: int | None = None
+        self.block_size_mismatch = 0
+        self.last_ts = 0.0
+        self.last_applied = 0.0
+
+
+def _lora_of(ev: BlockStored) -> str | None:
+    if ev.lora_name:
+        return ev.lora_name
+    if ev.lora_id is not None:
+        return f"#lora-id-{ev.lora_id}"
+    return None
+
+
+def _block_extras(ev: BlockStored, n: int) -> list[tuple[int, list[Any]]]:
+    """(block index, extra items) for the blocks of an event that carry extra keys beyond the LoRA name."""
+    extra = ev.extra_keys
+    if not extra:
+        return []
+    out = []
+    for i, items in enumerate(extra[:n]):
+        if not items:
+            continue
+        rest = list(items)
+        if ev.lora_name is not None and rest and rest[0] == ev.lora_name:
+            rest = rest[1:]
+        if rest:
+            out.append((i, rest))
+    return out
+
+
+class Ingestor:
+    """Applies batches of one or many sources to a :class:`PrefixStore`."""
+
+    def __init__(self, store: PrefixStore, block_size: int | None = None) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.stats: dict[int, SourceStats] = {}
+        self.lag_observer: Callable[[float], None] | None = None
+        """Called with now - batch.ts for every applied batch (metrics)."""
+        self.on_reset: Callable[[int], None] | None = None
+        """Called with the source index when a source's GPU blocks are cleared or the source restarted."""
+
+    def add_source(self, source: SourceId) -> int:
+        """Register a source with the store and give it counters."""
+        sidx = self.store.add_source(source)
+        self.stats[sidx] = SourceStats()
+        return sidx
+
+    def source_name(self, sidx: int) -> str:
+        src = self.store.sources()[sidx] if sidx < len(self.store.sources()) else ("?", 0)
+        return f"{src[0]}/dp{src[1]}"
+
+    def apply(self, sidx: int, batch: Batch) -> None:
+        """Apply one batch."""
+        self.apply_chunk([(sidx, batch)])
+
+    def apply_chunk(self, items: Sequence[tuple[int, Batch | None]]) -> None:
+        """Apply batches in order; ``None`` in place of a batch drops that source (a restart)."""
+        # pass 1: validate BlockStored events and gather their tokens per block size
+        tokens: dict[int, list[int]] = {}
+        plan: dict[int, int] = {}  # id(event) -> first block index in tokens[block_size]
+        for sidx, batch in items:
+            if batch is None:
+                continue
+            st = self.stats[sidx]
+            for ev in batch.events:
+                if type(ev) is not BlockStored:
+                    continue
+                n = len(ev.block_hashes)
+                bs = ev.block_size
+                if bs == 0 and not ev.token_ids:
+                    st.placeholders += 1
+                    continue
+                if n == 0 or bs <= 0 or len(ev.token_ids) != bs * n:
+                    st.bad_events += 1
+                    if st.bad_events <= 3 or st.bad_events % 1000 == 0:
+                        log.warning(
+                            "source %s: BlockStored with %d hashes, block_size %d and %d token ids skipped "
+                            "(%d so far)",
+                            self.source_name(sidx),
+                            n,
+                            bs,
+                            len(ev.token_ids),
+                            st.bad_events,
+                        )
+                    continue
+                if st.block_size != bs:
+                    self._learn_block_size(sidx, st, bs)
+                buf = tokens.setdefault(bs, [])
+                plan[id(ev)] = len(buf) // bs
+                buf.extend(ev.token_ids)
+        contents = {bs: block_contents(buf, bs).tolist() for bs, buf in tokens.items()}
+
+        # pass 2: apply in stream order
+        store = self.store
+        now = time.time()
+        for sidx, batch in items:
+            if batch is None:
+                store.drop(sidx)
+                if self.on_reset is not None:
+                    self.on_reset(sidx)
+                continue
+            st = self.stats[sidx]
+            st.batches += 1
+            for ev in batch.events:
+                kind = type(ev)
+                if kind is BlockStored:
+                    assert isinstance(ev, BlockStored)
+                    start = plan.get(id(ev))
+                    if start is None:
+                        continue
+                    n = len(ev.block_hashes)
+                    m = contents[ev.block_size][start : start + n]
+                    for i, items_ in _block_extras(ev, n):
+                        m[i] ^= extra_hash(items_)
+                    parent = ev.parent_block_hash
+                    if parent is None:
+                        root = lora_root(_lora_of(ev))
+                    else:
+                        known = store.key_of(sidx, parent)  # type: ignore[arg-type]
+                        if known is None:
+                            st.unknown_parents += 1
+                            root = stable_hash(["unknown-parent", sidx, parent])
+                        else:
+                            root = known
+                    medium = ev.medium or "GPU"
+                    store.store(sidx, store.medium_index(medium), ev.block_hashes, chain(root, m))  # type: ignore[arg-type]
+                    st.stored_events += 1
+                    st.blocks_stored += n
+                elif kind is BlockRemoved:
+                    assert isinstance(ev, BlockRemoved)
+                    store.remove(sidx, store.medium_index(ev.medium or "GPU"), ev.block_hashes)  # type: ignore[arg-type]
+                    st.removed_events += 1
+                    st.blocks_removed += len(ev.block_hashes)
+                elif kind is AllBlocksCleared:
+                    store.clear(sidx, "GPU")
+                    st.cleared += 1
+                    if self.on_reset is not None:
+                        self.on_reset(sidx)
+            st.last_ts = batch.ts
+            st.last_applied = now
+            if self.lag_observer is not None:
+                self.lag_observer(max(0.0, now - batch.ts))
+
+    def _learn_block_size(self, sidx: int, st: SourceStats, bs: int) -> None:
+        if st.block_size is not None and st.block_size != bs:
+            log.warning(
+                "source %s: block size changed from %d to %d", self.source_name(sidx), st.block_size, bs
+            )
+        st.block_size = bs
+        if self.block_size is not None and bs != self.block_size:
+            st.block_size_mismatch += 1
+            log.error(
+                "source %s publishes block_size %d but the router is configured with %d: prompts for this "
+                "source are hashed at %d; fix `block_size` in the config to silence this",
+                self.source_name(sidx),
+                bs,
+                self.block_size,
+                bs,
+            )

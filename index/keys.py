@@ -1,0 +1,170 @@
+"""Our own chained 64-bit block keys, computed from token ids.
+
+vLLM's block hash depends on the hash algorithm, PYTHONHASHSEED and the version, so we never try to
+reproduce it: the index keys every block by a key of our own, and the router computes the same key
+for a prompt. The key of block ``i`` commits to every token before it (a chain):
+
+    m_i = fmix64(sum_k tokens[i*B + k] * R[k]  mod 2^64)  ^ extra_i      # content of block i
+    S_i = S_{i-1} * C + m_i                                 mod 2^64      # chain, S_{-1} = root
+
+``R`` are fixed odd 64-bit constants (one per position in a block), ``fmix64`` is the MurmurHash3
+finaliser, ``C`` an odd multiplier, ``root`` 0 or a salt derived from the LoRA name, and ``extra_i``
+a hash of the block's extra keys (cache_salt, multimodal ids) when it has any.
+
+Why this shape: the content hash is one numpy matrix-vector product over all blocks, and because
+the chain is a linear recurrence it can also be computed for a whole prompt at once,
+``S_i = C^i * cumsum(m_j * C^-j) + C^(i+1) * root``, so an 8k-token prompt costs tens of
+microseconds (BENCHMARKS.md), while events extend a known parent one block at a time with the
+same arithmetic. Collisions only mis-route (the engine computes its own hashes), and they are
+~2^-64 per pair for non-adversarial prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+M64 = (1 << 64) - 1
+CHAIN_MUL = 0x9E3779B97F4A7C15  # odd: invertible mod 2^64
+_CHAIN_INV = pow(CHAIN_MUL, -1, 1 << 64)
+_MAX_BLOCK_SIZE = 4096
+
+U64 = npt.NDArray[np.uint64]
+
+
+def _splitmix(seed: int, n: int) -> list[int]:
+    out = []
+    x = seed & M64
+    for _ in range(n):
+        x = (x + 0x9E3779B97F4A7C15) & M64
+        z = x
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        out.append((z ^ (z >> 31)) | 1)
+    return out
+
+
+_POSITION_MULS: U64 = np.array(_splitmix(0x6B76726F75746572, _MAX_BLOCK_SIZE), dtype=np.uint64)
+
+
+def fmix64(x: int) -> int:
+    """MurmurHash3's 64-bit finaliser (scalar)."""
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & M64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & M64
+    return x ^ (x >> 33)
+
+
+def _fmix64_vec(x: U64) -> U64:
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(0xFF51AFD7ED558CCD)
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(0xC4CEB9FE1A85EC53)
+    return x ^ (x >> np.uint64(33))
+
+
+def stable_hash(value: Any) -> int:
+    """A process-independent 64-bit hash of a msgpack-encodable value (salts, extra keys)."""
+    raw = msgspec.msgpack.encode(value)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def lora_root(lora_name: str | None) -> int:
+    """The chain root: 0 for the base model, a salt per LoRA adapter so adapters never match."""
+    if not lora_name:
+        return 0
+    return stable_hash(["lora", lora_name]) or 1
+
+
+def extra_hash(items: Sequence[Any]) -> int:
+    """Salt for one block's extra keys (cache_salt, multimodal identifiers, prompt-embeds digests)."""
+    return stable_hash(["extra", list(items)])
+
+
+class _Powers:
+    """Cached powers of C and C^-1 mod 2^64, grown on demand (shared per process, read-mostly)."""
+
+    def __init__(self) -> None:
+        self.fwd: U64 = np.ones(1, dtype=np.uint64)
+        self.inv: U64 = np.ones(1, dtype=np.uint64)
+
+    def ensure(self, n: int) -> None:
+        if len(self.fwd) >= n:
+            return
+        size = max(n, 2 * len(self.fwd), 1024)
+        fwd = [1] * size
+        inv = [1] * size
+        for i in range(1, size):
+            fwd[i] = (fwd[i - 1] * CHAIN_MUL) & M64
+            inv[i] = (inv[i - 1] * _CHAIN_INV) & M64
+        self.inv = np.array(inv, dtype=np.uint64)
+        self.fwd = np.array(fwd, dtype=np.uint64)
+
+
+_POWERS = _Powers()
+
+
+def block_contents(tokens: Sequence[int] | array[int], block_size: int) -> U64:
+    """``m_i`` (before extra keys) for every full block of ``tokens``; a partial tail is ignored."""
+    if not 0 < block_size <= _MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size {block_size} outside 1..{_MAX_BLOCK_SIZE}")
+    n = len(tokens) // block_size
+    if n == 0:
+        return np.empty(0, dtype=np.uint64)
+    buf = tokens if isinstance(tokens, array) else array("Q", tokens)
+    mat = np.frombuffer(buf, dtype=np.uint64, count=n * block_size).reshape(n, block_size)
+    return _fmix64_vec(mat @ _POSITION_MULS[:block_size])
+
+
+def chain(parent: int, contents: Sequence[int]) -> list[int]:
+    """Extend a known key ``parent`` by blocks with contents ``m`` (scalar path, for events)."""
+    out = []
+    s = parent
+    for m in contents:
+        s = (s * CHAIN_MUL + m) & M64
+        out.append(s)
+    return out
+
+
+def chain_vec(root: int, contents: U64) -> U64:
+    """All chain keys from ``root`` at once (vectorised; equals :func:`chain`)."""
+    n = len(contents)
+    if n == 0:
+        return contents
+    _POWERS.ensure(n + 1)
+    acc = np.cumsum(contents * _POWERS.inv[:n], dtype=np.uint64)
+    keys = acc * _POWERS.fwd[:n]
+    if root:
+        keys = keys + _POWERS.fwd[1 : n + 1] * np.uint64(root)
+    return keys
+
+
+def prompt_keys(
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    extra_keys: dict[int, Sequence[Any]] | None = None,
+) -> list[int]:
+    """Keys of every full block of a prompt, as the index stores them for the same tokens.
+
+    ``extra_keys`` maps a block index to that block's extra key items (e.g. ``{0: [cache_salt]}``).
+    Raises ValueError for token ids outside 0..2^64-1.
+    """
+    try:
+        m = block_contents(tokens, block_size)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must be integers in 0..2^64-1") from None
+    if extra_keys:
+        for i, items in extra_keys.items():
+            if 0 <= i < len(m) and items:
+                m[i] ^= np.uint64(extra_hash(items))
+    keys: list[int] = chain_vec(lora_root(lora_name), m).tolist()
+    return keys

@@ -1,0 +1,190 @@
+"""`KVIndex`: the small interface the router uses (match, predict, status), over store + subscriber.
+
+The router never sees engine hashes, sockets or wire formats: it hands over token ids and candidate
+sources and gets, per source, the longest cached prefix by medium.
+
+Predict-on-route: after a decision the router calls :meth:`KVIndex.predict`, giving the chosen
+source short-lived *predicted* residencies for the prompt's blocks, so a burst of requests sharing a
+prefix lands together before the engine's BlockStored arrives (~one scheduler step plus network).
+Predictions are kept apart from event-fed residencies: they never change a reference count, expire
+after ``predict_ttl_s``, and a source's predictions are dropped when it restarts or clears its
+cache, so they never outlive or override what the engine reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from index.ingest import Ingestor
+from index.keys import prompt_keys
+from index.store import PrefixStore, SourceId, SourceMatch
+from index.subscriber import EventSubscriber, SourceConfig, SourceStatus, SubscriberConfig
+
+PREDICTED = "PREDICTED"
+
+
+class IndexConfig(msgspec.Struct, frozen=True):
+    """Index settings (mirrored in the README's configuration table)."""
+
+    block_size: int | None = 16
+    """Engines' block size; None learns it from the first events. A mismatch is logged and counted."""
+    max_residencies: int = 20_000_000
+    """Cap on indexed residencies (key, source, medium); beyond it the oldest blocks of the largest
+    source are evicted and counted. ~20M is ~4 GB of router memory (BENCHMARKS.md)."""
+    predict_ttl_s: float = 2.0
+    """Lifetime of predicted residencies; 0 disables predict-on-route."""
+    max_predicted_per_source: int = 200_000
+    """Cap on predicted blocks per source."""
+    subscriber: SubscriberConfig = SubscriberConfig()
+
+
+class MatchReport(msgspec.Struct):
+    """A prompt matched against candidate sources."""
+
+    prompt_tokens: int
+    block_size: int
+    prompt_blocks: int
+    matches: dict[SourceId, SourceMatch]
+    keys: dict[int, list[int]]
+    """Prompt keys per block size (reused by predict())."""
+
+
+class KVIndex:
+    """Store, ingestor, subscriber and predictions behind one object with a small API."""
+
+    def __init__(self, config: IndexConfig | None = None, ctx: zmq.Context[Any] | None = None) -> None:
+        self.config = config or IndexConfig()
+        self.store = PrefixStore(self.config.max_residencies)
+        self.ingestor = Ingestor(self.store, self.config.block_size)
+        self.subscriber = EventSubscriber(self.ingestor, config=self.config.subscriber, ctx=ctx)
+        self.ingestor.on_reset = self._forget_predictions
+        self._predicted: dict[int, dict[int, float]] = {}
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def add_source(self, cfg: SourceConfig) -> None:
+        """Follow one (instance, DP rank) event stream."""
+        self.subscriber.add_source(cfg)
+
+    def remove_source(self, source: SourceId) -> None:
+        """Stop following a source and forget its blocks."""
+        self.subscriber.remove_source(source)
+
+    def start(self) -> None:
+        """Start ingesting in the background thread."""
+        self.subscriber.start()
+
+    def stop(self) -> None:
+        """Stop ingesting and close sockets."""
+        self.subscriber.stop()
+
+    # --- queries -------------------------------------------------------------------------------
+    def block_size_of(self, source: SourceId) -> int:
+        """The block size prompts are hashed at for a source: learned from its events, else configured."""
+        sidx = self.subscriber.sidx_of(source)
+        if sidx is not None:
+            st = self.ingestor.stats.get(sidx)
+            if st is not None and st.block_size:
+                return st.block_size
+        return self.config.block_size or 16
+
+    def match(
+        self,
+        tokens: Sequence[int],
+        candidates: Sequence[SourceId],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> MatchReport:
+        """Longest cached prefix of ``tokens`` on every candidate source, by medium (predictions included)."""
+        by_size: dict[int, list[int]] = {}
+        for source in candidates:
+            sidx = self.subscriber.sidx_of(source)
+            if sidx is not None:
+                by_size.setdefault(self.block_size_of(source), []).append(sidx)
+        main_size = self.config.block_size or (next(iter(by_size)) if by_size else 16)
+        extra: dict[int, Sequence[Any]] | None = {0: [cache_salt]} if cache_salt else None
+        keys: dict[int, list[int]] = {}
+        matches: dict[SourceId, SourceMatch] = {}
+        now = time.monotonic()
+        for size, sidxs in by_size.items():
+            ks = prompt_keys(tokens, size, lora_name=lora_name, extra_keys=extra)
+            keys[size] = ks
+            for m in self.store.lookup(ks, sidxs):
+                predicted = self._predicted.get(self._sidx(m.source))
+                if predicted:
+                    self._extend_with_predictions(m, ks, predicted, now)
+                matches[m.source] = m
+        if main_size not in keys:
+            keys[main_size] = prompt_keys(tokens, main_size, lora_name=lora_name, extra_keys=extra)
+        return MatchReport(len(tokens), main_size, len(tokens) // main_size, matches, keys)
+
+    def _sidx(self, source: SourceId) -> int:
+        sidx = self.subscriber.sidx_of(source)
+        return -1 if sidx is None else sidx
+
+    @staticmethod
+    def _extend_with_predictions(
+        m: SourceMatch, keys: list[int], predicted: dict[int, float], now: float
+    ) -> None:
+        i = m.blocks
+        n = len(keys)
+        while i < n and predicted.get(keys[i], 0.0) > now:
+            i += 1
+        if i > m.blocks:
+            m.by_medium[PREDICTED] = i - m.blocks
+            m.blocks = i
+
+    def predict(self, source: SourceId, report: MatchReport) -> None:
+        """Give ``source`` predicted residencies for the report's prompt blocks for ``predict_ttl_s``."""
+        ttl = self.config.predict_ttl_s
+        sidx = self.subscriber.sidx_of(source)
+        if ttl <= 0 or sidx is None:
+            return
+        size = self.block_size_of(source)
+        keys = report.keys.get(size)
+        if not keys:
+            return
+        pred = self._predicted.get(sidx)
+        if pred is None:
+            pred = self._predicted[sidx] = {}
+        now = time.monotonic()
+        if len(pred) + len(keys) > self.config.max_predicted_per_source:
+            self._purge(sidx, now)
+            pred = self._predicted[sidx]
+            if len(pred) + len(keys) > self.config.max_predicted_per_source:
+                return
+        expiry = now + ttl
+        for k in keys:
+            pred[k] = expiry
+
+    def _purge(self, sidx: int, now: float) -> None:
+        pred = self._predicted.get(sidx, {})
+        self._predicted[sidx] = {k: t for k, t in pred.items() if t > now}
+
+    def purge_predictions(self) -> None:
+        """Drop expired predictions (the router calls this periodically to bound memory)."""
+        now = time.monotonic()
+        for sidx in list(self._predicted):
+            self._purge(sidx, now)
+
+    def predicted_blocks(self) -> int:
+        """Predicted residencies currently held (expired ones included until purged)."""
+        return sum(len(p) for p in list(self._predicted.values()))
+
+    def _forget_predictions(self, sidx: int) -> None:
+        if sidx in self._predicted:
+            self._predicted[sidx] = {}
+
+    def status(self) -> list[SourceStatus]:
+        """Per-source event stream health and block counts."""
+        return self.subscriber.status()
+
+    @property
+    def evictions(self) -> int:
+        """Residencies evicted because the memory cap bit."""
+        return self.store.evictions

@@ -1,0 +1,494 @@
+"""The ZeroMQ subscriber: one SUB socket per source (instance, DP rank), kept exactly in step.
+
+Runs in one dedicated thread with a ``zmq.Poller``: receiving releases the GIL, decoding and indexing
+happen off the router's event loop, and every wake-up drains what is queued (up to ``max_chunk``
+messages) so a busy fleet is indexed in vectorised chunks. A thread was chosen over ``zmq.asyncio``
+because indexing is CPU work that would otherwise run on the HTTP event loop (BENCHMARKS.md).
+
+Per source it tracks the sequence number of the last applied batch:
+
+- next seq: applied.
+- a **gap**: the missing batches are fetched from the engine's replay socket over a DEALER
+  (``[b"", start_seq]``, replies until the end marker), without blocking other sources: live
+  messages of that source are held meanwhile, then everything is applied in order. What the replay
+  cannot supply (it fell out of the engine's buffer, or the replay timed out) is counted as lost.
+- **first contact** (and every (re)connection of the SUB socket): a bootstrap replay from seq 0
+  fetches what the engine still buffers, so a router that starts after the engines is not empty.
+- a seq that **goes back** with a newer batch timestamp: the engine restarted; the source's blocks
+  are dropped and rebuilt (with a bootstrap replay when the new stream did not start at 0). A seq
+  that goes back with an old timestamp is a duplicate (e.g. live copies of replayed batches) and is
+  skipped.
+- a payload that does not decode is counted, logged with its source and skipped; the stream goes on.
+
+Memory is bounded: ZMQ's receive high-water mark bounds queued messages (overflow shows up as a
+gap, then a replay), held live messages during a replay are capped, and the store has its own cap.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from index.ingest import Ingestor
+from index.store import SourceId
+from index.wire import END_SEQ, Batch, WireError, decode_message, decode_payload, split_replay_reply
+
+log = logging.getLogger("kvrouter.subscriber")
+
+
+class SourceConfig(msgspec.Struct, frozen=True):
+    """One event stream: a DP rank of an engine."""
+
+    instance: str
+    dp_rank: int
+    endpoint: str
+    """ZMQ address of the engine's PUB socket (connect mode) or the address we bind (bind mode)."""
+    replay_endpoint: str | None = None
+    """Engine's replay ROUTER socket; None disables gap recovery and bootstrap."""
+    bind: bool = False
+    """True when the engine connects to us (vLLM's endpoint without ``*``)."""
+    topic: str = ""
+    """Topic to subscribe to; messages whose topic differs exactly are counted and skipped."""
+
+    @property
+    def source_id(self) -> SourceId:
+        """(instance, DP rank)."""
+        return (self.instance, self.dp_rank)
+
+
+class SubscriberConfig(msgspec.Struct, frozen=True):
+    """Tuning of the subscriber thread (defaults suit fleets of tens of engines)."""
+
+    replay_timeout_s: float = 2.0
+    """Give up on a replay after this long; what did not arrive is counted as lost."""
+    replay_retry_s: float = 5.0
+    """After a failed replay, gaps of that source are not replayed again for this long."""
+    max_chunk: int = 512
+    """Messages drained and indexed together per wake-up."""
+    rcvhwm: int = 100_000
+    """ZMQ receive high-water mark per SUB socket (messages)."""
+    max_held: int = 50_000
+    """Live messages of one source held while its replay is in flight; beyond, the replay is abandoned."""
+    poll_ms: int = 100
+    """Poll timeout; bounds how late stop() and replay timeouts are noticed."""
+
+
+class SourceStatus(msgspec.Struct):
+    """What an operator needs to judge one event stream (served by the router's debug endpoint)."""
+
+    source: str
+    instance: str
+    dp_rank: int
+    endpoint: str
+    connected: bool
+    last_seq: int
+    last_event_age_s: float | None
+    batches: int
+    gaps: int
+    replays: int
+    replayed_batches: int
+    lost_batches: int
+    restarts: int
+    duplicates: int
+    decode_errors: int
+    foreign_topic: int
+    unknown_parents: int
+    placeholders: int
+    bad_events: int
+    block_size: int | None
+    block_size_mismatch: bool
+    blocks: dict[str, int]
+
+
+class _Replay:
+    __slots__ = ("deadline", "replies", "start", "until")
+
+    def __init__(self, start: int, until: int | None, deadline: float) -> None:
+        self.start = start
+        self.until = until
+        self.deadline = deadline
+        self.replies: list[tuple[int, bytes]] = []
+
+
+class _Source:
+    """Mutable per-source state, touched only by the subscriber thread (status reads are racy-but-safe)."""
+
+    def __init__(self, cfg: SourceConfig, sidx: int) -> None:
+        self.cfg = cfg
+        self.sidx = sidx
+        self.name = f"{cfg.instance}/dp{cfg.dp_rank}"
+        self.endpoint = cfg.endpoint
+        self.topic = cfg.topic.encode()
+        self.sub: zmq.Socket[Any] | None = None
+        self.monitor: zmq.Socket[Any] | None = None
+        self.dealer: zmq.Socket[Any] | None = None
+        self.peers = 0
+        self.last_seq = -1
+        self.last_ts = 0.0
+        self.replay: _Replay | None = None
+        self.held: list[tuple[int, Batch]] = []
+        self.replay_failed_at = 0.0
+        self.gaps = 0
+        self.replays = 0
+        self.replayed_batches = 0
+        self.lost = 0
+        self.restarts = 0
+        self.duplicates = 0
+        self.foreign_topic = 0
+
+
+class EventSubscriber:
+    """Keeps an :class:`Ingestor` in step with every configured source; start() / stop()."""
+
+    def __init__(
+        self,
+        ingestor: Ingestor,
+        sources: list[SourceConfig] | None = None,
+        config: SubscriberConfig | None = None,
+        ctx: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.ingestor = ingestor
+        self.config = config or SubscriberConfig()
+        self._own_ctx = ctx is None
+        self.ctx: zmq.Context[Any] = ctx or zmq.Context()
+        self._sources: dict[SourceId, _Source] = {}
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._poller = zmq.Poller()
+        self._by_socket: dict[zmq.Socket[Any], tuple[str, _Source]] = {}
+        for cfg in sources or []:
+            self.add_source(cfg)
+
+    # --- control (any thread) ------------------------------------------------------------------
+    def add_source(self, cfg: SourceConfig) -> None:
+        """Start following a source (takes effect in the subscriber thread)."""
+        if self._thread is None:
+            self._open(cfg)
+        else:
+            self._commands.put(("add", cfg))
+
+    def remove_source(self, source: SourceId) -> None:
+        """Stop following a source and forget its blocks."""
+        if self._thread is None:
+            self._close_source(source)
+        else:
+            self._commands.put(("remove", source))
+
+    def start(self) -> None:
+        """Start the subscriber thread."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and close every socket."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        for source in list(self._sources):
+            self._close_source(source, forget=False)
+        if self._own_ctx:
+            self.ctx.term()
+
+    def status(self) -> list[SourceStatus]:
+        """A snapshot of every source's stream health and index counts."""
+        now = time.time()
+        out = []
+        for src in list(self._sources.values()):
+            st = self.ingestor.stats.get(src.sidx)
+            if st is None:
+                continue
+            out.append(
+                SourceStatus(
+                    source=src.name,
+                    instance=src.cfg.instance,
+                    dp_rank=src.cfg.dp_rank,
+                    endpoint=src.endpoint,
+                    connected=src.peers > 0,
+                    last_seq=src.last_seq,
+                    last_event_age_s=round(now - st.last_applied, 3) if st.last_applied else None,
+                    batches=st.batches,
+                    gaps=src.gaps,
+                    replays=src.replays,
+                    replayed_batches=src.replayed_batches,
+                    lost_batches=src.lost,
+                    restarts=src.restarts,
+                    duplicates=src.duplicates,
+                    decode_errors=st.decode_errors,
+                    foreign_topic=src.foreign_topic,
+                    unknown_parents=st.unknown_parents,
+                    placeholders=st.placeholders,
+                    bad_events=st.bad_events,
+                    block_size=st.block_size,
+                    block_size_mismatch=st.block_size_mismatch > 0,
+                    blocks=self.ingestor.store.source_blocks(src.sidx),
+                )
+            )
+        return out
+
+    def sidx_of(self, source: SourceId) -> int | None:
+        """Store index of a followed source."""
+        src = self._sources.get(source)
+        return None if src is None else src.sidx
+
+    # --- sockets (subscriber thread, or before start) -------------------------------------------
+    def _open(self, cfg: SourceConfig) -> None:
+        if cfg.source_id in self._sources:
+            return
+        sidx = self.ingestor.add_source(cfg.source_id)
+        src = _Source(cfg, sidx)
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.config.rcvhwm)
+        sub.setsockopt(zmq.SUBSCRIBE, src.topic)
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        )
+        if cfg.bind:
+            sub.bind(cfg.endpoint)
+            src.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)  # port 0 -> the real one
+        else:
+            sub.connect(cfg.endpoint)
+        src.sub, src.monitor = sub, monitor
+        self._sources[cfg.source_id] = src
+        self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+        self._by_socket[sub] = ("sub", src)
+        self._by_socket[monitor] = ("monitor", src)
+
+    def _close_dealer(self, src: _Source) -> None:
+        if src.dealer is not None:
+            self._poller.unregister(src.dealer)
+            self._by_socket.pop(src.dealer, None)
+            src.dealer.close(0)
+            src.dealer = None
+
+    def _close_source(self, source: SourceId, forget: bool = True) -> None:
+        src = self._sources.pop(source, None)
+        if src is None:
+            return
+        self._close_dealer(src)
+        for sock in (src.sub, src.monitor):
+            if sock is not None:
+                self._poller.unregister(sock)
+                self._by_socket.pop(sock, None)
+        if src.sub is not None:
+            src.sub.disable_monitor()
+            src.sub.close(0)
+        if src.monitor is not None:
+            src.monitor.close(0)
+        if forget:
+            self.ingestor.store.remove_source(source)
+            self.ingestor.stats.pop(src.sidx, None)
+
+    # --- the loop -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        cfg = self.config
+        while not self._stop.is_set():
+            self._drain_commands()
+            try:
+                ready = dict(self._poller.poll(cfg.poll_ms))
+            except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
+                log.error("poll failed: %s", exc)
+                break
+            chunk: list[tuple[int, Batch | None]] = []
+            for sock in ready:
+                kind, src = self._by_socket.get(sock, ("", None))
+                if src is None:
+                    continue
+                if kind == "sub":
+                    self._drain_live(src, chunk)
+                elif kind == "monitor":
+                    self._on_monitor(src, chunk)
+                elif kind == "dealer":
+                    self._on_replay_reply(src, chunk)
+            now = time.monotonic()
+            for src in list(self._sources.values()):
+                if src.replay is not None and now > src.replay.deadline:
+                    log.warning("source %s: replay timed out after %.1fs", src.name, cfg.replay_timeout_s)
+                    src.replay_failed_at = now
+                    self._finish_replay(src, chunk)
+            if chunk:
+                try:
+                    self.ingestor.apply_chunk(chunk)
+                except Exception:  # never let one bad chunk kill ingestion
+                    log.exception("indexing a chunk of %d batches failed", len(chunk))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                op, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if op == "add":
+                self._open(arg)
+            elif op == "remove":
+                self._close_source(arg)
+
+    def _drain_live(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+        sub = src.sub
+        assert sub is not None
+        for _ in range(self.config.max_chunk):
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                topic, batch = decode_message(frames)
+            except WireError as exc:
+                self._decode_error(src, exc, frames)
+                continue
+            if src.topic and topic != src.topic:
+                src.foreign_topic += 1
+                continue
+            if src.replay is not None:
+                if len(src.held) >= self.config.max_held:
+                    log.warning(
+                        "source %s: too many live messages held during replay; abandoning it", src.name
+                    )
+                    src.replay_failed_at = time.monotonic()
+                    self._finish_replay(src, chunk)
+                    self._accept(src, batch, chunk, allow_replay=False)
+                else:
+                    src.held.append((batch.seq, batch))
+                continue
+            self._accept(src, batch, chunk, allow_replay=True)
+
+    def _decode_error(self, src: _Source, exc: Exception, frames: list[bytes]) -> None:
+        st = self.ingestor.stats[src.sidx]
+        st.decode_errors += 1
+        if st.decode_errors <= 5 or st.decode_errors % 1000 == 0:
+            log.warning(
+                "source %s: malformed message skipped (%d so far): %s", src.name, st.decode_errors, exc
+            )
+        # a bad payload with a readable seq still advances the stream, so it is not replayed forever
+        if len(frames) == 3 and len(frames[1]) == 8:
+            seq = int.from_bytes(frames[1], "big")
+            if seq == src.last_seq + 1:
+                src.last_seq = seq
+
+    def _accept(
+        self, src: _Source, batch: Batch, chunk: list[tuple[int, Batch | None]], allow_replay: bool
+    ) -> None:
+        """The per-source state machine for one batch in arrival order."""
+        seq = batch.seq
+        last = src.last_seq
+        if last >= 0 and seq <= last:
+            if batch.ts <= src.last_ts:
+                src.duplicates += 1
+                return
+            src.restarts += 1
+            log.warning(
+                "source %s: seq went back from %d to %d: engine restarted, dropping its blocks",
+                src.name,
+                last,
+                seq,
+            )
+            chunk.append((src.sidx, None))
+            src.last_seq = last = -1
+            src.last_ts = 0.0
+        expected = last + 1
+        if seq > expected:
+            missing = seq - expected
+            if last >= 0:
+                src.gaps += 1
+            can_replay = (
+                allow_replay
+                and src.cfg.replay_endpoint is not None
+                and time.monotonic() - src.replay_failed_at > self.config.replay_retry_s
+            )
+            if can_replay:
+                self._start_replay(src, expected, seq)
+                src.held.append((seq, batch))
+                return
+            src.lost += missing
+            if last >= 0:
+                log.warning("source %s: %d batches lost (seq %d..%d)", src.name, missing, expected, seq - 1)
+        chunk.append((src.sidx, batch))
+        src.last_seq = seq
+        src.last_ts = batch.ts
+
+    def _start_replay(self, src: _Source, start: int, until: int | None) -> None:
+        if src.dealer is None:
+            dealer = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            assert src.cfg.replay_endpoint is not None
+            dealer.connect(src.cfg.replay_endpoint)
+            src.dealer = dealer
+            self._poller.register(dealer, zmq.POLLIN)
+            self._by_socket[dealer] = ("dealer", src)
+        src.replay = _Replay(start, until, time.monotonic() + self.config.replay_timeout_s)
+        src.replays += 1
+        src.dealer.send_multipart([b"", start.to_bytes(8, "big")])
+
+    def _on_replay_reply(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+        dealer = src.dealer
+        while dealer is not None:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if src.replay is None:
+                continue  # a straggler from an abandoned replay
+            try:
+                seq, payload = split_replay_reply(frames)
+            except WireError as exc:
+                self._decode_error(src, exc, [])
+                continue
+            if seq == END_SEQ:
+                self._finish_replay(src, chunk)
+                return
+            src.replay.replies.append((seq, payload))
+
+    def _finish_replay(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+        replay = src.replay
+        if replay is None:
+            return
+        src.replay = None
+        if time.monotonic() > replay.deadline:
+            # replies of a timed-out request could still arrive and be mistaken for the next one
+            self._close_dealer(src)
+        for seq, payload in sorted(replay.replies, key=lambda r: r[0]):
+            if seq < replay.start or (replay.until is not None and seq >= replay.until):
+                continue
+            try:
+                batch = decode_payload(payload)
+            except WireError as exc:
+                self._decode_error(src, exc, [])
+                continue
+            batch.seq = seq
+            src.replayed_batches += 1
+            self._accept(src, batch, chunk, allow_replay=False)
+        held, src.held = src.held, []
+        for _, batch in held:
+            self._accept(src, batch, chunk, allow_replay=True)
+            if src.replay is not None:  # a new gap started another replay: keep holding the rest
+                src.held.extend(h for h in held if h[1].seq > batch.seq)
+                return
+
+    def _on_monitor(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+        monitor = src.monitor
+        assert monitor is not None
+        while True:
+            try:
+                msg = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = msg["event"]
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                src.peers += 1
+                if src.cfg.replay_endpoint is not None and src.replay is None:
+                    # bootstrap: fetch what the engine still buffers (duplicates are skipped by seq/ts)
+                    self._start_replay(src, 0, None)
+            elif event == zmq.EVENT_DISCONNECTED:
+                src.peers = max(0, src.peers - 1)

@@ -1,0 +1,89 @@
+"""Our block keys: the vectorised and scalar paths agree, chains commit to the prefix, salts separate."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index.keys import block_contents, chain, chain_vec, extra_hash, lora_root, prompt_keys
+
+tokens_st = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=300)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=tokens_st, block_size=st.sampled_from([1, 2, 4, 16, 64]), lora=st.none() | st.text(max_size=8))
+def test_vectorised_chain_equals_scalar_chain(tokens: list[int], block_size: int, lora: str | None) -> None:
+    contents = block_contents(tokens, block_size)
+    root = lora_root(lora)
+    assert chain(root, contents.tolist()) == chain_vec(root, contents).tolist()
+    assert prompt_keys(tokens, block_size, lora_name=lora) == chain(root, contents.tolist())
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=tokens_st, cut=st.integers(min_value=0, max_value=300))
+def test_extending_a_parent_equals_hashing_the_whole_prompt(tokens: list[int], cut: int) -> None:
+    bs = 4
+    keys = prompt_keys(tokens, bs)
+    k = min(cut // bs, len(keys))
+    head = keys[:k]
+    parent = head[-1] if head else 0
+    tail = chain(parent, block_contents(tokens[k * bs :], bs).tolist())
+    assert head + tail == keys
+
+
+def test_partial_tail_is_ignored_and_prefixes_share_keys() -> None:
+    t = list(range(100))
+    assert len(prompt_keys(t, 16)) == 6
+    assert prompt_keys(t[:48], 16) == prompt_keys(t, 16)[:3]
+    assert prompt_keys(t[:15], 16) == []
+
+
+def test_chain_commits_to_earlier_blocks() -> None:
+    a = prompt_keys([1, 2, 3, 4, 5, 6], 2)
+    b = prompt_keys([9, 2, 3, 4, 5, 6], 2)
+    assert all(x != y for x, y in zip(a, b, strict=True))
+
+
+def test_position_inside_a_block_matters() -> None:
+    assert prompt_keys([1, 2], 2) != prompt_keys([2, 1], 2)
+
+
+def test_lora_and_cache_salt_separate_tenants() -> None:
+    t = list(range(64))
+    base = prompt_keys(t, 16)
+    assert set(base).isdisjoint(prompt_keys(t, 16, lora_name="sql"))
+    assert prompt_keys(t, 16, lora_name="sql") != prompt_keys(t, 16, lora_name="chat")
+    salted = prompt_keys(t, 16, extra_keys={0: ["tenant-42"]})
+    assert set(base).isdisjoint(salted)  # the salt on block 0 changes every later key through the chain
+    assert extra_hash(["tenant-42"]) != extra_hash(["tenant-43"])
+
+
+def test_bad_tokens_and_block_sizes() -> None:
+    with pytest.raises(ValueError):
+        prompt_keys([-1] * 16, 16)
+    with pytest.raises(ValueError):
+        prompt_keys([1.5] * 16, 16)  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        prompt_keys([1] * 16, 0)
+
+
+def test_keys_are_stable_across_processes() -> None:
+    """Keys must not depend on PYTHONHASHSEED or process state: pin one value."""
+    assert prompt_keys(list(range(16)), 16) == [prompt_keys(list(range(16)), 16)[0]]
+    import subprocess
+    import sys
+
+    code = "from index.keys import prompt_keys; print(prompt_keys(list(range(32)), 16, lora_name='x'))"
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("0", "123")
+    }
+    assert len(outs) == 1
+    assert outs.pop().strip() == str(prompt_keys(list(range(32)), 16, lora_name="x"))

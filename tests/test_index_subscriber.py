@@ -1,0 +1,324 @@
+"""The subscriber over real ZeroMQ sockets against a vLLM-compatible publisher (PUB + replay ROUTER)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from index.keys import prompt_keys
+from index.kvindex import IndexConfig, KVIndex
+from index.subscriber import SourceConfig, SourceStatus, SubscriberConfig
+from sim.publisher import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
+
+BS = 4
+TIMEOUT = 30.0
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
+    """Poll a condition (never a fixed sleep as synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Chain:
+    """A growing token sequence and the events an engine would publish for it."""
+
+    def __init__(self, start: int, seed: int = 0) -> None:
+        self.tokens: list[int] = []
+        self.hashes: list[int] = []
+        self.next = start
+        self.seed = seed
+
+    def extend(self, blocks: int, medium: str = "GPU") -> BlockStored:
+        parent = self.hashes[-1] if self.hashes else None
+        toks = list(range(self.next, self.next + blocks * BS))
+        self.next += blocks * BS
+        new = [
+            (self.seed * 1_000_003 + len(self.hashes) + i + 1) * 0x9E3779B97F4A7C15 % 2**64
+            for i in range(blocks)
+        ]
+        self.tokens += toks
+        self.hashes += new
+        return BlockStored(new, parent, toks, BS, None, medium, None)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    c: zmq.Context[Any] = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def make_index(ctx: zmq.Context[Any]) -> Iterator[Callable[..., KVIndex]]:
+    made: list[KVIndex] = []
+
+    def make(*sources: SourceConfig, **sub: Any) -> KVIndex:
+        cfg = IndexConfig(block_size=BS, subscriber=SubscriberConfig(**{"replay_timeout_s": 5.0, **sub}))
+        idx = KVIndex(cfg, ctx=ctx)
+        for s in sources:
+            idx.add_source(s)
+        idx.start()
+        made.append(idx)
+        return idx
+
+    yield make
+    for idx in made:
+        idx.stop()
+
+
+@pytest.fixture
+def make_pub(ctx: zmq.Context[Any]) -> Iterator[Callable[..., KVEventPublisher]]:
+    made: list[KVEventPublisher] = []
+
+    def make(**kw: Any) -> KVEventPublisher:
+        p = KVEventPublisher(ctx=ctx, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def status(idx: KVIndex, name: str = "e/dp0") -> SourceStatus:
+    return next(s for s in idx.status() if s.source == name)
+
+
+def matched(idx: KVIndex, tokens: list[int], source: tuple[str, int] = ("e", 0)) -> int:
+    return idx.match(tokens, [source]).matches[source].blocks
+
+
+def connect(pub: KVEventPublisher, rank: int = 0, topic: str = "", instance: str = "e") -> SourceConfig:
+    return SourceConfig(instance, rank, pub.endpoint, pub.replay_endpoint, topic=topic)
+
+
+def publish_until_seen(pub: KVEventPublisher, idx: KVIndex, chain: Chain, source: str = "e/dp0") -> None:
+    """PUB drops messages until the subscription has propagated: publish until one is applied."""
+    deadline = time.monotonic() + TIMEOUT
+    while status(idx, source).batches == 0:
+        assert time.monotonic() < deadline, "subscription never propagated"
+        pub.publish([chain.extend(1)])
+        time.sleep(0.05)  # pacing of the probe, not synchronisation: the loop condition is
+
+
+def test_live_events_are_indexed(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    c = Chain(100)
+    wait_for(lambda: status(idx).connected, "connection")
+    wait_for(lambda: status(idx).replays >= 1, "bootstrap replay")
+    pub.publish([c.extend(3)])
+    wait_for(lambda: matched(idx, c.tokens) == 3, "3 blocks indexed")
+    pub.publish([BlockRemoved(c.hashes[-1:], "GPU")])
+    wait_for(lambda: matched(idx, c.tokens) == 2, "removal applied")
+    st = status(idx)
+    assert st.gaps == 0 and st.lost_batches == 0 and st.decode_errors == 0
+    assert st.blocks == {"GPU": 2}
+
+
+def test_gap_then_replay_recovers_every_batch(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    c = Chain(0)
+    publish_until_seen(pub, idx, c)
+    pub.drop_next(3)
+    for _ in range(3):
+        pub.publish([c.extend(2)])  # lost on the live stream, kept in the replay buffer
+    pub.publish([c.extend(1)])
+    wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "replayed blocks indexed")
+    st = status(idx)
+    assert st.gaps == 1 and st.replayed_batches >= 3 and st.lost_batches == 0
+    assert st.last_seq == pub.next_seq - 1
+
+
+def test_gap_without_replay_is_counted_as_lost(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    pub = make_pub(replay_endpoint=None)
+    idx = make_index(SourceConfig("e", 0, pub.endpoint))
+    c = Chain(0)
+    publish_until_seen(pub, idx, c)
+    before = status(idx)  # probes sent before the subscription propagated were lost too
+    pub.drop_next(2)
+    pub.publish([c.extend(1)])
+    pub.publish([c.extend(1)])
+    pub.publish([c.extend(1)])
+    wait_for(lambda: status(idx).last_seq == pub.next_seq - 1, "stream caught up")
+    st = status(idx)
+    assert st.gaps == 1 and st.lost_batches - before.lost_batches == 2 and st.replays == 0
+    # the block after the gap names a parent we never saw: anchored, so it cannot match a prompt
+    assert st.unknown_parents - before.unknown_parents == 1
+    assert matched(idx, c.tokens) < len(c.hashes)
+
+
+def test_late_join_bootstraps_from_the_replay_buffer(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    pub = make_pub()
+    c = Chain(0)
+    for _ in range(5):
+        pub.publish([c.extend(2)])  # nobody subscribed yet: PUB drops these
+    idx = make_index(connect(pub))
+    wait_for(lambda: matched(idx, c.tokens) == 10, "bootstrap replay applied")
+    st = status(idx)
+    assert st.replayed_batches == 5 and st.last_seq == 4 and st.lost_batches == 0
+    # live traffic continues from there, without duplicates being applied twice
+    pub.publish([c.extend(1)])
+    wait_for(lambda: matched(idx, c.tokens) == 11, "live after bootstrap")
+    assert idx.store.refcount(0, prompt_keys(c.tokens, BS)[0]) == 1
+
+
+def test_engine_restart_drops_its_blocks(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    old = Chain(0)
+    publish_until_seen(pub, idx, old)
+    pub.publish([old.extend(3)])
+    wait_for(lambda: matched(idx, old.tokens) == len(old.hashes), "old blocks")
+    pub.restart()  # seq back to 0, buffer emptied, like a new engine process
+    new = Chain(5000, seed=1)
+    pub.publish([new.extend(2)])
+    wait_for(lambda: status(idx).restarts == 1, "restart detected")
+    wait_for(lambda: matched(idx, new.tokens) == 2, "new blocks")
+    assert matched(idx, old.tokens) == 0
+    assert status(idx).blocks == {"GPU": 2}
+
+
+def test_clear_wipes_gpu_but_not_cpu(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    c = Chain(0)
+    publish_until_seen(pub, idx, c)
+    gpu = c.extend(2)
+    cpu = BlockStored(c.hashes, None, c.tokens, BS, None, "CPU", None)
+    pub.publish([gpu, cpu])
+    wait_for(lambda: status(idx).blocks.get("CPU") == len(c.hashes), "cpu copies")
+    pub.publish([AllBlocksCleared()])
+    wait_for(lambda: status(idx).blocks.get("GPU", 0) == 0, "gpu cleared")
+    m = idx.match(c.tokens, [("e", 0)]).matches["e", 0]
+    n = len(c.hashes)
+    assert m.blocks == n and m.by_medium == {"GPU": 0, "CPU": n}
+
+
+def test_two_dp_ranks_are_two_sources(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    p0, p1 = make_pub(dp_rank=0), make_pub(dp_rank=1)
+    idx = make_index(connect(p0, 0), connect(p1, 1))
+    a, b = Chain(0), Chain(9000, seed=2)
+    publish_until_seen(p0, idx, a, "e/dp0")
+    publish_until_seen(p1, idx, b, "e/dp1")
+    rep = idx.match(a.tokens, [("e", 0), ("e", 1)])
+    assert rep.matches["e", 0].blocks == len(a.hashes) and rep.matches["e", 1].blocks == 0
+    rep = idx.match(b.tokens, [("e", 0), ("e", 1)])
+    assert rep.matches["e", 1].blocks == len(b.hashes) and rep.matches["e", 0].blocks == 0
+
+
+def test_topic_filter_is_exact(ctx: zmq.Context[Any], make_index: Callable[..., KVIndex]) -> None:
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    try:
+        idx = make_index(SourceConfig("e", 0, pub.getsockopt_string(zmq.LAST_ENDPOINT), topic="kv-events"))
+        c = Chain(0)
+
+        def send(topic: bytes, seq: int) -> None:
+            payload = msgspec.msgpack.encode([time.time(), [msgspec.to_builtins(c.extend(1))], 0])
+            pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
+
+        deadline = time.monotonic() + TIMEOUT
+        seq = 0
+        while status(idx).batches == 0:  # wait for the subscription to propagate
+            assert time.monotonic() < deadline
+            send(b"kv-events", seq)
+            seq += 1
+            time.sleep(0.05)
+        seen = status(idx).batches
+        send(b"other", seq)  # filtered by ZMQ itself
+        send(b"kv-events-2", seq)  # prefix match in ZMQ, rejected by the exact check
+        send(b"kv-events", seq)
+        wait_for(lambda: status(idx).batches == seen + 1, "the right topic applied")
+        wait_for(lambda: status(idx).foreign_topic == 1, "foreign topic counted")
+    finally:
+        pub.close(0)
+
+
+def test_bind_mode_engine_connects_to_us(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    idx = make_index(SourceConfig("e", 0, "tcp://127.0.0.1:0", bind=True))
+    endpoint = status(idx).endpoint
+    assert not endpoint.endswith(":0")
+    pub = make_pub(endpoint=endpoint, bind=False, replay_endpoint=None)
+    c = Chain(0)
+    wait_for(lambda: status(idx).connected, "engine connected")
+    publish_until_seen(pub, idx, c)
+    assert matched(idx, c.tokens) == len(c.hashes)
+
+
+def test_malformed_payloads_are_counted_and_the_stream_survives(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    c = Chain(0)
+    publish_until_seen(pub, idx, c)
+    pub.publish_raw(b"\xc1\xc1 not msgpack")
+    pub.publish([c.extend(1)])
+    pub.publish_raw(msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": "x"}], 0]))
+    pub.publish([c.extend(1)])
+    wait_for(lambda: status(idx).last_seq == pub.next_seq - 1, "stream caught up")
+    st = status(idx)
+    assert st.decode_errors == 2 and st.gaps == 0 and st.lost_batches == 0
+    assert matched(idx, c.tokens) == len(c.hashes)
+
+
+def test_old_two_frame_replay_replies(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    pub = make_pub(replay_frames=2, encoding="array")
+    c = Chain(0)
+    for _ in range(3):
+        pub.publish([c.extend(1)])
+    idx = make_index(connect(pub))
+    wait_for(lambda: matched(idx, c.tokens) == 3, "bootstrap through a vLLM<0.26 style replay")
+
+
+def test_replay_timeout_is_bounded_and_counted(
+    ctx: zmq.Context[Any], make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    silent = ctx.socket(zmq.ROUTER)  # a replay socket that never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:0")
+    try:
+        pub = make_pub(replay_endpoint=None)
+        cfg = SourceConfig("e", 0, pub.endpoint, silent.getsockopt_string(zmq.LAST_ENDPOINT))
+        idx = make_index(cfg, replay_timeout_s=0.5)
+        c = Chain(0)
+        publish_until_seen(pub, idx, c)
+        pub.drop_next(2)
+        for _ in range(3):
+            pub.publish([c.extend(1)])
+        wait_for(lambda: status(idx).last_seq == pub.next_seq - 1, "stream resumed after the timeout")
+        assert status(idx).gaps == 1
+        wait_for(lambda: status(idx).lost_batches >= 2, "the two dropped batches counted as lost")
+    finally:
+        silent.close(0)
