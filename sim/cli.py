@@ -1,0 +1,161 @@
+"""`kvrouter mock-engine`: run a fleet of mock vLLM engines until SIGINT/SIGTERM.
+
+`router/cli.py` calls `register(subparsers)`; other simulation commands (`demo`, `bench`) live in their
+own modules and are wired in `register` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+from sim.engine import EngineConfig
+from sim.fleet import Fleet
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the simulation subcommands to the `kvrouter` parser."""
+    _register_mock_engine(subparsers)
+    # Other simulation subcommands register here, each from its own module, e.g.:
+    #   from sim import demo; demo.register(subparsers)     # `kvrouter demo`
+    #   from sim import bench; bench.register(subparsers)   # `kvrouter bench`
+
+
+def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    d = EngineConfig()
+    p = subparsers.add_parser(
+        "mock-engine",
+        help="run simulated vLLM engines (OpenAI API, /metrics, KV events over ZMQ)",
+        description="Engine i serves HTTP on PORT+i; its DP rank r publishes KV events on "
+        "KV_PORT + i*DP_SIZE + r and answers replay on REPLAY_PORT + i*DP_SIZE + r.",
+    )
+    p.add_argument("--engines", type=int, default=1, help="number of engines (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP and KV host (default 127.0.0.1)")
+    p.add_argument(
+        "--port", type=int, default=8000, help="HTTP port of engine 0 (default 8000; 0 = ephemeral)"
+    )
+    p.add_argument("--kv-port", type=int, default=5557, help="KV event PUB base port (default 5557)")
+    p.add_argument("--replay-port", type=int, default=5657, help="replay ROUTER base port (default 5657)")
+    p.add_argument("--no-replay", action="store_true", help="do not open replay sockets")
+    p.add_argument(
+        "--kv-connect",
+        action="store_true",
+        help="connect the PUB sockets to KV_PORT (the subscriber binds) instead of binding them",
+    )
+    p.add_argument("--model", default=d.model, help=f"served model name (default {d.model})")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--gpu-blocks", type=int, default=d.num_gpu_blocks, help="GPU KV blocks per DP rank")
+    p.add_argument(
+        "--cpu-blocks", type=int, default=d.cpu_blocks, help="CPU offload blocks per DP rank (0 = off)"
+    )
+    p.add_argument("--hashes-per-chunk", type=int, default=d.hashes_per_chunk, help="blocks per CPU chunk")
+    p.add_argument("--dp-size", type=int, default=d.dp_size, help="data-parallel ranks per engine")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--time-scale", type=float, default=d.time_scale, help="multiply all modelled durations")
+    p.add_argument("--hash-seed", type=int, default=d.hash_seed)
+    p.add_argument("--topic", default=d.topic)
+    p.add_argument(
+        "--encoding", choices=["map", "array"], default=d.encoding, help="event shape (vLLM >=0.24 / <=0.23)"
+    )
+    p.add_argument("--replay-frames", type=int, choices=[3, 2], default=d.replay_frames)
+    p.add_argument("--hash-bytes", action="store_true", help="send block hashes as bytes instead of uint64")
+    p.add_argument(
+        "--tokenizer", default=None, help="HF tokenizer dir or tokenizer.json (default: UTF-8 bytes)"
+    )
+    p.add_argument("--json", action="store_true", help="print the endpoints as one JSON document")
+    p.set_defaults(func=run_mock_engine)
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        host=args.host,
+        block_size=args.block_size,
+        num_gpu_blocks=args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks,
+        hashes_per_chunk=args.hashes_per_chunk,
+        dp_size=args.dp_size,
+        kv_host=args.host,
+        kv_bind=not args.kv_connect,
+        topic=args.topic,
+        encoding=args.encoding,
+        replay_frames=args.replay_frames,
+        hash_bytes=args.hash_bytes,
+        hash_seed=args.hash_seed,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        time_scale=args.time_scale,
+        tokenizer=args.tokenizer,
+    )
+
+
+def _check_ports(args: argparse.Namespace) -> str | None:
+    """The fixed port ranges (HTTP, KV, replay) must not overlap; returns an error message if they do."""
+    n, dp = args.engines, args.dp_size
+    ranges = [("--port", args.port, n), ("--kv-port", args.kv_port, n * dp)]
+    if not args.no_replay:
+        ranges.append(("--replay-port", args.replay_port, n * dp))
+    fixed = [(name, lo, lo + size) for name, lo, size in ranges if lo]
+    for i, (a, alo, ahi) in enumerate(fixed):
+        if ahi > 65536:
+            return f"{a} range {alo}..{ahi - 1} exceeds 65535"
+        for b, blo, bhi in fixed[i + 1 :]:
+            if alo < bhi and blo < ahi:
+                return f"{a} range {alo}..{ahi - 1} overlaps {b} range {blo}..{bhi - 1}"
+    return None
+
+
+def run_mock_engine(args: argparse.Namespace) -> int:
+    """Entry point of `kvrouter mock-engine`."""
+    if args.engines < 1 or args.dp_size < 1:
+        print("--engines and --dp-size must be >= 1", file=sys.stderr)
+        return 2
+    problem = _check_ports(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    fleet = Fleet.uniform(
+        args.engines,
+        _config(args),
+        port=args.port,
+        kv_port=args.kv_port,
+        replay_port=None if args.no_replay else args.replay_port,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await fleet.start()
+    except OSError as exc:
+        print(f"cannot start the mock engines: {exc}", file=sys.stderr)
+        return 1
+    try:
+        info = fleet.describe()
+        if args.json:
+            print(json.dumps({"engines": info}, indent=2))
+        else:
+            for i, e in enumerate(info):
+                shape = f"model={e['model']} dp_size={e['dp_size']} block_size={e['block_size']}"
+                print(f"engine {i}: {e['url']}  {shape}")
+                for rank, (kv, replay) in enumerate(
+                    zip(e["kv_endpoints"], e["replay_endpoints"], strict=True)
+                ):
+                    print(f"  dp rank {rank}: kv events {kv}  replay {replay or '-'}")
+            print("serving; Ctrl-C to stop", flush=True)
+        sys.stdout.flush()
+        await stop.wait()
+    finally:
+        await fleet.stop()
+    return 0
