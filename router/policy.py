@@ -1,0 +1,213 @@
+"""Routing policies: which (backend, DP rank) gets a request, and why.
+
+The KV-aware policy estimates, for each candidate, the prefill work a request would wait behind plus
+the prefill work it would cause, in blocks, and picks the cheapest:
+
+    credit   = gpu_credit*GPU + cpu_credit*CPU + storage_credit*STORAGE + predicted_credit*PREDICTED
+               (matched prefix blocks by medium; 0 when the match is below the minimum-match threshold)
+    prefill  = max(prompt_blocks - credit, 0)                       # work this request causes
+    queued   = pending uncached prompt tokens in flight / block_size # work it waits behind
+    cost     = prefill + load_weight * (queued + decode_weight * active + waiting_weight * engine_waiting)
+
+Lowest cost wins; exact ties break randomly; with ``temperature > 0`` the choice is sampled with
+p ~ exp(-(cost - min) / ((max - min) * temperature)). Because the cost of a cached prefix and the
+cost of queueing are in the same unit (blocks of prefill), a hot prefix attracts traffic only until
+the queue it builds costs more than recomputing the prefix elsewhere: no hot-spotting knob beyond
+``load_weight``. The minimum-match threshold keeps a short shared prefix (a common system prompt)
+from counting at all, so those requests are placed by load alone.
+
+The module is pure (no I/O): the router, the simulated fleet and the offline trace simulator all use
+the same code. Defaults and the measurements behind them are in the README.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+from router.load import TargetLoad
+
+PolicyName = Literal["kv", "round_robin", "least_loaded", "random"]
+POLICIES: tuple[PolicyName, ...] = ("kv", "round_robin", "least_loaded", "random")
+
+
+class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Policy choice and weights (the README's configuration table mirrors these defaults)."""
+
+    name: PolicyName = "kv"
+    """kv | round_robin | least_loaded | random."""
+    gpu_credit: float = 1.0
+    """Prefill blocks saved per matched block cached on GPU."""
+    cpu_credit: float = 0.75
+    """Per matched block only in the CPU offload tier (it must be copied back first)."""
+    storage_credit: float = 0.25
+    """Per matched block only in a storage tier."""
+    predicted_credit: float = 1.0
+    """Per block predicted on the target by a recent routing decision (predict-on-route)."""
+    min_match_blocks: int = 1
+    """Matches shorter than this many blocks get no credit."""
+    min_match_ratio: float = 0.0
+    """Matches covering less than this share of the prompt's blocks get no credit."""
+    load_weight: float = 1.0
+    """Weight of the load terms against the prefill saved by a cached prefix."""
+    decode_weight: float = 2.0
+    """Blocks of cost per request in flight (decode slots, batch share)."""
+    waiting_weight: float = 0.0
+    """Blocks of cost per request the engine reports waiting (needs metrics scraping)."""
+    temperature: float = 0.0
+    """0 = always the cheapest; > 0 samples, softening hot-spots at some cost in hit rate."""
+
+
+class Candidate(msgspec.Struct):
+    """One (backend, DP rank) that may serve the request, with what it caches and its load."""
+
+    backend: str
+    dp_rank: int
+    matched_blocks: int
+    blocks_by_medium: dict[str, int]
+    load: TargetLoad
+
+
+class CandidateScore(msgspec.Struct):
+    """A candidate's terms and verdict, as shown by ``/route``."""
+
+    backend: str
+    dp_rank: int
+    matched_blocks: int
+    blocks_by_medium: dict[str, int]
+    credit_blocks: float
+    prefill_blocks: float
+    queued_blocks: float
+    inflight: int
+    engine_waiting: float
+    score: float
+    """The cost; lower is better."""
+    chosen: bool = False
+    reason: str = ""
+
+
+class Decision(msgspec.Struct):
+    """The chosen target, how it was chosen (outcome) and every candidate's score."""
+
+    backend: str
+    dp_rank: int
+    outcome: Literal["prefix", "load", "fallback"]
+    """prefix: a cached prefix decided it; load: load alone did; fallback: no prompt keys (load only)."""
+    candidates: list[CandidateScore]
+
+
+class Policy:
+    """Scores candidates and picks one; keeps round-robin state and an RNG."""
+
+    def __init__(self, config: PolicyConfig | None = None, rng: random.Random | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self.rng = rng or random.Random()
+        self._rr = itertools.count()
+
+    def credit(self, c: Candidate, prompt_blocks: int) -> float:
+        """Prefill blocks a candidate's cached prefix saves (0 below the minimum-match threshold)."""
+        cfg = self.config
+        if c.matched_blocks < max(cfg.min_match_blocks, 1):
+            return 0.0
+        if prompt_blocks and c.matched_blocks < cfg.min_match_ratio * prompt_blocks:
+            return 0.0
+        by = c.blocks_by_medium
+        return (
+            cfg.gpu_credit * by.get("GPU", 0)
+            + cfg.cpu_credit * by.get("CPU", 0)
+            + cfg.storage_credit * by.get("STORAGE", 0)
+            + cfg.predicted_credit * by.get("PREDICTED", 0)
+        )
+
+    def choose(
+        self, prompt_blocks: int, block_size: int, candidates: Sequence[Candidate], have_prompt: bool = True
+    ) -> Decision:
+        """Pick a target among ``candidates`` (non-empty) for a prompt of ``prompt_blocks`` blocks."""
+        if not candidates:
+            raise ValueError("no candidates")
+        cfg = self.config
+        scores = []
+        for c in candidates:
+            credit = self.credit(c, prompt_blocks) if cfg.name == "kv" else 0.0
+            prefill = max(prompt_blocks - credit, 0.0)
+            queued = c.load.pending_prefill_tokens / max(block_size, 1)
+            load_terms = (
+                queued + cfg.decode_weight * c.load.active + cfg.waiting_weight * c.load.engine_waiting
+            )
+            cost = prefill + cfg.load_weight * load_terms
+            scores.append(
+                CandidateScore(
+                    c.backend,
+                    c.dp_rank,
+                    c.matched_blocks,
+                    dict(c.blocks_by_medium),
+                    round(credit, 3),
+                    round(prefill, 3),
+                    round(queued, 3),
+                    c.load.active,
+                    c.load.engine_waiting,
+                    round(cost, 3),
+                )
+            )
+        chosen = self._pick(scores, candidates)
+        best = scores[chosen]
+        best.chosen = True
+        min_credit = min(s.credit_blocks for s in scores)
+        outcome: Literal["prefix", "load", "fallback"]
+        if not have_prompt:
+            outcome = "fallback"
+        elif cfg.name == "kv" and best.credit_blocks > 0 and best.credit_blocks > min_credit:
+            outcome = "prefix"
+        else:
+            outcome = "load"
+        self._explain(scores, best, outcome)
+        return Decision(best.backend, best.dp_rank, outcome, scores)
+
+    def _pick(self, scores: list[CandidateScore], candidates: Sequence[Candidate]) -> int:
+        cfg = self.config
+        n = len(scores)
+        if cfg.name == "round_robin":
+            order = sorted(range(n), key=lambda i: (scores[i].backend, scores[i].dp_rank))
+            return order[next(self._rr) % n]
+        if cfg.name == "random":
+            return self.rng.randrange(n)
+        if cfg.name == "least_loaded":
+            keys = [(c.load.active, c.load.pending_prefill_tokens) for c in candidates]
+            low = min(keys)
+            return self.rng.choice([i for i in range(n) if keys[i] == low])
+        costs = [s.score for s in scores]
+        lo, hi = min(costs), max(costs)
+        if cfg.temperature > 0 and hi > lo:
+            weights = [math.exp(-(c - lo) / ((hi - lo) * cfg.temperature)) for c in costs]
+            return self.rng.choices(range(n), weights=weights)[0]
+        return self.rng.choice([i for i in range(n) if costs[i] == lo])
+
+    def _explain(self, scores: list[CandidateScore], best: CandidateScore, outcome: str) -> None:
+        cfg = self.config
+        for s in scores:
+            if cfg.name != "kv":
+                s.reason = f"{cfg.name}: chosen" if s.chosen else f"{cfg.name}: not chosen"
+                continue
+            if s.chosen:
+                if outcome == "prefix":
+                    s.reason = f"lowest cost; cached prefix saves {s.credit_blocks:g} of the prompt's blocks"
+                else:
+                    s.reason = "lowest cost; placed by load"
+                continue
+            if s.matched_blocks and s.credit_blocks == 0:
+                why = f"its {s.matched_blocks}-block match is below the minimum-match threshold"
+            elif s.credit_blocks >= best.credit_blocks and s.score > best.score:
+                why = (
+                    f"more cached ({s.credit_blocks:g} blocks) but busier "
+                    f"(queued {s.queued_blocks:g} blocks, {s.inflight} in flight)"
+                )
+            elif s.score == best.score:
+                why = "tied on cost; lost the random tie-break"
+            else:
+                why = f"cost {s.score:g} vs {best.score:g}"
+            s.reason = why
