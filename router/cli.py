@@ -15,14 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description="KV-aware request router for vLLM fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
     from router import serve
+    from sim import cli as sim_cli
 
     serve.register(sub)
-    try:
-        from sim import cli as sim_cli
-    except ImportError:  # pragma: no cover - sim is part of the distribution
-        sim_cli = None
-    if sim_cli is not None:
-        sim_cli.register(sub)
+    sim_cli.register(sub)
     return parser
 
 

@@ -7,6 +7,7 @@ the prefill work it would cause, in blocks, and picks the cheapest:
                (matched prefix blocks by medium; 0 when the match is below the minimum-match threshold)
     prefill  = max(prompt_blocks - credit, 0)                       # work this request causes
     queued   = pending uncached prompt tokens in flight / block_size # work it waits behind
+               - PREDICTED blocks (in-flight prefill of this same prefix is not extra waiting)
     cost     = prefill + load_weight * (queued + decode_weight * active + waiting_weight * engine_waiting)
 
 Lowest cost wins; exact ties break randomly; with ``temperature > 0`` the choice is sampled with
@@ -136,6 +137,10 @@ class Policy:
             credit = self.credit(c, prompt_blocks) if cfg.name == "kv" else 0.0
             prefill = max(prompt_blocks - credit, 0.0)
             queued = c.load.pending_prefill_tokens / max(block_size, 1)
+            if credit:
+                # predicted blocks are prefill of this very prefix already queued there: waiting for
+                # them is not extra work, it is this request's own prefix being computed
+                queued = max(queued - c.blocks_by_medium.get("PREDICTED", 0), 0.0)
             load_terms = (
                 queued + cfg.decode_weight * c.load.active + cfg.waiting_weight * c.load.engine_waiting
             )

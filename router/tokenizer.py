@@ -791,6 +791,7 @@ class RequestTokenizer:
         self,
         local: Mapping[str, ChatTokenizer],
         *,
+        default: ChatTokenizer | None = None,
         client: httpx.AsyncClient | None = None,
         backend_for: Callable[[str], str | None] | None = None,
         config: RequestTokenizerConfig | None = None,
@@ -800,6 +801,7 @@ class RequestTokenizer:
         if (client is None) != (backend_for is None):
             raise ValueError("the remote fallback needs both client and backend_for")
         self._local = dict(local)
+        self._default = default
         self._client = client
         self._backend_for = backend_for
         self.config = config or RequestTokenizerConfig()
@@ -812,10 +814,11 @@ class RequestTokenizer:
         self.last_duration_s = 0.0
 
     def has_local(self, model: str) -> bool:
-        return model in self._local
+        """A local tokenizer serves this model (its own, or the default for every model)."""
+        return model in self._local or self._default is not None
 
     def local_tokenizer(self, model: str) -> ChatTokenizer | None:
-        return self._local.get(model)
+        return self._local.get(model, self._default)
 
     def close(self) -> None:
         """Stop the worker threads (pending work is cancelled)."""
@@ -850,7 +853,7 @@ class RequestTokenizer:
     async def _completions(self, body: dict[str, Any], model: str) -> list[int]:
         prompt = body.get("prompt")
         add_special = _check_bool(body, "add_special_tokens", True)
-        local = self._local.get(model)
+        local = self._local.get(model, self._default)
         max_id = local.max_token_id if local is not None else None
         if isinstance(prompt, list):
             if not prompt:
@@ -889,7 +892,7 @@ class RequestTokenizer:
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TokenizerError("chat_template_kwargs must be an object")
-        local = self._local.get(model)
+        local = self._local.get(model, self._default)
         if local is not None and chat_template is not None and not self.config.trust_request_chat_template:
             raise TokenizerUnavailable("request-supplied chat_template is not trusted; routing on load only")
         if local is not None:

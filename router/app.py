@@ -1,0 +1,306 @@
+"""Assembles the router: index, backends, policy, tokenizer, proxy, metrics and the HTTP endpoints.
+
+The ASGI entry point sends the two proxied POST paths to the lean :class:`router.proxy.ProxyHandler`
+and everything else to a FastAPI app: ``/health``, ``/ready``, ``/v1/models``, ``/route``,
+``/debug/index``, ``/metrics``, ``/dashboard`` and ``/dashboard/data``. All objects are created here
+and passed in explicitly; nothing is module-global, so tests can run several routers in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import importlib.resources
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import msgspec
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from index.kvindex import KVIndex
+from index.subscriber import SourceConfig
+from router.backends import BackendRegistry
+from router.config import RouterConfig, rank_endpoint
+from router.errors import ApiError, bad_request, too_large, unauthorized, unavailable
+from router.load import LoadTracker
+from router.metrics import RouterMetrics, dashboard_data
+from router.policy import Policy
+from router.proxy import PATHS, ProxyHandler, Receive, Scope, Send
+from router.service import Endpoint, RouterService
+from router.tokenizer import ChatTokenizer, RequestTokenizer
+
+log = logging.getLogger("kvrouter")
+
+
+def event_sources(cfg: RouterConfig) -> list[SourceConfig]:
+    """One event source per (backend, DP rank) with KV events configured (vLLM's port+rank rule)."""
+    out = []
+    for b in cfg.backends:
+        if b.kv_events is None:
+            continue
+        for rank in range(b.dp_size):
+            out.append(
+                SourceConfig(
+                    instance=b.name,
+                    dp_rank=rank,
+                    endpoint=rank_endpoint(b.kv_events, rank),
+                    replay_endpoint=rank_endpoint(b.kv_replay, rank) if b.kv_replay else None,
+                    bind=b.kv_bind,
+                    topic=b.kv_topic if b.kv_topic is not None else cfg.kv_topic,
+                )
+            )
+    return out
+
+
+class KVRouter:
+    """The router's objects and its ASGI entry point."""
+
+    def __init__(self, config: RouterConfig, zmq_context: zmq.Context[Any] | None = None) -> None:
+        self.config = config
+        index_cfg = msgspec.structs.replace(config.index, block_size=config.block_size)
+        self.index = KVIndex(index_cfg, ctx=zmq_context)
+        for source in event_sources(config):
+            self.index.add_source(source)
+        srv = config.server
+        self.client = httpx.AsyncClient(
+            limits=httpx.Limits(
+                max_connections=srv.max_connections,
+                max_keepalive_connections=srv.max_connections,
+                keepalive_expiry=60.0,
+            ),
+            timeout=httpx.Timeout(srv.read_timeout_s, connect=srv.connect_timeout_s),
+        )
+        self.loads = LoadTracker()
+        self.registry = BackendRegistry(list(config.backends), config.health, self.client, self.loads)
+        self.policy = Policy(config.policy)
+        local = {model: ChatTokenizer.from_path(path) for model, path in config.tokenizers.items()}
+        default = ChatTokenizer.from_path(config.tokenizer) if config.tokenizer else None
+        self.tokenizer = RequestTokenizer(
+            local,
+            default=default,
+            client=self.client if config.remote_tokenize else None,
+            backend_for=self._tokenize_backend if config.remote_tokenize else None,
+        )
+        self.service = RouterService(
+            self.index, self.registry, self.loads, self.policy, self.tokenizer, config.recent_decisions
+        )
+        self.metrics = RouterMetrics(self.index, self.registry, self.loads)
+        self.proxy = ProxyHandler(self.service, self.client, self.metrics, self.loads, srv, self.authorize)
+        self._keys = [k.encode() for k in config.api_keys]
+        self._tasks: list[asyncio.Task[None]] = []
+        self.api = self._build_api()
+
+    # --- ASGI ----------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PATHS:
+            await self.proxy(scope, receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+    def authorize(self, scope: Scope) -> None:
+        """Raise 401 unless the request carries an accepted bearer key (when keys are configured)."""
+        if not self._keys:
+            return
+        if self.config.auth_exempt_probes and scope.get("path") in ("/health", "/ready"):
+            return
+        token = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                token = value[7:].strip()
+                break
+        if not token and scope.get("path", "").startswith("/dashboard"):
+            # the page is opened in a browser, which cannot set headers: accept ?key=
+            for part in scope.get("query_string", b"").split(b"&"):
+                if part.startswith(b"key="):
+                    token = part[4:]
+        if not token or not any(hmac.compare_digest(token, k) for k in self._keys):
+            raise unauthorized()
+
+    def _tokenize_backend(self, model: str) -> str | None:
+        healthy = self.registry.healthy_for(model)
+        return healthy[0].url if healthy else None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def startup(self) -> None:
+        """Start ingestion and health checks; the first probe round completes before serving."""
+        self.index.start()
+        await self.registry.check_all()
+        self.registry.start()
+        self._tasks.append(
+            asyncio.get_running_loop().create_task(self._housekeeping(), name="kvrouter-housekeeping")
+        )
+        healthy = [b.name for b in self.registry.backends.values() if b.healthy]
+        log.info(
+            "kvrouter ready: policy=%s, %d/%d backends healthy (%s), %d event sources",
+            self.config.policy.name,
+            len(healthy),
+            len(self.registry.backends),
+            ", ".join(healthy) or "none",
+            len(event_sources(self.config)),
+        )
+
+    async def shutdown(self) -> None:
+        """Stop background work and close connections (in-flight requests were drained by the server)."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.registry.stop()
+        self.index.stop()
+        self.tokenizer.close()
+        await self.client.aclose()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            self.index.purge_predictions()
+
+    # --- the FastAPI part ----------------------------------------------------------------------
+    def _build_api(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            await self.startup()
+            try:
+                yield
+            finally:
+                await self.shutdown()
+
+        api = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+        @api.exception_handler(ApiError)
+        async def _api_error(_: Request, exc: ApiError) -> Response:
+            return Response(exc.body(), status_code=exc.status, media_type="application/json")
+
+        @api.exception_handler(RequestValidationError)
+        async def _validation(_: Request, exc: RequestValidationError) -> Response:
+            err = bad_request(f"invalid request: {exc.errors()}")
+            return Response(err.body(), status_code=400, media_type="application/json")
+
+        @api.exception_handler(StarletteHTTPException)
+        async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+            err = ApiError(exc.status_code, str(exc.detail), "invalid_request_error", "not_found")
+            return Response(err.body(), status_code=exc.status_code, media_type="application/json")
+
+        @api.middleware("http")
+        async def _auth(request: Request, call_next: Any) -> Response:
+            try:
+                self.authorize(request.scope)
+            except ApiError as err:
+                return Response(err.body(), status_code=err.status, media_type="application/json")
+            response: Response = await call_next(request)
+            return response
+
+        @api.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @api.get("/ready")
+        async def ready() -> Response:
+            if not self.registry.any_healthy():
+                raise unavailable("no healthy backend")
+            return JSONResponse({"status": "ready", "healthy_backends": self._healthy_names()})
+
+        @api.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            data = []
+            for model, backends in self.registry.models().items():
+                parent = next((b.lora_parents[model] for b in backends if model in b.lora_parents), None)
+                card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "kvrouter"}
+                if parent:
+                    card["parent"] = parent
+                card["backends"] = [b.name for b in backends]
+                data.append(card)
+            return {"object": "list", "data": data}
+
+        @api.post("/route")
+        async def route(request: Request) -> Response:
+            raw = await request.body()
+            if len(raw) > self.config.server.max_body_bytes:
+                raise too_large(self.config.server.max_body_bytes)
+            try:
+                body = msgspec.json.decode(raw)
+            except msgspec.DecodeError as exc:
+                raise bad_request(f"The body is not valid JSON: {exc}") from None
+            endpoint: Endpoint
+            q = request.query_params.get("endpoint")
+            if q in ("chat", "completions"):
+                endpoint = q  # type: ignore[assignment]
+            else:
+                endpoint = "chat" if isinstance(body, dict) and "messages" in body else "completions"
+            decided = await self.service.decide(endpoint, body, dry_run=True)
+            return Response(msgspec.json.encode(decided.explain()), media_type="application/json")
+
+        @api.get("/debug/index")
+        async def debug_index() -> Response:
+            out = {
+                "block_size": self.config.block_size,
+                "residencies": self.index.store.total,
+                "max_residencies": self.index.config.max_residencies,
+                "evictions": self.index.evictions,
+                "predicted_blocks": self.index.predicted_blocks(),
+                "sources": [msgspec.to_builtins(s) for s in self.index.status()],
+                "backends": [
+                    {
+                        "name": b.name,
+                        "url": b.url,
+                        "healthy": b.healthy,
+                        "failures": b.failures,
+                        "last_error": b.last_error,
+                        "checked_at": b.checked_at,
+                        "models": sorted(b.models),
+                        "dp_size": b.cfg.dp_size,
+                    }
+                    for b in self.registry.backends.values()
+                ],
+            }
+            return Response(msgspec.json.encode(out), media_type="application/json")
+
+        @api.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        page = _dashboard_page()
+
+        @api.get("/dashboard")
+        async def dashboard() -> HTMLResponse:
+            return HTMLResponse(page)
+
+        @api.get("/dashboard/data")
+        async def dashboard_json() -> Response:
+            data = dashboard_data(
+                self.metrics,
+                self.index,
+                self.registry,
+                self.loads,
+                self.config.policy.name,
+                [r.explain() for r in list(self.service.recent)[-20:]],
+            )
+            return Response(msgspec.json.encode(data), media_type="application/json")
+
+        return api
+
+    def _healthy_names(self) -> list[str]:
+        return [b.name for b in self.registry.backends.values() if b.healthy]
+
+
+def _dashboard_page() -> str:
+    try:
+        return (importlib.resources.files("router") / "static" / "dashboard.html").read_text()
+    except (FileNotFoundError, OSError):
+        return "<!doctype html><title>kvrouter</title><p>dashboard page missing from the package</p>"
+
+
+def create_app(config: RouterConfig) -> KVRouter:
+    """The ASGI application for a configuration."""
+    return KVRouter(config)
+
+
+__all__ = ["KVRouter", "create_app", "event_sources"]

@@ -1,0 +1,246 @@
+"""The router's configuration: a TOML file decoded into typed structs with documented defaults.
+
+Every struct here is mirrored by the README's configuration table. A config error stops start-up
+with a :class:`ConfigError` whose message names the key and the problem, e.g.
+``backends[1].dp_size: Expected `int`, got `str```.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from index.kvindex import IndexConfig
+from index.subscriber import SubscriberConfig
+from router.policy import POLICIES, PolicyConfig
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the key."""
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """HTTP server and proxy settings."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Requests with larger bodies get 413."""
+    connect_timeout_s: float = 5.0
+    """Connecting to a backend; a failure is retried once on the next-best candidate, then 502."""
+    read_timeout_s: float = 600.0
+    """Longest silence between two chunks of a streamed response; 504 before the first byte."""
+    max_connections: int = 1024
+    """Pooled keep-alive connections to all backends together."""
+    drain_timeout_s: float = 30.0
+    """On shutdown, in-flight requests and streams get this long to finish."""
+    log_level: str = "info"
+    access_log: bool = False
+
+
+class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Active health checks (GET /health) and optional engine metrics scraping."""
+
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    unhealthy_after: int = 2
+    """Consecutive failed checks before a backend is skipped (its index is kept)."""
+    scrape_metrics: bool = False
+    """Also read vllm:num_requests_waiting/running and kv_cache_usage_perc from each engine's /metrics."""
+
+
+class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One vLLM engine (all its DP ranks)."""
+
+    name: str
+    url: str
+    """Base URL of the engine's OpenAI server, e.g. http://10.0.0.5:8000."""
+    kv_events: str | None = None
+    """Engine's KV event PUB endpoint for rank 0 (rank r at port + r), e.g. tcp://10.0.0.5:5557.
+    None: no events from this engine (routed by load only)."""
+    kv_replay: str | None = None
+    """Engine's replay ROUTER endpoint for rank 0 (rank r at port + r); enables gap recovery."""
+    kv_bind: bool = False
+    """True when the engine's endpoint has no ``*`` and connects to us: kv_events is then the address
+    we bind (rank r at port + r)."""
+    kv_topic: str | None = None
+    """Topic the engine publishes; default: the top-level ``kv_topic``."""
+    dp_size: int = 1
+    """Data-parallel ranks; the chosen rank goes upstream as the X-data-parallel-rank header."""
+    models: list[str] | None = None
+    """Models served; default: read from the backend's /v1/models (and refreshed with health checks)."""
+    api_key: str | None = None
+    """Bearer key the backend expects, if any (clients' keys are never forwarded)."""
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The whole file."""
+
+    backends: list[BackendConfig]
+    block_size: int | None = 16
+    """Engines' block size; checked against events (None: learn it from them)."""
+    tokenizer: str | None = None
+    """HF tokenizer.json or model directory used for every model (chat template read from it)."""
+    tokenizers: dict[str, str] = {}
+    """Per-model tokenizer paths, overriding ``tokenizer``."""
+    remote_tokenize: bool = True
+    """Without a local tokenizer, ask the backend's POST /tokenize (one call per request)."""
+    kv_topic: str = ""
+    api_keys: list[str] = []
+    """Bearer keys accepted from clients; empty: no authentication."""
+    auth_exempt_probes: bool = True
+    """Let /health and /ready through without a key (Kubernetes probes send none)."""
+    server: ServerConfig = ServerConfig()
+    health: HealthConfig = HealthConfig()
+    policy: PolicyConfig = PolicyConfig()
+    index: IndexConfig = IndexConfig()
+    recent_decisions: int = 50
+    """Decisions kept for the dashboard."""
+
+
+_PATH_RE = re.compile(r"\$\.?(.*)$")
+
+
+def _key_path(msg: str) -> tuple[str, str]:
+    """Split msgspec's "... - at `$.a[0].b`" into (a[0].b, message)."""
+    if " - at `" in msg:
+        text, _, where = msg.rpartition(" - at `")
+        m = _PATH_RE.match(where.rstrip("`"))
+        return (m.group(1) if m else where.rstrip("`")) or "(top level)", text
+    return "(top level)", msg
+
+
+def parse_config(data: dict[str, Any]) -> RouterConfig:
+    """Validate a decoded TOML document."""
+    try:
+        cfg = msgspec.convert(data, RouterConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        key, text = _key_path(str(exc))
+        if text.startswith("Object contains unknown field"):
+            field = text.split("`")[1] if "`" in text else text
+            raise ConfigError(f"{key + '.' if key != '(top level)' else ''}{field}: unknown key") from None
+        raise ConfigError(f"{key}: {text}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RouterConfig) -> None:
+    """Checks msgspec's types cannot express."""
+    if not cfg.backends:
+        raise ConfigError("backends: at least one [[backends]] entry is required")
+    seen: set[str] = set()
+    for i, b in enumerate(cfg.backends):
+        where = f"backends[{i}]"
+        if not b.name:
+            raise ConfigError(f"{where}.name: must not be empty")
+        if b.name in seen:
+            raise ConfigError(f"{where}.name: duplicate backend name {b.name!r}")
+        seen.add(b.name)
+        if not re.match(r"^https?://[^/\s]+", b.url):
+            raise ConfigError(f"{where}.url: {b.url!r} is not an http(s) URL")
+        if b.dp_size < 1:
+            raise ConfigError(f"{where}.dp_size: must be >= 1")
+        for key in ("kv_events", "kv_replay"):
+            ep = getattr(b, key)
+            if ep is not None and not re.match(r"^(tcp|ipc|inproc)://", ep):
+                raise ConfigError(f"{where}.{key}: {ep!r} is not a ZMQ endpoint (tcp://host:port)")
+            if ep is not None and b.dp_size > 1 and not ep.startswith(("tcp://", "inproc://")):
+                raise ConfigError(f"{where}.{key}: DP ranks need tcp:// or inproc:// (vLLM offsets ports)")
+            if ep is not None and ep.startswith("tcp://") and not re.search(r":\d+$", ep):
+                raise ConfigError(f"{where}.{key}: {ep!r} has no port")
+        if b.kv_replay is not None and b.kv_events is None:
+            raise ConfigError(f"{where}.kv_replay: set without kv_events")
+    if cfg.block_size is not None and not 1 <= cfg.block_size <= 4096:
+        raise ConfigError("block_size: must be between 1 and 4096")
+    if cfg.policy.name not in POLICIES:
+        raise ConfigError(f"policy.name: must be one of {', '.join(POLICIES)}")
+    if not 0 < cfg.server.port < 65536:
+        raise ConfigError("server.port: must be between 1 and 65535")
+    if cfg.server.max_body_bytes < 1024:
+        raise ConfigError("server.max_body_bytes: must be at least 1024")
+    for key in ("tokenizer",):
+        path = getattr(cfg, key)
+        if path is not None and not Path(path).exists():
+            raise ConfigError(f"{key}: {path!r} does not exist")
+    for model, path in cfg.tokenizers.items():
+        if not Path(path).exists():
+            raise ConfigError(f"tokenizers.{model}: {path!r} does not exist")
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read and validate a TOML file."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    return parse_config(data)
+
+
+def with_overrides(cfg: RouterConfig, **values: Any) -> RouterConfig:
+    """Apply command-line / environment overrides (None values are ignored)."""
+    server = cfg.server
+    if values.get("host") is not None:
+        server = msgspec.structs.replace(server, host=values["host"])
+    if values.get("port") is not None:
+        server = msgspec.structs.replace(server, port=int(values["port"]))
+    if values.get("log_level") is not None:
+        server = msgspec.structs.replace(server, log_level=values["log_level"])
+    policy = cfg.policy
+    if values.get("policy") is not None:
+        policy = msgspec.structs.replace(policy, name=values["policy"])
+    api_keys = cfg.api_keys
+    if values.get("api_keys"):
+        api_keys = [k for k in values["api_keys"].split(",") if k]
+    out = msgspec.structs.replace(cfg, server=server, policy=policy, api_keys=api_keys)
+    validate(out)
+    return out
+
+
+def env_overrides() -> dict[str, Any]:
+    """KVROUTER_HOST, KVROUTER_PORT, KVROUTER_POLICY, KVROUTER_API_KEYS, KVROUTER_LOG_LEVEL."""
+    return {
+        "host": os.environ.get("KVROUTER_HOST"),
+        "port": os.environ.get("KVROUTER_PORT"),
+        "policy": os.environ.get("KVROUTER_POLICY"),
+        "api_keys": os.environ.get("KVROUTER_API_KEYS"),
+        "log_level": os.environ.get("KVROUTER_LOG_LEVEL"),
+    }
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's rule for DP rank r: tcp port + r, inproc suffix ``_dp{r}``; rank 0 unchanged."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    m = re.match(r"^(tcp://.*):(\d+)$", endpoint)
+    if not m:
+        raise ConfigError(f"{endpoint!r}: DP ranks need a tcp:// endpoint with a port")
+    port = int(m.group(2))
+    return endpoint if port == 0 else f"{m.group(1)}:{port + rank}"
+
+
+__all__ = [
+    "BackendConfig",
+    "ConfigError",
+    "HealthConfig",
+    "IndexConfig",
+    "RouterConfig",
+    "ServerConfig",
+    "SubscriberConfig",
+    "env_overrides",
+    "load_config",
+    "parse_config",
+    "rank_endpoint",
+    "with_overrides",
+]

@@ -1,0 +1,64 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "code"}}`` with the right HTTP status."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ApiError(Exception):
+    """An error the client sees; ``status`` is the HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code or type_
+
+    def body(self) -> bytes:
+        """The JSON body, as OpenAI and vLLM shape it."""
+        return msgspec.json.encode(
+            {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+        )
+
+
+def bad_request(message: str, code: str = "invalid_request") -> ApiError:
+    """400: the body is not a valid request."""
+    return ApiError(400, message, "invalid_request_error", code)
+
+
+def unauthorized() -> ApiError:
+    """401: missing or wrong API key."""
+    return ApiError(
+        401,
+        "Missing or invalid API key (Authorization: Bearer <key>)",
+        "authentication_error",
+        "invalid_api_key",
+    )
+
+
+def not_found_model(model: str) -> ApiError:
+    """404: no backend serves this model."""
+    return ApiError(404, f"The model `{model}` does not exist", "invalid_request_error", "model_not_found")
+
+
+def too_large(limit: int) -> ApiError:
+    """413: body over the configured limit."""
+    return ApiError(
+        413, f"Request body larger than {limit} bytes", "invalid_request_error", "request_too_large"
+    )
+
+
+def unavailable(message: str) -> ApiError:
+    """503: no healthy backend for the model."""
+    return ApiError(503, message, "service_unavailable", "no_healthy_backend")
+
+
+def bad_gateway(message: str) -> ApiError:
+    """502: the backend could not be reached or broke the connection."""
+    return ApiError(502, message, "upstream_error", "bad_gateway")
+
+
+def gateway_timeout(message: str) -> ApiError:
+    """504: the backend did not answer in time."""
+    return ApiError(504, message, "upstream_timeout", "gateway_timeout")

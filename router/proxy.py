@@ -1,0 +1,257 @@
+"""The proxy hot path: a lean ASGI handler for ``POST /v1/completions`` and ``/v1/chat/completions``.
+
+It bypasses the web framework (FastAPI serves everything else) because this path runs for every
+request: read the body with a size cap, decide (:class:`router.service.RouterService`), send the
+original bytes upstream over a pooled httpx client, and stream the backend's response through chunk
+by chunk, unchanged (SSE or not, status codes and bodies included).
+
+- A connection error or a 5xx **before the first response byte** is retried once on the next-best
+  candidate; after that the backend's own error is passed through (or 502 when it never answered).
+- A timeout waiting for the backend is a 504 (no retry: the work may be running there).
+- A client disconnect cancels the upstream request (its connection is closed, which vLLM treats as
+  an abort), and the load tracker releases the request in every case.
+- The chosen DP rank goes upstream as ``X-data-parallel-rank``; the response carries
+  ``x-kvrouter-backend`` and ``x-kvrouter-dp-rank`` so clients and operators can see where it went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import httpx
+import msgspec
+
+from router.config import ServerConfig
+from router.errors import ApiError, bad_gateway, bad_request, gateway_timeout, too_large
+from router.load import LoadTracker
+from router.metrics import RouterMetrics
+from router.service import Endpoint, Route, RouterService
+
+log = logging.getLogger("kvrouter.proxy")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"date",
+        b"server",
+    }
+)
+_FORWARD_REQUEST_HEADERS = ("x-request-id", "traceparent", "tracestate")
+
+
+async def send_error(send: Send, err: ApiError) -> None:
+    """An OpenAI-shaped JSON error response."""
+    body = err.body()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": err.status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body, or 413 as soon as it is known to exceed ``limit``."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                if int(value) > limit:
+                    raise too_large(limit)
+            except ValueError:
+                raise bad_request("invalid Content-Length") from None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        chunk = msg.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class ProxyHandler:
+    """Handles the two proxied endpoints; everything else goes to ``fallback``."""
+
+    def __init__(
+        self,
+        service: RouterService,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        loads: LoadTracker,
+        server: ServerConfig,
+        authorize: Callable[[Scope], None],
+    ) -> None:
+        self.service = service
+        self.client = client
+        self.metrics = metrics
+        self.loads = loads
+        self.server = server
+        self.authorize = authorize
+        self.timeout = httpx.Timeout(
+            connect=server.connect_timeout_s,
+            read=server.read_timeout_s,
+            write=server.read_timeout_s,
+            pool=server.connect_timeout_s,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = PATHS[scope["path"]]
+        try:
+            self.authorize(scope)
+            body = await read_body(scope, receive, self.server.max_body_bytes)
+            try:
+                parsed = msgspec.json.decode(body)
+            except msgspec.DecodeError as exc:
+                raise bad_request(f"The body is not valid JSON: {exc}") from None
+            t0 = time.perf_counter()
+            route = await self.service.decide(endpoint, parsed)
+            decision_s = time.perf_counter() - t0
+        except ApiError as err:
+            await send_error(send, err)
+            return
+        except asyncio.CancelledError:
+            return  # the client left while sending its body
+        m = self.metrics
+        m.routed(
+            route.backend,
+            route.dp_rank,
+            route.outcome,
+            route.prompt_tokens,
+            next((c.blocks_by_medium for c in route.candidates if c.chosen), {}),
+            route.block_size,
+            route.prompt_blocks,
+            decision_s,
+        )
+        # a client disconnect cancels the exchange: watch for it while we wait on the backend
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, task))
+        try:
+            await self._exchange(scope, send, endpoint, body, route)
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.result() is not True:
+                raise
+            task.uncancel()
+            log.debug("client disconnected; upstream request to %s cancelled", route.backend)
+            self.metrics.error(route.backend, "client_disconnect")
+        finally:
+            watcher.cancel()
+
+    @staticmethod
+    async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any]) -> bool:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                task.cancel()
+                return True
+
+    def _headers(self, scope: Scope, backend_auth: dict[str, str], dp_size: int, rank: int) -> dict[str, str]:
+        headers = {"content-type": "application/json", **backend_auth}
+        if dp_size > 1:
+            headers["x-data-parallel-rank"] = str(rank)
+        for name, value in scope.get("headers", ()):
+            key = name.decode("latin-1")
+            if key in _FORWARD_REQUEST_HEADERS:
+                headers[key] = value.decode("latin-1")
+        return headers
+
+    async def _exchange(
+        self, scope: Scope, send: Send, endpoint: Endpoint, body: bytes, route: Route
+    ) -> None:
+        registry = self.service.registry
+        path = scope["path"]
+        targets = route.ranked()[:2]
+        last_error: ApiError = bad_gateway("no backend could be reached")
+        for attempt, target in enumerate(targets):
+            backend = registry.get(target[0])
+            uncached = self.service.uncached_tokens(route, target)
+            ticket = self.loads.start(target, uncached)
+            started = time.perf_counter()
+            try:
+                req = self.client.build_request(
+                    "POST",
+                    backend.url + path,
+                    content=body,
+                    headers=self._headers(scope, backend.auth_headers, backend.cfg.dp_size, target[1]),
+                    timeout=self.timeout,
+                )
+                try:
+                    resp = await self.client.send(req, stream=True)
+                except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                    registry.mark_failed(backend, f"{type(exc).__name__}: {exc}")
+                    self.metrics.error(backend.name, "connect")
+                    last_error = bad_gateway(f"backend {backend.name} unreachable: {type(exc).__name__}")
+                    continue
+                except httpx.TimeoutException:
+                    self.metrics.error(backend.name, "timeout")
+                    await send_error(send, gateway_timeout(f"backend {backend.name} did not answer in time"))
+                    return
+                status = resp.status_code
+                if status >= 500 and attempt + 1 < len(targets):
+                    await resp.aclose()
+                    self.metrics.error(backend.name, f"upstream_{status}")
+                    self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
+                    continue
+                try:
+                    await self._stream(send, resp, ticket, backend.name, target[1], started)
+                finally:
+                    await resp.aclose()
+                self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
+                return
+            finally:
+                self.loads.finish(ticket)
+        await send_error(send, last_error)
+
+    async def _stream(
+        self, send: Send, resp: httpx.Response, ticket: Any, backend: str, rank: int, started: float
+    ) -> None:
+        headers = [(k.lower(), v) for k, v in resp.headers.raw if k.lower() not in _HOP_BY_HOP]
+        headers.append((b"x-kvrouter-backend", backend.encode()))
+        headers.append((b"x-kvrouter-dp-rank", str(rank).encode()))
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
+        first = True
+        try:
+            async for chunk in resp.aiter_raw():
+                if first:
+                    first = False
+                    self.loads.first_byte(ticket)
+                    self.metrics.ttft.labels(backend).observe(time.perf_counter() - started)
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as exc:
+            # headers are out: all we can do is end the response early and count it
+            log.warning("backend %s broke the response stream: %s", backend, exc)
+            self.metrics.error(backend, "stream_broken")
+        with contextlib.suppress(Exception):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

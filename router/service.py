@@ -1,0 +1,213 @@
+"""The routing decision for one request: validate, tokenize, match against the index, pick a target.
+
+Shared by the proxy (which then sends the request) and by ``POST /route`` (which only explains), so
+what an operator sees in ``/route`` is exactly what the proxy does.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any, Literal
+
+import msgspec
+
+from index.kvindex import KVIndex, MatchReport
+from index.store import SourceMatch
+from router.backends import Backend, BackendRegistry
+from router.errors import ApiError, bad_request, not_found_model, unavailable
+from router.load import LoadTracker
+from router.policy import Candidate, CandidateScore, Decision, Policy
+from router.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
+
+log = logging.getLogger("kvrouter.route")
+
+Endpoint = Literal["completions", "chat"]
+
+
+class Route(msgspec.Struct):
+    """A decision with everything ``/route`` shows and the proxy needs."""
+
+    model: str
+    endpoint: Endpoint
+    backend: str
+    dp_rank: int
+    outcome: str
+    prompt_tokens: int
+    prompt_blocks: int
+    block_size: int
+    matched_blocks: int
+    candidates: list[CandidateScore]
+    tokenize_error: str | None = None
+    timings_us: dict[str, float] = {}
+    time: float = 0.0
+    report: MatchReport | None = None
+
+    def explain(self) -> dict[str, Any]:
+        """The JSON body of ``/route`` (and of the dashboard's recent decisions)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        out.pop("report", None)
+        return out
+
+    def ranked(self) -> list[tuple[str, int]]:
+        """Targets from best to worst score, the chosen one first (for failover)."""
+        rest = sorted((c for c in self.candidates if not c.chosen), key=lambda c: c.score)
+        return [(self.backend, self.dp_rank)] + [(c.backend, c.dp_rank) for c in rest]
+
+
+def validate_body(endpoint: Endpoint, body: Any) -> str:
+    """Minimal OpenAI request validation (400s); returns the model."""
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required and must be a string", "missing_model")
+    if endpoint == "completions":
+        if "prompt" not in body:
+            raise bad_request("`prompt` is required", "missing_prompt")
+        p = body["prompt"]
+        ok = isinstance(p, str) or (
+            isinstance(p, list)
+            and bool(p)
+            and (
+                all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+                or all(isinstance(x, str) for x in p)
+                or all(isinstance(x, list) for x in p)
+            )
+        )
+        if not ok:
+            raise bad_request(
+                "`prompt` must be a string, a list of token ids, or a list of those", "invalid_prompt"
+            )
+    else:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad_request("`messages` is required and must be a non-empty list", "missing_messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad_request(
+                    f"`messages[{i}]` must be an object with a string `role`", "invalid_messages"
+                )
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("`stream` must be a boolean", "invalid_stream")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise bad_request("`cache_salt` must be a string", "invalid_cache_salt")
+    return model
+
+
+class RouterService:
+    """Everything a decision needs, passed in explicitly."""
+
+    def __init__(
+        self,
+        index: KVIndex,
+        registry: BackendRegistry,
+        loads: LoadTracker,
+        policy: Policy,
+        tokenizer: RequestTokenizer,
+        recent: int = 50,
+    ) -> None:
+        self.index = index
+        self.registry = registry
+        self.loads = loads
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.recent: collections.deque[Route] = collections.deque(maxlen=recent)
+
+    def candidates_for(self, model: str) -> list[Backend]:
+        """Healthy backends for a model: 404 if nobody serves it, 503 if nobody healthy does."""
+        backends = self.registry.healthy_for(model)
+        if not backends:
+            if not self.registry.known(model):
+                raise not_found_model(model)
+            raise unavailable(f"No healthy backend serves `{model}`")
+        return backends
+
+    async def decide(self, endpoint: Endpoint, body: dict[str, Any], *, dry_run: bool = False) -> Route:
+        """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`)."""
+        t0 = time.perf_counter()
+        model = validate_body(endpoint, body)
+        backends = self.candidates_for(model)
+        tokens: list[int] | None = None
+        tok_error: str | None = None
+        try:
+            tokens = await self.tokenizer.tokenize(endpoint, body, model)
+        except TokenizerError as exc:
+            raise bad_request(str(exc)) from None
+        except TokenizerUnavailable as exc:
+            tok_error = str(exc)
+        t1 = time.perf_counter()
+        targets = [(b.name, r) for b in backends for r in range(b.cfg.dp_size)]
+        report: MatchReport | None = None
+        if tokens is not None:
+            try:
+                report = self.index.match(
+                    tokens,
+                    targets,
+                    lora_name=self.registry.lora_name(model),
+                    cache_salt=body.get("cache_salt"),
+                )
+            except ValueError as exc:
+                raise bad_request(f"invalid prompt token ids: {exc}") from None
+        t2 = time.perf_counter()
+        matches = report.matches if report is not None else {}
+        block_size = report.block_size if report is not None else (self.index.config.block_size or 16)
+        prompt_blocks = report.prompt_blocks if report is not None else 0
+        cands = []
+        for target in targets:
+            m = matches.get(target)
+            cands.append(
+                Candidate(
+                    target[0],
+                    target[1],
+                    m.blocks if m else 0,
+                    dict(m.by_medium) if m else {},
+                    self.loads.get(target),
+                )
+            )
+        decision: Decision = self.policy.choose(
+            prompt_blocks, block_size, cands, have_prompt=tokens is not None
+        )
+        t3 = time.perf_counter()
+        chosen: SourceMatch | None = matches.get((decision.backend, decision.dp_rank))
+        route = Route(
+            model=model,
+            endpoint=endpoint,
+            backend=decision.backend,
+            dp_rank=decision.dp_rank,
+            outcome=decision.outcome,
+            prompt_tokens=len(tokens) if tokens is not None else 0,
+            prompt_blocks=prompt_blocks,
+            block_size=block_size,
+            matched_blocks=chosen.blocks if chosen else 0,
+            candidates=decision.candidates,
+            tokenize_error=tok_error,
+            timings_us={
+                "tokenize": round((t1 - t0) * 1e6, 1),
+                "match": round((t2 - t1) * 1e6, 1),
+                "policy": round((t3 - t2) * 1e6, 1),
+                "total": round((t3 - t0) * 1e6, 1),
+            },
+            time=time.time(),
+            report=report,
+        )
+        if not dry_run:
+            if report is not None:
+                self.index.predict((decision.backend, decision.dp_rank), report)
+            self.recent.append(route)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s", msgspec.json.encode(route.explain()).decode())
+        return route
+
+    def uncached_tokens(self, route: Route, target: tuple[str, int]) -> int:
+        """Prompt tokens the target still has to compute (for the load tracker)."""
+        for c in route.candidates:
+            if (c.backend, c.dp_rank) == target:
+                return max(route.prompt_tokens - c.matched_blocks * route.block_size, 0)
+        return route.prompt_tokens
+
+
+__all__ = ["ApiError", "Endpoint", "Route", "RouterService", "validate_body"]

@@ -1,0 +1,271 @@
+"""Real servers for end-to-end tests: uvicorn on 127.0.0.1 ephemeral ports in background threads.
+
+`FakeEngine` is a scriptable OpenAI-compatible backend written for the tests: it records what it
+receives (headers included), can fail, stall or stream slowly on demand, and owns one real
+vLLM-layout KV event publisher per DP rank on consecutive ports (vLLM's port + rank rule), through
+which tests announce exactly the blocks they want the router to see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from index.keys import prompt_keys
+from sim.publisher import BlockStored, KVEventPublisher
+
+TIMEOUT = 30.0
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
+    """Poll a condition with a generous deadline (never a fixed sleep as synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class ThreadedServer:
+    """uvicorn in a thread, bound to 127.0.0.1:0; stop() shuts it down and joins."""
+
+    def __init__(self, app: Any) -> None:
+        self.config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+        )
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> ThreadedServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started, "server start")
+        self.port: int = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(TIMEOUT)
+
+
+def consecutive_publishers(ctx: zmq.Context[Any], n: int) -> list[KVEventPublisher]:
+    """n publishers whose PUB and ROUTER ports are base + rank (retrying until a free run is found)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 2 * n >= 65535:
+            continue
+        pubs: list[KVEventPublisher] = []
+        try:
+            for r in range(n):
+                pubs.append(
+                    KVEventPublisher(
+                        endpoint=f"tcp://127.0.0.1:{base + r}",
+                        replay_endpoint=f"tcp://127.0.0.1:{base + n + r}",
+                        dp_rank=r,
+                        ctx=ctx,
+                    )
+                )
+            return pubs
+        except zmq.ZMQError:
+            for p in pubs:
+                p.close()
+    raise RuntimeError("no run of free ports found")
+
+
+class FakeEngine:
+    """A scriptable OpenAI backend with KV event publishers (one per DP rank)."""
+
+    def __init__(self, name: str, ctx: zmq.Context[Any], model: str = "toy", dp_size: int = 1) -> None:
+        self.name = name
+        self.model = model
+        self.dp_size = dp_size
+        self.requests: list[dict[str, Any]] = []
+        self.mode = "ok"  # ok | error500 | stall | slow_stream
+        self.delay_s = 0.0
+        self.disconnected = 0
+        self.publishers = consecutive_publishers(ctx, dp_size)
+        self._hashes = 0
+        self.server = ThreadedServer(self._app()).start()
+
+    # --- KV events -----------------------------------------------------------------------------
+    def announce(self, tokens: list[int], block_size: int, rank: int = 0, medium: str = "GPU") -> int:
+        """Publish BlockStored for every full block of ``tokens`` on one rank; returns the block count."""
+        n = len(tokens) // block_size
+        if n == 0:
+            return 0
+        hashes = [self._next_hash() for _ in range(n)]
+        self.publishers[rank].publish(
+            [BlockStored(hashes, None, tokens[: n * block_size], block_size, None, medium, None)]
+        )
+        return n
+
+    def _next_hash(self) -> int:
+        self._hashes += 1
+        return (hash(self.name) * 1_000_003 + self._hashes) % 2**64
+
+    @property
+    def kv_events(self) -> str:
+        return self.publishers[0].endpoint
+
+    @property
+    def kv_replay(self) -> str:
+        rep = self.publishers[0].replay_endpoint
+        assert rep is not None
+        return rep
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def backend_toml(self) -> str:
+        return (
+            f'[[backends]]\nname = "{self.name}"\nurl = "{self.url}"\nkv_events = "{self.kv_events}"\n'
+            f'kv_replay = "{self.kv_replay}"\ndp_size = {self.dp_size}\n'
+        )
+
+    def close(self) -> None:
+        self.server.stop()
+        for p in self.publishers:
+            p.close()
+
+    # --- HTTP ----------------------------------------------------------------------------------
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+        engine = self
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": engine.model, "object": "model", "parent": None}]}
+
+        async def handle(request: Request, chat: bool) -> Response:
+            body = await request.json()
+            engine.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+            if engine.mode == "error500":
+                return JSONResponse(
+                    {"error": {"message": "boom", "type": "internal", "code": 500}}, status_code=500
+                )
+            if engine.mode == "stall":
+                await asyncio.sleep(30)  # longer than any test's read timeout
+            if engine.delay_s:
+                await asyncio.sleep(engine.delay_s)
+            rid = uuid.uuid4().hex
+            usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+            if body.get("stream"):
+                return StreamingResponse(engine._chunks(rid, chat, request), media_type="text/event-stream")
+            if chat:
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": f"hello from {engine.name}"},
+                    "finish_reason": "stop",
+                }
+                return JSONResponse(
+                    {
+                        "id": rid,
+                        "object": "chat.completion",
+                        "created": 1,
+                        "model": engine.model,
+                        "choices": [choice],
+                        "usage": usage,
+                    }
+                )
+            choice = {
+                "index": 0,
+                "text": f"hello from {engine.name}",
+                "finish_reason": "length",
+                "logprobs": None,
+            }
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": 1,
+                    "model": engine.model,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await handle(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await handle(request, chat=True)
+
+        return app
+
+    async def _chunks(self, rid: str, chat: bool, request: Request) -> AsyncIterator[bytes]:
+        words = ["hello", " from", f" {self.name}"] * (200 if self.mode == "slow_stream" else 1)
+        try:
+            for w in words:
+                if chat:
+                    chunk = {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": 1,
+                        "model": self.model,
+                        "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}],
+                    }
+                else:
+                    chunk = {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": 1,
+                        "model": self.model,
+                        "choices": [{"index": 0, "text": w, "finish_reason": None, "logprobs": None}],
+                    }
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                if self.mode == "slow_stream":
+                    await asyncio.sleep(0.05)
+            yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            self.disconnected += 1
+            raise
+
+
+class RouterRunner:
+    """The real router (KVRouter under uvicorn) for a TOML config written by the test."""
+
+    def __init__(self, toml: str, tmp: Path) -> None:
+        from router.app import KVRouter
+        from router.config import load_config
+
+        path = tmp / f"fleet-{uuid.uuid4().hex[:6]}.toml"
+        path.write_text(toml)
+        self.app = KVRouter(load_config(path))
+        self.server = ThreadedServer(self.app).start()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def keys_for(tokens: list[int], block_size: int) -> int:
+    """Number of full blocks (for readability in assertions)."""
+    return len(prompt_keys(tokens, block_size))
