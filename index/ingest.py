@@ -25,12 +25,15 @@ Decisions (each counted per source, see :class:`SourceStats`):
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
-from index.keys import block_contents, chain, extra_hash, lora_root, stable_hash
+import numpy as np
+
+from index.keys import M64, U64, block_contents, extra_hash, lora_root, powers, stable_hash
 from index.store import PrefixStore, SourceId
 from index.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
 
@@ -74,6 +77,11 @@ class SourceStats:
         self.last_applied = 0.0
 
 
+def _ints(hashes: list[int | bytes]) -> list[int]:
+    """Engine hashes after :func:`index.wire.decode_payload` normalised them to ints."""
+    return cast(list[int], hashes)
+
+
 def _lora_of(ev: BlockStored) -> str | None:
     if ev.lora_name:
         return ev.lora_name
@@ -97,6 +105,58 @@ def _block_extras(ev: BlockStored, n: int) -> list[tuple[int, list[Any]]]:
         if rest:
             out.append((i, rest))
     return out
+
+
+class _Group:
+    """The BlockStored events of one chunk that share a block size, keyed together."""
+
+    __slots__ = ("block_size", "events", "keys", "m", "prefix", "roots", "starts", "tokens")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.tokens: list[int] = []
+        self.starts: list[int] = []
+        self.events: list[BlockStored] = []
+        self.roots: list[int] = []
+        self.keys: list[int] = []
+        self.m: U64 = np.empty(0, dtype=np.uint64)
+        self.prefix: U64 = np.empty(0, dtype=np.uint64)
+
+    def add(self, ev: BlockStored) -> None:
+        self.starts.append(len(self.tokens) // self.block_size)
+        self.events.append(ev)
+        self.tokens.extend(ev.token_ids)
+
+    def prepare(self) -> None:
+        """Contents of every block (extra keys folded in) and the prefix sums of m_j * C^-j."""
+        m = block_contents(self.tokens, self.block_size)
+        for ev, start in zip(self.events, self.starts, strict=True):
+            if ev.extra_keys:
+                for i, items in _block_extras(ev, len(ev.block_hashes)):
+                    m[start + i] ^= np.uint64(extra_hash(items))
+        n = len(m)
+        powers.ensure(n + 1)
+        self.m = m
+        self.prefix = np.cumsum(m * powers.inv[:n], dtype=np.uint64)
+
+    def key_at(self, b: int) -> int:
+        """Key of block ``b`` of this chunk (its event's root must already be known)."""
+        e = bisect.bisect_right(self.starts, b) - 1
+        start = self.starts[e]
+        below = int(self.prefix[start - 1]) if start else 0
+        local = (int(powers.fwd[b]) * ((int(self.prefix[b]) - below) & M64)) & M64
+        return (local + int(powers.fwd[b - start + 1]) * self.roots[e]) & M64
+
+    def solve(self) -> None:
+        """All keys at once, from the prefix sums and one root per event."""
+        n = len(self.m)
+        sizes = [len(ev.block_hashes) for ev in self.events]
+        starts = np.repeat(np.array(self.starts, dtype=np.int64), sizes)
+        roots = np.repeat(np.array(self.roots, dtype=np.uint64), sizes)
+        g = np.arange(n, dtype=np.int64)
+        below = np.where(starts > 0, self.prefix[np.maximum(starts - 1, 0)], np.uint64(0))
+        keys = powers.fwd[:n] * (self.prefix - below) + powers.fwd[g - starts + 1] * roots
+        self.keys = keys.tolist()
 
 
 class Ingestor:
@@ -126,10 +186,17 @@ class Ingestor:
         self.apply_chunk([(sidx, batch)])
 
     def apply_chunk(self, items: Sequence[tuple[int, Batch | None]]) -> None:
-        """Apply batches in order; ``None`` in place of a batch drops that source (a restart)."""
+        """Apply batches in order; ``None`` in place of a batch drops that source (a restart).
+
+        Keys are computed for the whole chunk at once: every BlockStored's token ids go through one
+        vectorised content hash per block size, and the chain recurrence is solved for all blocks
+        together (``S_i = C^i * (P_i - P_{start-1}) + C^(i-start+1) * root``, P a prefix sum of
+        ``m_j * C^-j``); only each event's root (its parent's key) is resolved one by one, from the
+        store or from an earlier event of the same chunk.
+        """
         # pass 1: validate BlockStored events and gather their tokens per block size
-        tokens: dict[int, list[int]] = {}
-        plan: dict[int, int] = {}  # id(event) -> first block index in tokens[block_size]
+        groups: dict[int, _Group] = {}
+        plan: dict[int, tuple[_Group, int]] = {}  # id(event) -> (group, event number in the group)
         for sidx, batch in items:
             if batch is None:
                 continue
@@ -157,13 +224,52 @@ class Ingestor:
                     continue
                 if st.block_size != bs:
                     self._learn_block_size(sidx, st, bs)
-                buf = tokens.setdefault(bs, [])
-                plan[id(ev)] = len(buf) // bs
-                buf.extend(ev.token_ids)
-        contents = {bs: block_contents(buf, bs).tolist() for bs, buf in tokens.items()}
+                g = groups.get(bs)
+                if g is None:
+                    g = groups[bs] = _Group(bs)
+                plan[id(ev)] = (g, len(g.starts))
+                g.add(ev)
+        for g in groups.values():
+            g.prepare()
 
-        # pass 2: apply in stream order
+        # pass 2: each event's root, in stream order (parents may be earlier events of this chunk)
         store = self.store
+        local: dict[tuple[int, int], dict[int, int]] = {}  # (source, block size) -> engine hash -> block
+        for sidx, batch in items:
+            if batch is None:
+                for key in [k for k in local if k[0] == sidx]:
+                    del local[key]
+                continue
+            for ev in batch.events:
+                if type(ev) is not BlockStored:
+                    continue
+                entry = plan.get(id(ev))
+                if entry is None:
+                    continue
+                g, e = entry
+                parent = cast(int | None, ev.parent_block_hash)  # ints after decode_payload
+                seen = local.get((sidx, g.block_size))
+                if seen is None:
+                    seen = local[sidx, g.block_size] = {}
+                if parent is None:
+                    root = lora_root(_lora_of(ev))
+                elif parent in seen:
+                    root = g.key_at(seen[parent])
+                else:
+                    known = store.key_of(sidx, parent)
+                    if known is None:
+                        self.stats[sidx].unknown_parents += 1
+                        root = stable_hash(["unknown-parent", sidx, parent])
+                    else:
+                        root = known
+                g.roots.append(root)
+                start = g.starts[e]
+                hashes = _ints(ev.block_hashes)
+                seen.update(zip(hashes, range(start, start + len(hashes)), strict=True))
+        for g in groups.values():
+            g.solve()
+
+        # pass 3: apply in stream order
         now = time.time()
         for sidx, batch in items:
             if batch is None:
@@ -177,30 +283,19 @@ class Ingestor:
                 kind = type(ev)
                 if kind is BlockStored:
                     assert isinstance(ev, BlockStored)
-                    start = plan.get(id(ev))
-                    if start is None:
+                    entry = plan.get(id(ev))
+                    if entry is None:
                         continue
+                    g, e = entry
+                    start = g.starts[e]
                     n = len(ev.block_hashes)
-                    m = contents[ev.block_size][start : start + n]
-                    for i, items_ in _block_extras(ev, n):
-                        m[i] ^= extra_hash(items_)
-                    parent = ev.parent_block_hash
-                    if parent is None:
-                        root = lora_root(_lora_of(ev))
-                    else:
-                        known = store.key_of(sidx, parent)  # type: ignore[arg-type]
-                        if known is None:
-                            st.unknown_parents += 1
-                            root = stable_hash(["unknown-parent", sidx, parent])
-                        else:
-                            root = known
-                    medium = ev.medium or "GPU"
-                    store.store(sidx, store.medium_index(medium), ev.block_hashes, chain(root, m))  # type: ignore[arg-type]
+                    medium = store.medium_index(ev.medium or "GPU")
+                    store.store(sidx, medium, _ints(ev.block_hashes), g.keys[start : start + n])
                     st.stored_events += 1
                     st.blocks_stored += n
                 elif kind is BlockRemoved:
                     assert isinstance(ev, BlockRemoved)
-                    store.remove(sidx, store.medium_index(ev.medium or "GPU"), ev.block_hashes)  # type: ignore[arg-type]
+                    store.remove(sidx, store.medium_index(ev.medium or "GPU"), _ints(ev.block_hashes))
                     st.removed_events += 1
                     st.blocks_removed += len(ev.block_hashes)
                 elif kind is AllBlocksCleared:

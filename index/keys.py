@@ -108,7 +108,8 @@ class _Powers:
         self.fwd = np.array(fwd, dtype=np.uint64)
 
 
-_POWERS = _Powers()
+powers = _Powers()
+"""The process-wide power tables (read-mostly; grown on demand)."""
 
 
 def block_contents(tokens: Sequence[int] | array[int], block_size: int) -> U64:
@@ -138,11 +139,11 @@ def chain_vec(root: int, contents: U64) -> U64:
     n = len(contents)
     if n == 0:
         return contents
-    _POWERS.ensure(n + 1)
-    acc = np.cumsum(contents * _POWERS.inv[:n], dtype=np.uint64)
-    keys = acc * _POWERS.fwd[:n]
+    powers.ensure(n + 1)
+    acc = np.cumsum(contents * powers.inv[:n], dtype=np.uint64)
+    keys = acc * powers.fwd[:n]
     if root:
-        keys = keys + _POWERS.fwd[1 : n + 1] * np.uint64(root)
+        keys = keys + powers.fwd[1 : n + 1] * np.uint64(root)
     return keys
 
 

@@ -85,7 +85,7 @@ class KVIndex:
     # --- queries -------------------------------------------------------------------------------
     def block_size_of(self, source: SourceId) -> int:
         """The block size prompts are hashed at for a source: learned from its events, else configured."""
-        sidx = self.subscriber.sidx_of(source)
+        sidx = self.store.source_index(source)
         if sidx is not None:
             st = self.ingestor.stats.get(sidx)
             if st is not None and st.block_size:
@@ -103,7 +103,7 @@ class KVIndex:
         """Longest cached prefix of ``tokens`` on every candidate source, by medium (predictions included)."""
         by_size: dict[int, list[int]] = {}
         for source in candidates:
-            sidx = self.subscriber.sidx_of(source)
+            sidx = self.store.source_index(source)
             if sidx is not None:
                 by_size.setdefault(self.block_size_of(source), []).append(sidx)
         main_size = self.config.block_size or (next(iter(by_size)) if by_size else 16)
@@ -124,7 +124,7 @@ class KVIndex:
         return MatchReport(len(tokens), main_size, len(tokens) // main_size, matches, keys)
 
     def _sidx(self, source: SourceId) -> int:
-        sidx = self.subscriber.sidx_of(source)
+        sidx = self.store.source_index(source)
         return -1 if sidx is None else sidx
 
     @staticmethod
@@ -142,7 +142,7 @@ class KVIndex:
     def predict(self, source: SourceId, report: MatchReport) -> None:
         """Give ``source`` predicted residencies for the report's prompt blocks for ``predict_ttl_s``."""
         ttl = self.config.predict_ttl_s
-        sidx = self.subscriber.sidx_of(source)
+        sidx = self.store.source_index(source)
         if ttl <= 0 or sidx is None:
             return
         size = self.block_size_of(source)

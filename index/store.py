@@ -21,8 +21,9 @@ applied, which only affects one routing decision.
 
 from __future__ import annotations
 
+import collections
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
@@ -127,36 +128,66 @@ class PrefixStore:
         return self._emaps[sidx].get(engine_hash)
 
     def store(self, sidx: int, midx: int, engine_hashes: Sequence[int], keys: Sequence[int]) -> None:
-        """Add one reference per (engine hash, key) pair to the source's residency on a medium."""
+        """Add one reference per (engine hash, key) pair to the source's residency on a medium.
+
+        Fast path (the common case: new blocks): the mappings are inserted with C-level bulk dict
+        updates; only keys the medium already holds, or engine hashes already mapped, take the
+        per-block path.
+        """
         media = self._media[midx]
         emap = self._emaps[sidx]
         bit = 1 << sidx
-        added = 0
-        for eh, key in zip(engine_hashes, keys, strict=True):
-            old = emap.get(eh)
-            if old is not None and old != key:
-                # the same engine block now resolves to another key (its parent became known):
-                # retire the old key's residencies so nothing stale survives.
-                self._forget(sidx, old)
-            emap[eh] = key
-            held = media.get(key, 0)
-            if held & bit:
-                rk = (key, sidx, midx)
-                self._refs[rk] = self._refs.get(rk, 0) + 1
-                self._refs_by_source[sidx] += 1
-            else:
-                media[key] = held | bit
-                added += 1
+        if emap.keys().isdisjoint(engine_hashes):
+            emap.update(zip(engine_hashes, keys, strict=True))
+        else:
+            for eh, key in zip(engine_hashes, keys, strict=True):
+                old = emap.get(eh)
+                if old is not None and old != key:
+                    # the same engine block now resolves to another key (its parent became known):
+                    # retire the old key's residencies so nothing stale survives.
+                    self._forget(sidx, old)
+                emap[eh] = key
+        present = media.keys() & keys if media else ()
+        if not present:
+            media.update(zip(keys, itertools.repeat(bit)))
+            added = len(keys)
+        else:
+            added = 0
+            for key in keys:
+                held = media.get(key, 0)
+                if held & bit:
+                    rk = (key, sidx, midx)
+                    self._refs[rk] = self._refs.get(rk, 0) + 1
+                    self._refs_by_source[sidx] += 1
+                else:
+                    media[key] = held | bit
+                    added += 1
         self._counts[sidx][midx] += added
         self.total += added
         if self.total > self.max_residencies:
             self._evict()
 
-    def remove(self, sidx: int, midx: int, engine_hashes: Iterable[int]) -> int:
-        """Drop one reference per engine hash; returns how many residencies ended."""
+    def remove(self, sidx: int, midx: int, engine_hashes: Sequence[int]) -> int:
+        """Drop one reference per engine hash; returns how many residencies ended.
+
+        Fast path: this source is the only holder of every block, holds them once, on this medium
+        only (no offload tier in use): bulk deletes. Anything else takes the per-block path.
+        """
         media = self._media[midx]
         emap = self._emaps[sidx]
         bit = 1 << sidx
+        if not self._refs_by_source[sidx] and not any(m for i, m in enumerate(self._media) if i != midx):
+            keys = list(map(emap.get, engine_hashes))
+            if (
+                list(map(media.get, keys)).count(bit) == len(keys)  # type: ignore[arg-type]
+                and len(set(engine_hashes)) == len(keys)  # a hash listed twice takes the careful path
+            ):
+                collections.deque(map(media.__delitem__, keys), maxlen=0)  # type: ignore[arg-type]
+                collections.deque(map(emap.__delitem__, engine_hashes), maxlen=0)
+                n = len(keys)
+                self._counts[sidx][midx] -= n
+                self.total -= n
+                return n
         ended = 0
         for eh in engine_hashes:
             key = emap.get(eh)

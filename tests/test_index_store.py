@@ -281,3 +281,64 @@ def test_bad_shapes_are_counted_and_skipped() -> None:
         ),
     )
     assert ing.stats[s].bad_events == 1 and store.total == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(st.integers(0, 1), st.integers(0, len(PATHS) - 1), st.integers(1, 4), st.booleans()),
+        min_size=1,
+        max_size=25,
+    ),
+    with_extra=st.booleans(),
+)
+def test_one_chunk_equals_batch_by_batch(plan: list[tuple[int, int, int, bool]], with_extra: bool) -> None:
+    """Keys solved for a whole chunk (parents inside the chunk) equal keys applied batch by batch."""
+    engines = [_Engine(s) for s in (5, 6)]
+    held: list[set[tuple[int, ...]]] = [set(), set()]
+    payloads: list[tuple[int, bytes]] = []
+    for s, p, nblocks, remove in plan:
+        eng = engines[s]
+        path = PATHS[p][: nblocks * BS]
+        prefixes = [path[: (i + 1) * BS] for i in range(len(path) // BS)]
+        if remove and held[s] & set(prefixes):
+            doomed = [x for x in prefixes if x in held[s]][-1:]
+            held[s] -= set(doomed)
+            ev: object = BlockRemoved([eng.ehash(x) for x in doomed], "GPU")
+        else:
+            first = next((i for i, x in enumerate(prefixes) if x not in held[s]), len(prefixes))
+            if first == len(prefixes):
+                continue
+            if first and prefixes[first - 1] not in held[s]:
+                first = 0
+            new = prefixes[first:]
+            held[s] |= set(new)
+            extra = [["salt"]] + [None] * (len(new) - 1) if with_extra and first == 0 else None
+            toks = [t for pre in new for t in pre[-BS:]]
+            parent = eng.ehash(prefixes[first - 1]) if first else None
+            ev = BlockStored([eng.ehash(x) for x in new], parent, toks, BS, None, "GPU", None, extra)
+        payloads.append((s, encode_batch([ev], 1.0, 0)))
+
+    def build(chunked: bool) -> PrefixStore:
+        store = PrefixStore()
+        ing = Ingestor(store, BS)
+        sidx = [ing.add_source(("e", s)) for s in range(2)]
+        batches = [(sidx[s], decode_payload(p)) for s, p in payloads]
+        if chunked:
+            ing.apply_chunk(batches)  # type: ignore[arg-type]
+        else:
+            for item in batches:
+                ing.apply_chunk([item])
+        return store
+
+    a, b = build(True), build(False)
+    assert a._media == b._media and a._emaps == b._emaps and a._refs == b._refs
+
+
+def test_a_hash_removed_twice_in_one_event() -> None:
+    store = PrefixStore()
+    ing = Ingestor(store, 2)
+    s = ing.add_source(("e", 0))
+    ing.apply(s, decode_payload(encode_batch([BlockStored([1, 2], None, [1, 2, 3, 4], 2, None, "GPU", None)], 1.0, 0)))
+    ing.apply(s, decode_payload(encode_batch([BlockRemoved([2, 2, 1], "GPU")], 1.0, 0)))
+    assert store.total == 0 and store.counts()[0].unknown_removes == 1

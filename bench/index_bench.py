@@ -1,0 +1,160 @@
+"""Index micro-benchmarks: ingest rate, lookup latency, memory per residency.
+
+Run: ``.venv/bin/python bench/index_bench.py [--quick]`` (``make bench`` runs it). Prints a JSON
+document and a markdown table; the figures in BENCHMARKS.md come from here.
+
+- ingest: vLLM-layout msgpack batches of 1..64 BlockStored blocks (block_size 16) plus the
+  BlockRemoved traffic of a full cache, decoded and applied in subscriber-sized chunks, one core.
+- lookup: an index of 1M residencies over 8 or 64 sources; prompts of 1k/8k/32k tokens whose first
+  half is cached on some sources; hash + match per call (KVIndex.match), p50/p99.
+- memory: RSS growth per residency while indexing 1M blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from index.ingest import Ingestor  # noqa: E402
+from index.kvindex import IndexConfig, KVIndex  # noqa: E402
+from index.store import PrefixStore  # noqa: E402
+from index.wire import decode_payload  # noqa: E402
+from sim.publisher import BlockRemoved, BlockStored, encode_batch  # noqa: E402
+
+BS = 16
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_stream(n_blocks: int, rng: random.Random, capacity: int) -> list[bytes]:
+    """Encoded batches: chains of 1..64 new blocks, evicting the oldest beyond ``capacity`` blocks."""
+    payloads: list[bytes] = []
+    live: list[int] = []
+    next_hash = 1
+    made = 0
+    parent: int | None = None
+    while made < n_blocks:
+        n = rng.randint(1, 64)
+        events: list[Any] = []
+        if len(live) + n > capacity:
+            doomed, live = live[:n], live[n:]
+            events.append(BlockRemoved(doomed, "GPU"))
+        if rng.random() < 0.3:
+            parent = None  # a new conversation
+        hashes = list(range(next_hash, next_hash + n))
+        next_hash += n
+        tokens = [rng.randrange(150_000) for _ in range(n * BS)]
+        events.append(BlockStored(hashes, parent, tokens, BS, None, "GPU", None))
+        parent = hashes[-1]
+        live += hashes
+        made += n
+        payloads.append(encode_batch(events, time.time(), 0))
+    return payloads
+
+
+def bench_ingest(n_blocks: int, chunk: int = 64) -> dict[str, Any]:
+    rng = random.Random(1)
+    payloads = make_stream(n_blocks, rng, capacity=200_000)
+    runs = []
+    for _ in range(3):
+        store = PrefixStore()
+        ing = Ingestor(store, BS)
+        sidx = ing.add_source(("e", 0))
+        gc.collect()
+        t0 = time.perf_counter()
+        for i in range(0, len(payloads), chunk):
+            ing.apply_chunk([(sidx, decode_payload(p)) for p in payloads[i : i + chunk]])
+        runs.append(time.perf_counter() - t0)
+    best = statistics.median(runs)
+    decode_only = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for p in payloads:
+            decode_payload(p)
+        decode_only.append(time.perf_counter() - t0)
+    return {
+        "blocks": n_blocks,
+        "batches": len(payloads),
+        "blocks_per_s_median": round(n_blocks / best),
+        "decode_share": round(statistics.median(decode_only) / best, 2),
+    }
+
+
+def build_index(n_res: int, sources: int, keep_docs: bool = True) -> tuple[KVIndex, list[list[int]]]:
+    """An index with ``n_res`` residencies spread over ``sources``; returns the documents' tokens."""
+    idx = KVIndex(IndexConfig(block_size=BS, max_residencies=10 * n_res))
+    sidxs = [idx.ingestor.add_source((f"e{s}", 0)) for s in range(sources)]
+    rng = random.Random(2)
+    docs: list[list[int]] = []
+    made = 0
+    s = 0
+    while made < n_res:
+        tokens = [rng.randrange(150_000) for _ in range(64 * BS)]
+        if keep_docs:
+            docs.append(tokens)
+        hashes = [rng.getrandbits(64) for _ in range(64)]
+        idx.ingestor.apply(sidxs[s % sources], decode_payload(encode_batch([BlockStored(hashes, None, tokens, BS, None, "GPU", None)], 1.0, 0)))
+        made += 64
+        s += 1
+    return idx, docs
+
+
+def bench_lookup(n_res: int, sources: int, reps: int) -> dict[str, Any]:
+    idx, docs = build_index(n_res, sources)
+    cands = [(f"e{s}", 0) for s in range(sources)]
+    rng = random.Random(3)
+    out: dict[str, Any] = {"sources": sources, "residencies": idx.store.total}
+    for tokens_n in (1024, 8192, 32768):
+        times = []
+        for _ in range(reps):
+            doc = docs[rng.randrange(len(docs))]
+            prompt = (doc * (tokens_n // len(doc) + 1))[: tokens_n // 2] + [rng.randrange(150_000) for _ in range(tokens_n // 2)]
+            t0 = time.perf_counter()
+            rep = idx.match(prompt, cands)
+            times.append(time.perf_counter() - t0)
+            assert max(m.blocks for m in rep.matches.values()) >= 1
+        times.sort()
+        out[f"{tokens_n}"] = {
+            "p50_us": round(times[len(times) // 2] * 1e6, 1),
+            "p99_us": round(times[int(len(times) * 0.99)] * 1e6, 1),
+        }
+    return out
+
+
+def bench_memory(n_res: int) -> dict[str, Any]:
+    gc.collect()
+    before = rss_bytes()
+    idx, _ = build_index(n_res, 8, keep_docs=False)
+    gc.collect()
+    after = rss_bytes()
+    total = idx.store.total
+    return {"residencies": total, "bytes_per_residency": round((after - before) / total, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    n = 100_000 if args.quick else 1_000_000
+    result = {
+        "ingest": bench_ingest(n // 2 if args.quick else 1_000_000),
+        "memory": bench_memory(n),
+        "lookup": [bench_lookup(n, s, 200 if args.quick else 1000) for s in (8, 64)],
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
