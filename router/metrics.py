@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -43,6 +43,7 @@ class RouterMetrics:
     """Request-path metrics (recorded by the proxy) plus a collector for index/stream state."""
 
     def __init__(self, index: KVIndex, registry: BackendRegistry, loads: LoadTracker) -> None:
+        disable_created_metrics()  # process-wide switch in prometheus-client: *_created series add nothing here
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(

@@ -1,0 +1,122 @@
+"""Observability against a running router: /metrics exports what Grafana queries, and the built-in
+dashboard works in a real headless browser (Debian's chromium driven by Playwright)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+from harness import FakeEngine, RouterRunner, wait_for
+from test_deploy import EXPORTED_METRICS
+
+from sim.toy_tokenizer import build_toy_tokenizer
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterRunner, list[FakeEngine]]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    tmp = tmp_path_factory.mktemp("dash")
+    tok = build_toy_tokenizer(tmp / "tok")
+    engines = [FakeEngine(n, ctx) for n in ("alpha", "beta")]
+    toml = f'block_size = 4\ntokenizer = "{tok}"\n' + "\n".join(e.backend_toml() for e in engines)
+    router = RouterRunner(toml, tmp)
+    try:
+        yield router, engines
+    finally:
+        router.stop()
+        for e in engines:
+            e.close()
+        ctx.term()
+
+
+def traffic(router: RouterRunner, n: int, stream: bool = False) -> None:
+    with httpx.Client(timeout=30) as c:
+        for i in range(n):
+            body = {
+                "model": "toy",
+                "prompt": f"request number {i} about ships and harbours",
+                "stream": stream,
+            }
+            assert c.post(f"{router.url}/v1/completions", json=body).status_code == 200
+
+
+def test_metrics_exports_every_declared_metric(live: tuple[RouterRunner, list[FakeEngine]]) -> None:
+    router, engines = live
+    engines[0].announce(list(range(10, 42)), 4)
+    wait_for(lambda: "kvrouter_index_blocks{" in httpx.get(f"{router.url}/metrics").text, "index metrics")
+    traffic(router, 3)
+    traffic(router, 2, stream=True)
+    text = httpx.get(f"{router.url}/metrics").text
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
+    for name, (kind, labels) in EXPORTED_METRICS.items():
+        exported = types.get(name) or types.get(name.removesuffix("_total"))
+        assert exported == kind, f"{name}: exported as {exported}"
+        sample = re.search(rf"^{re.escape(name)}(?:_bucket|_count)?\{{([^}}]*)\}}", text, re.MULTILINE)
+        if sample:  # labelled series present: their label names are the declared ones
+            got = {kv.split("=")[0] for kv in sample.group(1).split(",") if kv} - {"le"}
+            assert got == set(labels), f"{name}: labels {got} != {set(labels)}"
+    assert re.search(
+        r'^kvrouter_requests_total\{backend="(alpha|beta)",model="toy",status="2xx"\} [1-9]', text, re.M
+    )
+    assert "_created" not in text  # no per-series creation timestamps (cardinality)
+    assert re.search(r'^kvrouter_kv_source_connected\{source="alpha/dp0"\} 1\.0', text, re.M)
+
+
+@pytest.mark.skipif(not IN_CI and CHROMIUM is None, reason="chromium is not installed (CI installs it)")
+def test_dashboard_in_headless_chromium(live: tuple[RouterRunner, list[FakeEngine]]) -> None:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if IN_CI:
+            raise
+        pytest.skip("playwright is not installed")
+    assert CHROMIUM is not None, "CI must install chromium"
+    router, _ = live
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+            ],
+        )
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{router.url}/dashboard")
+            page.wait_for_selector("body[data-state=ok]", timeout=30_000)
+            page.wait_for_selector("#backends tbody tr[data-backend=beta]", timeout=30_000)
+            assert page.locator("#backends tbody tr[data-backend]").count() == 2
+            assert page.locator("#sources tbody tr[data-source]").count() == 2
+
+            def requests_total() -> float:
+                raw = page.locator("#requests-total").get_attribute("data-value")
+                return float(raw or 0)
+
+            before = requests_total()
+            traffic(router, 4)
+            wait_for(lambda: requests_total() >= before + 4, "the page's request count to move", timeout=30)
+            page.wait_for_selector("#decisions details.decision", timeout=30_000)
+            Path(os.environ.get("KVROUTER_SCREENSHOT", "/tmp/kvrouter-dashboard.png")).parent.mkdir(
+                exist_ok=True
+            )
+            page.screenshot(
+                path=os.environ.get("KVROUTER_SCREENSHOT", "/tmp/kvrouter-dashboard.png"), full_page=True
+            )
+        finally:
+            browser.close()
+    assert not errors, errors
