@@ -35,6 +35,7 @@ from router.policy import Policy
 from router.proxy import PATHS, ProxyHandler, Receive, Scope, Send
 from router.service import Endpoint, RouterService
 from router.tokenizer import ChatTokenizer, RequestTokenizer
+from router.upstream import UpstreamPool
 
 log = logging.getLogger("kvrouter")
 
@@ -71,8 +72,7 @@ class KVRouter:
         srv = config.server
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(
-                max_connections=srv.max_connections,
-                max_keepalive_connections=srv.max_connections,
+                max_connections=64,  # health checks and /tokenize only; the proxy has its own pool
                 keepalive_expiry=60.0,
             ),
             timeout=httpx.Timeout(srv.read_timeout_s, connect=srv.connect_timeout_s),
@@ -92,7 +92,10 @@ class KVRouter:
             self.index, self.registry, self.loads, self.policy, self.tokenizer, config.recent_decisions
         )
         self.metrics = RouterMetrics(self.index, self.registry, self.loads)
-        self.proxy = ProxyHandler(self.service, self.client, self.metrics, self.loads, srv, self.authorize)
+        self.pool = UpstreamPool(
+            srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
+        )
+        self.proxy = ProxyHandler(self.service, self.pool, self.metrics, self.loads, srv, self.authorize)
         self._keys = [k.encode() for k in config.api_keys]
         self._tasks: list[asyncio.Task[None]] = []
         self.api = self._build_api()
@@ -156,6 +159,7 @@ class KVRouter:
         await self.registry.stop()
         self.index.stop()
         self.tokenizer.close()
+        self.pool.close()
         await self.client.aclose()
 
     async def _housekeeping(self) -> None:

@@ -15,11 +15,13 @@ import contextlib
 import logging
 import re
 import time
+from urllib.parse import urlsplit
 
 import httpx
 
 from router.config import BackendConfig, HealthConfig
 from router.load import LoadTracker
+from router.upstream import UpstreamPool
 
 log = logging.getLogger("kvrouter.backends")
 
@@ -37,6 +39,8 @@ class Backend:
         self.cfg = cfg
         self.name = cfg.name
         self.url = cfg.url.rstrip("/")
+        self.upstream_key = UpstreamPool.key_of(self.url)
+        self.base_path = urlsplit(self.url).path.rstrip("/")
         self.healthy = False
         self.failures = 0
         self.checked_at = 0.0

@@ -35,8 +35,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Connecting to a backend; a failure is retried once on the next-best candidate, then 502."""
     read_timeout_s: float = 600.0
     """Longest silence between two chunks of a streamed response; 504 before the first byte."""
-    max_connections: int = 1024
-    """Pooled keep-alive connections to all backends together."""
+    max_connections: int = 256
+    """Idle keep-alive connections kept per backend (the proxy's own HTTP/1.1 pool)."""
+    keepalive_expiry_s: float = 4.0
+    """Idle connections older than this are not reused (vLLM's uvicorn closes them after 5 s)."""
     drain_timeout_s: float = 30.0
     """On shutdown, in-flight requests and streams get this long to finish."""
     log_level: str = "info"

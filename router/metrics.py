@@ -43,7 +43,7 @@ class RouterMetrics:
     """Request-path metrics (recorded by the proxy) plus a collector for index/stream state."""
 
     def __init__(self, index: KVIndex, registry: BackendRegistry, loads: LoadTracker) -> None:
-        disable_created_metrics()  # process-wide switch in prometheus-client: *_created series add nothing here
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide; *_created add nothing
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(

@@ -23,7 +23,6 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import httpx
 import msgspec
 
 from router.config import ServerConfig
@@ -31,6 +30,13 @@ from router.errors import ApiError, bad_gateway, bad_request, gateway_timeout, t
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.service import Endpoint, Route, RouterService
+from router.upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
 log = logging.getLogger("kvrouter.proxy")
 
@@ -106,24 +112,18 @@ class ProxyHandler:
     def __init__(
         self,
         service: RouterService,
-        client: httpx.AsyncClient,
+        pool: UpstreamPool,
         metrics: RouterMetrics,
         loads: LoadTracker,
         server: ServerConfig,
         authorize: Callable[[Scope], None],
     ) -> None:
         self.service = service
-        self.client = client
+        self.pool = pool
         self.metrics = metrics
         self.loads = loads
         self.server = server
         self.authorize = authorize
-        self.timeout = httpx.Timeout(
-            connect=server.connect_timeout_s,
-            read=server.read_timeout_s,
-            write=server.read_timeout_s,
-            pool=server.connect_timeout_s,
-        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = PATHS[scope["path"]]
@@ -176,14 +176,16 @@ class ProxyHandler:
                 task.cancel()
                 return True
 
-    def _headers(self, scope: Scope, backend_auth: dict[str, str], dp_size: int, rank: int) -> dict[str, str]:
-        headers = {"content-type": "application/json", **backend_auth}
+    def _headers(
+        self, scope: Scope, backend_auth: dict[str, str], dp_size: int, rank: int
+    ) -> list[tuple[str, str]]:
+        headers = [("content-type", "application/json"), *backend_auth.items()]
         if dp_size > 1:
-            headers["x-data-parallel-rank"] = str(rank)
+            headers.append(("x-data-parallel-rank", str(rank)))
         for name, value in scope.get("headers", ()):
             key = name.decode("latin-1")
             if key in _FORWARD_REQUEST_HEADERS:
-                headers[key] = value.decode("latin-1")
+                headers.append((key, value.decode("latin-1")))
         return headers
 
     async def _exchange(
@@ -199,25 +201,25 @@ class ProxyHandler:
             ticket = self.loads.start(target, uncached)
             started = time.perf_counter()
             try:
-                req = self.client.build_request(
-                    "POST",
-                    backend.url + path,
-                    content=body,
-                    headers=self._headers(scope, backend.auth_headers, backend.cfg.dp_size, target[1]),
-                    timeout=self.timeout,
-                )
                 try:
-                    resp = await self.client.send(req, stream=True)
-                except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
-                    registry.mark_failed(backend, f"{type(exc).__name__}: {exc}")
-                    self.metrics.error(backend.name, "connect")
-                    last_error = bad_gateway(f"backend {backend.name} unreachable: {type(exc).__name__}")
-                    continue
-                except httpx.TimeoutException:
+                    resp = await self.pool.request(
+                        backend.upstream_key,
+                        "POST",
+                        backend.base_path + path,
+                        self._headers(scope, backend.auth_headers, backend.cfg.dp_size, target[1]),
+                        body,
+                    )
+                except UpstreamTimeout:
                     self.metrics.error(backend.name, "timeout")
                     await send_error(send, gateway_timeout(f"backend {backend.name} did not answer in time"))
                     return
-                status = resp.status_code
+                except UpstreamError as exc:
+                    if isinstance(exc, UpstreamConnectError):
+                        registry.mark_failed(backend, str(exc))
+                    self.metrics.error(backend.name, "connect")
+                    last_error = bad_gateway(f"backend {backend.name} failed: {exc}")
+                    continue
+                status = resp.status
                 if status >= 500 and attempt + 1 < len(targets):
                     await resp.aclose()
                     self.metrics.error(backend.name, f"upstream_{status}")
@@ -234,12 +236,12 @@ class ProxyHandler:
         await send_error(send, last_error)
 
     async def _stream(
-        self, send: Send, resp: httpx.Response, ticket: Any, backend: str, rank: int, started: float
+        self, send: Send, resp: UpstreamResponse, ticket: Any, backend: str, rank: int, started: float
     ) -> None:
-        headers = [(k.lower(), v) for k, v in resp.headers.raw if k.lower() not in _HOP_BY_HOP]
+        headers = [(k, v) for k, v in resp.headers if k not in _HOP_BY_HOP]
         headers.append((b"x-kvrouter-backend", backend.encode()))
         headers.append((b"x-kvrouter-dp-rank", str(rank).encode()))
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         first = True
         try:
             async for chunk in resp.aiter_raw():
@@ -249,7 +251,7 @@ class ProxyHandler:
                     self.metrics.ttft.labels(backend).observe(time.perf_counter() - started)
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             # headers are out: all we can do is end the response early and count it
             log.warning("backend %s broke the response stream: %s", backend, exc)
             self.metrics.error(backend, "stream_broken")

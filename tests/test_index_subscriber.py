@@ -322,3 +322,13 @@ def test_replay_timeout_is_bounded_and_counted(
         wait_for(lambda: status(idx).lost_batches >= 2, "the two dropped batches counted as lost")
     finally:
         silent.close(0)
+
+
+def test_an_idle_subscriber_without_sources_does_not_spin(make_index: Callable[..., KVIndex]) -> None:
+    """With nothing to poll, zmq returns at once: the thread must sleep, not hold the GIL in a loop."""
+    make_index()
+    before = time.process_time()
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert time.process_time() - before < 0.2  # a spinning thread burns ~0.5 s of CPU here

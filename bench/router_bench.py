@@ -1,0 +1,234 @@
+"""Router overhead: throughput through kvrouter vs direct to a zero-latency mock, added TTFT, and the
+route-decision latency for 1k/8k/32k-token prompts.
+
+``.venv/bin/python bench/router_bench.py [--seconds 8]`` (``make bench`` runs it). Needs ``wrk``
+(Debian package). Everything runs on 127.0.0.1; every load run is bounded in time.
+
+- req/s: wrk, POST /v1/completions (a short text prompt, tokenized by the router with the toy
+  tokenizer, so the kv policy does its full work), non-stream and SSE (16 chunks), c=1 and c=32;
+  ratio = through the router / direct, measured in the same run.
+- added TTFT: 300 sequential streaming requests with paced tokens (20 ms apart), first chunk time
+  through the router minus direct, p50.
+- decision latency: ``POST /route`` with text prompts of ~1k/8k/32k tokens, the router's own
+  ``timings_us.total`` (tokenize + keys + lookup + policy), p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_ready(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready")
+
+
+def wrk(url: str, body: str, conns: int, seconds: int) -> float:
+    script = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False)
+    script.write(
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = {json.dumps(body)}\n"
+    )
+    script.close()
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t",
+            "1" if conns == 1 else "2",
+            "-c",
+            str(conns),
+            "-d",
+            f"{seconds}s",
+            "-s",
+            script.name,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 30,
+        check=True,
+    ).stdout
+    os.unlink(script.name)
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if non2xx:
+        raise RuntimeError(f"wrk saw errors: {out}")
+    return float(m.group(1)) if m else 0.0
+
+
+def ttft(url: str, n: int) -> list[float]:
+    body = {"model": "toy", "prompt": "Tell me about harbours", "stream": True}
+    out = []
+    with httpx.Client(timeout=30) as c:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            with c.stream("POST", url, json=body) as r:
+                chunks = r.iter_raw()
+                next(chunks)
+                out.append(time.perf_counter() - t0)
+                for _ in chunks:
+                    pass
+    return out
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+    )
+
+
+def stop(p: subprocess.Popen[bytes]) -> None:
+    os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+
+
+def router_config(tmp: Path, mock_port: int, port: int, tok: Path) -> Path:
+    cfg = tmp / "bench.toml"
+    cfg.write_text(
+        f'block_size = 16\ntokenizer = "{tok}"\n[server]\nport = {port}\nlog_level = "warning"\n'
+        f'[[backends]]\nname = "mock"\nurl = "http://127.0.0.1:{mock_port}"\nmodels = ["toy"]\n'
+    )
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=int, default=8)
+    ap.add_argument("--ttft-requests", type=int, default=300)
+    args = ap.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("wrk is required: apt-get install wrk")
+    from sim.toy_tokenizer import build_toy_tokenizer
+
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        tok = build_toy_tokenizer(tmp / "tok")
+        body = json.dumps(
+            {"model": "toy", "prompt": "Tell me about the old harbour and its ships", "max_tokens": 16}
+        )
+        sse = json.dumps(
+            {"model": "toy", "prompt": "Tell me about the old harbour and its ships", "stream": True}
+        )
+        mport, rport = free_port(), free_port()
+        mock = start([PY, "bench/zero_mock.py", str(mport)], tmp / "mock.log")
+        router = start(
+            [PY, "-m", "router.cli", "serve", "--config", str(router_config(tmp, mport, rport, tok))],
+            tmp / "router.log",
+        )
+        try:
+            wait_ready(f"http://127.0.0.1:{mport}/health")
+            wait_ready(f"http://127.0.0.1:{rport}/ready")
+            direct = f"http://127.0.0.1:{mport}/v1/completions"
+            routed = f"http://127.0.0.1:{rport}/v1/completions"
+            wrk(routed, body, 8, 2)  # warm-up
+            rows = []
+            for mode, payload in (("non-stream", body), ("SSE", sse)):
+                for conns in (1, 32):
+                    d_rps = wrk(direct, payload, conns, args.seconds)
+                    r_rps = wrk(routed, payload, conns, args.seconds)
+                    rows.append(
+                        {
+                            "mode": mode,
+                            "c": conns,
+                            "direct_rps": round(d_rps),
+                            "router_rps": round(r_rps),
+                            "ratio": round(r_rps / d_rps, 2) if d_rps else 0,
+                        }
+                    )
+            result["throughput"] = rows
+            print(json.dumps(rows), file=sys.stderr)
+        finally:
+            stop(router)
+            stop(mock)
+
+        # added TTFT with paced tokens
+        mport, rport = free_port(), free_port()
+        mock = start(
+            [PY, "bench/zero_mock.py", str(mport), "--chunks", "5", "--pace-ms", "20"], tmp / "mock2.log"
+        )
+        router = start(
+            [PY, "-m", "router.cli", "serve", "--config", str(router_config(tmp, mport, rport, tok))],
+            tmp / "router2.log",
+        )
+        try:
+            wait_ready(f"http://127.0.0.1:{mport}/health")
+            wait_ready(f"http://127.0.0.1:{rport}/ready")
+            ttft(f"http://127.0.0.1:{rport}/v1/completions", 20)
+            d = ttft(f"http://127.0.0.1:{mport}/v1/completions", args.ttft_requests)
+            r = ttft(f"http://127.0.0.1:{rport}/v1/completions", args.ttft_requests)
+            result["ttft_ms"] = {
+                "direct_p50": round(statistics.median(d) * 1e3, 3),
+                "router_p50": round(statistics.median(r) * 1e3, 3),
+                "added_p50": round((statistics.median(r) - statistics.median(d)) * 1e3, 3),
+            }
+            # decision latency for long prompts (text, tokenized by the router)
+            from sim.toy_tokenizer import toy_corpus
+
+            text = " ".join(toy_corpus())
+            from router.tokenizer import ChatTokenizer
+
+            ct = ChatTokenizer.from_path(tok)
+            ids = ct.encode_prompt(text)
+            lat = {}
+            for n_tok in (1024, 8192, 32768):
+                reps = (ids * (n_tok // len(ids) + 1))[:n_tok]
+                prompt = ct.decode(reps)
+                times = []
+                with httpx.Client(timeout=30) as c:
+                    for _ in range(40):
+                        j = c.post(
+                            f"http://127.0.0.1:{rport}/route", json={"model": "toy", "prompt": prompt}
+                        ).json()
+                        times.append(j["timings_us"]["total"])
+                        tokens = j["prompt_tokens"]
+                times.sort()
+                lat[str(n_tok)] = {
+                    "prompt_tokens": tokens,
+                    "p50_us": times[len(times) // 2],
+                    "p99_us": times[-1],
+                }
+            result["decision_us"] = lat
+        finally:
+            stop(router)
+            stop(mock)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

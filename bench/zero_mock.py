@@ -1,0 +1,109 @@
+"""A zero-latency OpenAI-shaped upstream for proxy benchmarks: raw asyncio HTTP/1.1, keep-alive.
+
+``python bench/zero_mock.py PORT [--chunks N] [--pace-ms MS]``: non-stream requests get a fixed JSON
+completion at once; ``"stream": true`` requests get N SSE chunks (the first at once, the rest
+``--pace-ms`` apart) and ``data: [DONE]``. It answers /health and /v1/models so the router accepts it.
+Deliberately minimal so that the upstream is not the bottleneck of the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+COMPLETION = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 1,
+        "model": "toy",
+        "choices": [{"index": 0, "text": "hello world", "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
+    }
+).encode()
+MODELS = json.dumps({"object": "list", "data": [{"id": "toy", "object": "model"}]}).encode()
+HEALTH = b"{}"
+
+
+def _response(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: "
+        + ctype
+        + b"\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+async def handle(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chunks: int, pace: float
+) -> None:
+    event = json.dumps(
+        {
+            "id": "cmpl-bench",
+            "object": "text_completion",
+            "created": 1,
+            "model": "toy",
+            "choices": [{"index": 0, "text": " tok", "finish_reason": None}],
+        }
+    ).encode()
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            line, _, rest = head.partition(b"\r\n")
+            length = 0
+            for h in rest.split(b"\r\n"):
+                if h[:15].lower() == b"content-length:":
+                    length = int(h[15:])
+            body = await reader.readexactly(length) if length else b""
+            path = line.split(b" ")[1]
+            if path == b"/health":
+                writer.write(_response(HEALTH))
+            elif path == b"/v1/models":
+                writer.write(_response(MODELS))
+            elif b'"stream":true' in body.replace(b" ", b""):
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
+                for i in range(chunks):
+                    if i and pace:
+                        await writer.drain()
+                        await asyncio.sleep(pace)
+                    writer.write(_chunk(b"data: " + event + b"\n\n"))
+                writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            else:
+                writer.write(_response(COMPLETION))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main(port: int, chunks: int, pace: float) -> None:
+    server = await asyncio.start_server(
+        lambda r, w: handle(r, w, chunks, pace), "127.0.0.1", port, backlog=1024
+    )
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("port", type=int)
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--pace-ms", type=float, default=0.0)
+    a = ap.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(main(a.port, a.chunks, a.pace_ms / 1000))

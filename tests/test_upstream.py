@@ -1,0 +1,233 @@
+"""The proxy's HTTP/1.1 upstream client against a raw asyncio server that can misbehave on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return await reader.readexactly(length)
+
+
+class Server:
+    def __init__(self, respond: Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]) -> None:
+        self.respond = respond
+        self.connections = 0
+        self.requests = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                body = await read_request(reader)
+                self.requests += 1
+                if not await self.respond(body, writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> tuple[str, int]:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return ("http", "127.0.0.1", self.server.sockets[0].getsockname()[1])  # type: ignore[return-value]
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+
+async def body_of(pool: UpstreamPool, key: tuple[str, str, int], payload: bytes = b"{}") -> tuple[int, bytes]:
+    resp = await pool.request(key, "POST", "/v1/completions", [("content-type", "application/json")], payload)
+    out = b"".join([c async for c in resp.aiter_raw()])
+    await resp.aclose()
+    return resp.status, out
+
+
+async def fixed(body: bytes, w: asyncio.StreamWriter) -> bool:
+    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body) + 3, b"ok:" + body))
+    await w.drain()
+    return True
+
+
+def test_content_length_keep_alive_reuses_one_connection() -> None:
+    async def main() -> None:
+        srv = Server(fixed)
+        async with srv as key:
+            pool = UpstreamPool()
+            for i in range(20):
+                assert await body_of(pool, key, b"%d" % i) == (200, b"ok:%d" % i)  # type: ignore[arg-type]
+            assert srv.connections == 1 and srv.requests == 20
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_chunked_bodies_are_dechunked_and_streamed() -> None:
+    async def chunked(body: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(5):
+            data = b"data: %d\n\n" % i
+            w.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await w.drain()
+            await asyncio.sleep(0.01)
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+        return True
+
+    async def main() -> None:
+        srv = Server(chunked)
+        async with srv as key:
+            pool = UpstreamPool()
+            status, body = await body_of(pool, key)  # type: ignore[arg-type]
+            assert status == 200 and body == b"".join(b"data: %d\n\n" % i for i in range(5))
+            await body_of(pool, key)  # type: ignore[arg-type]
+            assert srv.connections == 1
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_connection_close_delimited_body_and_no_reuse() -> None:
+    async def closing(body: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end")
+        await w.drain()
+        return False
+
+    async def main() -> None:
+        srv = Server(closing)
+        async with srv as key:
+            pool = UpstreamPool()
+            assert await body_of(pool, key) == (200, b"until the end")  # type: ignore[arg-type]
+            assert await body_of(pool, key) == (200, b"until the end")  # type: ignore[arg-type]
+            assert srv.connections == 2
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_stale_idle_connection_is_retried_once_on_a_fresh_one() -> None:
+    async def one_shot(body: bytes, w: asyncio.StreamWriter) -> bool:
+        await fixed(body, w)
+        return False  # close after answering, although the response said keep-alive
+
+    async def main() -> None:
+        srv = Server(one_shot)
+        async with srv as key:
+            pool = UpstreamPool()
+            assert await body_of(pool, key, b"1") == (200, b"ok:1")  # type: ignore[arg-type]
+            await asyncio.sleep(0.05)  # let the close arrive (or not: both paths must work)
+            assert await body_of(pool, key, b"2") == (200, b"ok:2")  # type: ignore[arg-type]
+            assert srv.requests == 2
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_timeouts_and_connect_errors() -> None:
+    async def silent(body: bytes, w: asyncio.StreamWriter) -> bool:
+        await asyncio.sleep(5)
+        return False
+
+    async def main() -> None:
+        srv = Server(silent)
+        async with srv as key:
+            pool = UpstreamPool(read_timeout=0.2)
+            with pytest.raises(UpstreamTimeout):
+                await body_of(pool, key)  # type: ignore[arg-type]
+            pool.close()
+        closed = ("http", "127.0.0.1", key[2])
+        with pytest.raises(UpstreamConnectError):
+            await body_of(UpstreamPool(connect_timeout=2), closed)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+def test_garbage_and_early_close_are_errors() -> None:
+    async def garbage(body: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await w.drain()
+        return False
+
+    async def truncated(body: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nshort")
+        await w.drain()
+        return False
+
+    async def main() -> None:
+        for respond in (garbage, truncated):
+            srv = Server(respond)
+            async with srv as key:
+                pool = UpstreamPool()
+                with pytest.raises(UpstreamError):
+                    await body_of(pool, key)  # type: ignore[arg-type]
+                pool.close()
+
+    asyncio.run(main())
+
+
+def test_large_body_with_a_slow_reader_keeps_memory_bounded() -> None:
+    big = b"x" * (8 << 20)
+
+    async def huge(body: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big))
+        for i in range(0, len(big), 1 << 16):
+            w.write(big[i : i + (1 << 16)])
+            await w.drain()
+        return True
+
+    async def main() -> None:
+        srv = Server(huge)
+        async with srv as key:
+            pool = UpstreamPool()
+            resp = await pool.request(key, "POST", "/", [], b"{}")  # type: ignore[arg-type]
+            total = 0
+            peak = 0
+            async for chunk in resp.aiter_raw():
+                total += len(chunk)
+                peak = max(peak, resp.conn.buffered + len(chunk))
+                await asyncio.sleep(0.001)
+            await resp.aclose()
+            assert total == len(big)
+            assert peak < 4 << 20  # reading paused near the high-water mark instead of buffering 8 MB
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_closing_early_closes_the_connection() -> None:
+    async def endless(body: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(1000):
+                w.write(b"5\r\nhello\r\n")
+                await w.drain()
+                await asyncio.sleep(0.01)
+        except ConnectionError:
+            pass
+        return False
+
+    async def main() -> None:
+        srv = Server(endless)
+        async with srv as key:
+            pool = UpstreamPool()
+            resp = await pool.request(key, "POST", "/", [], b"{}")  # type: ignore[arg-type]
+            async for _ in resp.aiter_raw():
+                break
+            await resp.aclose()
+            assert resp.conn.closed
+            assert not pool._idle.get(key)  # type: ignore[arg-type]
+            pool.close()
+
+    asyncio.run(main())
