@@ -24,11 +24,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from index.ingest import Ingestor  # noqa: E402
-from index.kvindex import IndexConfig, KVIndex  # noqa: E402
-from index.store import PrefixStore  # noqa: E402
-from index.wire import decode_payload  # noqa: E402
-from sim.publisher import BlockRemoved, BlockStored, encode_batch  # noqa: E402
+from index.ingest import Ingestor
+from index.kvindex import IndexConfig, KVIndex
+from index.store import PrefixStore
+from index.wire import decode_payload
+from sim.publisher import BlockRemoved, BlockStored, encode_batch
 
 BS = 16
 
@@ -105,7 +105,10 @@ def build_index(n_res: int, sources: int, keep_docs: bool = True) -> tuple[KVInd
         if keep_docs:
             docs.append(tokens)
         hashes = [rng.getrandbits(64) for _ in range(64)]
-        idx.ingestor.apply(sidxs[s % sources], decode_payload(encode_batch([BlockStored(hashes, None, tokens, BS, None, "GPU", None)], 1.0, 0)))
+        idx.ingestor.apply(
+            sidxs[s % sources],
+            decode_payload(encode_batch([BlockStored(hashes, None, tokens, BS, None, "GPU", None)], 1.0, 0)),
+        )
         made += 64
         s += 1
     return idx, docs
@@ -120,7 +123,9 @@ def bench_lookup(n_res: int, sources: int, reps: int) -> dict[str, Any]:
         times = []
         for _ in range(reps):
             doc = docs[rng.randrange(len(docs))]
-            prompt = (doc * (tokens_n // len(doc) + 1))[: tokens_n // 2] + [rng.randrange(150_000) for _ in range(tokens_n // 2)]
+            prompt = (doc * (tokens_n // len(doc) + 1))[: tokens_n // 2] + [
+                rng.randrange(150_000) for _ in range(tokens_n // 2)
+            ]
             t0 = time.perf_counter()
             rep = idx.match(prompt, cands)
             times.append(time.perf_counter() - t0)

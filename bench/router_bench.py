@@ -56,12 +56,11 @@ def wait_ready(url: str, timeout: float = 30) -> None:
 
 
 def wrk(url: str, body: str, conns: int, seconds: int) -> float:
-    script = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False)
-    script.write(
-        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {json.dumps(body)}\n"
-    )
-    script.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(
+            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+            f"wrk.body = {json.dumps(body)}\n"
+        )
     out = subprocess.run(
         [
             "wrk",
