@@ -69,7 +69,8 @@ async def handle(
                 writer.write(_response(MODELS))
             elif b'"stream":true' in body.replace(b" ", b""):
                 writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
                 )
                 for i in range(chunks):
                     if i and pace:
