@@ -123,9 +123,13 @@ def parse_config(data: dict[str, Any]) -> RouterConfig:
         cfg = msgspec.convert(data, RouterConfig, strict=True)
     except msgspec.ValidationError as exc:
         key, text = _key_path(str(exc))
-        if text.startswith("Object contains unknown field"):
-            field = text.split("`")[1] if "`" in text else text
-            raise ConfigError(f"{key + '.' if key != '(top level)' else ''}{field}: unknown key") from None
+        for prefix, what in (
+            ("Object contains unknown field", "unknown key"),
+            ("Object missing required", "required"),
+        ):
+            if text.startswith(prefix):
+                field = text.split("`")[1] if "`" in text else text
+                raise ConfigError(f"{key + '.' if key != '(top level)' else ''}{field}: {what}") from None
         raise ConfigError(f"{key}: {text}") from None
     validate(cfg)
     return cfg

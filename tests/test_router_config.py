@@ -1,0 +1,137 @@
+"""Configuration: errors name the key, DP endpoints follow vLLM's rule, examples load, README is true."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from index.kvindex import IndexConfig
+from index.subscriber import SubscriberConfig
+from router.app import event_sources
+from router.config import (
+    BackendConfig,
+    ConfigError,
+    HealthConfig,
+    RouterConfig,
+    ServerConfig,
+    load_config,
+    parse_config,
+    rank_endpoint,
+    with_overrides,
+)
+from router.policy import PolicyConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKEND = {"name": "a", "url": "http://127.0.0.1:8000", "kv_events": "tcp://127.0.0.1:5557"}
+
+
+def cfg(**top: Any) -> dict[str, Any]:
+    return {"backends": [dict(BACKEND)], **top}
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({}, "backends"),
+        (cfg(block_size="16"), "block_size"),
+        (cfg(block_size=0), "block_size"),
+        ({"backends": [dict(BACKEND, dp_size="two")]}, "backends[0].dp_size"),
+        ({"backends": [dict(BACKEND, url="10.0.0.5:8000")]}, "backends[0].url"),
+        ({"backends": [dict(BACKEND), dict(BACKEND)]}, "backends[1].name"),
+        ({"backends": [dict(BACKEND, kv_events="10.0.0.5:5557")]}, "backends[0].kv_events"),
+        ({"backends": [dict(BACKEND, kv_events="tcp://h")]}, "backends[0].kv_events"),
+        ({"backends": [dict(BACKEND, colour="red")]}, "backends[0].colour"),
+        (cfg(policy={"name": "fastest"}), "policy.name"),
+        (cfg(policy={"load_weigth": 1}), "policy.load_weigth"),
+        (cfg(server={"port": 70000}), "server.port"),
+        (cfg(tokenizer="/does/not/exist"), "tokenizer"),
+        (cfg(unknown_key=1), "unknown_key"),
+    ],
+)
+def test_config_errors_name_the_key(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("backends = [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_dp_ranks_use_port_plus_rank() -> None:
+    assert rank_endpoint("tcp://10.0.0.5:5557", 0) == "tcp://10.0.0.5:5557"
+    assert rank_endpoint("tcp://10.0.0.5:5557", 3) == "tcp://10.0.0.5:5560"
+    assert rank_endpoint("inproc://kv", 2) == "inproc://kv_dp2"
+    c = parse_config(
+        {"backends": [dict(BACKEND, dp_size=2, kv_replay="tcp://127.0.0.1:5600")], "kv_topic": "kv-events"}
+    )
+    sources = event_sources(c)
+    assert [(s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in sources] == [
+        (0, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600", "kv-events"),
+        (1, "tcp://127.0.0.1:5558", "tcp://127.0.0.1:5601", "kv-events"),
+    ]
+
+
+def test_overrides() -> None:
+    c = with_overrides(parse_config(cfg()), host="0.0.0.0", port=9000, policy="round_robin", api_keys="x,y")
+    assert (c.server.host, c.server.port, c.policy.name, c.api_keys) == (
+        "0.0.0.0",
+        9000,
+        "round_robin",
+        ["x", "y"],
+    )
+    with pytest.raises(ConfigError):
+        with_overrides(c, port=0)
+
+
+@pytest.mark.parametrize("path", ["deploy/fleet.example.toml", "deploy/compose/fleet.mock.toml"])
+def test_example_configs_load(path: str) -> None:
+    c = load_config(ROOT / path)
+    assert c.backends
+
+
+STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [
+    ("", RouterConfig),
+    ("server.", ServerConfig),
+    ("health.", HealthConfig),
+    ("policy.", PolicyConfig),
+    ("index.", IndexConfig),
+    ("index.subscriber.", SubscriberConfig),
+    ("backends[].", BackendConfig),
+]
+
+
+def test_readme_configuration_table_mirrors_the_defaults() -> None:
+    """Every config field has a README row with its default, so the table cannot drift."""
+    readme = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([\w.\[\]]+)` \| `?([^|`]*)`? \|", readme, re.MULTILINE))
+    for prefix, struct in STRUCTS:
+        for f in msgspec.structs.fields(struct):
+            key = prefix + f.name
+            if isinstance(f.default, msgspec.Struct) or f.name in ("backends", "subscriber"):
+                continue
+            assert key in rows, f"README's configuration table has no row for `{key}`"
+            if f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT:
+                expected = "required"
+            elif f.default_factory is not msgspec.NODEFAULT:
+                expected = repr(f.default_factory()).replace("'", '"')
+            else:
+                expected = (
+                    "none"
+                    if f.default is None
+                    else str(f.default).lower()
+                    if isinstance(f.default, bool)
+                    else (f'"{f.default}"' if isinstance(f.default, str) else repr(f.default))
+                )
+            assert rows[key].strip() == expected, (
+                f"README says `{key}` = {rows[key]!r}, the code says {expected!r}"
+            )
