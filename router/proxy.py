@@ -197,6 +197,8 @@ class ProxyHandler:
         last_error: ApiError = bad_gateway("no backend could be reached")
         for attempt, target in enumerate(targets):
             backend = registry.get(target[0])
+            if attempt and route.report is not None:
+                self.service.index.predict(target, route.report)  # the prefix will be computed here now
             uncached = self.service.uncached_tokens(route, target)
             ticket = self.loads.start(target, uncached)
             started = time.perf_counter()

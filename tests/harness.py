@@ -218,7 +218,8 @@ class FakeEngine:
         return app
 
     async def _chunks(self, rid: str, chat: bool, request: Request) -> AsyncIterator[bytes]:
-        words = ["hello", " from", f" {self.name}"] * (200 if self.mode == "slow_stream" else 1)
+        repeat = {"slow_stream": 200, "short_stream": 10}.get(self.mode, 1)
+        words = ["hello", " from", f" {self.name}"] * repeat
         try:
             for w in words:
                 if chat:
@@ -238,7 +239,7 @@ class FakeEngine:
                         "choices": [{"index": 0, "text": w, "finish_reason": None, "logprobs": None}],
                     }
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
-                if self.mode == "slow_stream":
+                if self.mode in ("slow_stream", "short_stream"):
                     await asyncio.sleep(0.05)
             yield b"data: [DONE]\n\n"
         except asyncio.CancelledError:

@@ -327,3 +327,20 @@ def test_api_keys(fleet: Fleet) -> None:
     assert httpx.get(f"{router.url}/dashboard/data?key=other").status_code == 200
     with pytest.raises(openai.AuthenticationError):
         client(router, "nope").completions.create(model="toy", prompt="hello")
+
+
+def test_graceful_shutdown_drains_an_inflight_stream(fleet: Fleet) -> None:
+    router, eng = fleet(("a",))
+    eng["a"].mode = "short_stream"  # 30 chunks, 50 ms apart
+    with (
+        httpx.Client(timeout=30) as c,
+        c.stream(
+            "POST", f"{router.url}/v1/completions", json={"model": "toy", "prompt": "x", "stream": True}
+        ) as r,
+    ):
+        chunks = r.iter_raw()
+        first = next(chunks)
+        router.server.server.should_exit = True  # SIGTERM's effect: stop accepting, drain in-flight
+        rest = b"".join(chunks)
+    assert b"[DONE]" in first + rest
+    assert (first + rest).count(b"hello") == 10
