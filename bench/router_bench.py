@@ -129,6 +129,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=8)
     ap.add_argument("--ttft-requests", type=int, default=300)
+    ap.add_argument(
+        "--vllm-router",
+        default=None,
+        help="path to a vllm-router binary (pip install vllm-router in a separate venv), measured in the same run",
+    )
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is required: apt-get install wrk")
@@ -156,20 +161,49 @@ def main() -> None:
             direct = f"http://127.0.0.1:{mport}/v1/completions"
             routed = f"http://127.0.0.1:{rport}/v1/completions"
             wrk(routed, body, 8, 2)  # warm-up
+            peers: dict[str, str] = {}
+            procs: list[subprocess.Popen[bytes]] = []
+            if args.vllm_router:
+                for i, policy in enumerate(("round_robin", "kv_aware")):
+                    port, prom = free_port(), free_port()
+                    cmd = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port)]
+                    cmd += ["--worker-urls", f"http://127.0.0.1:{mport}", "--policy", policy]
+                    cmd += ["--prometheus-port", str(prom), "--log-level", "error"]
+                    procs.append(start(cmd, tmp / f"vllm-router-{i}.log"))
+                    url = f"http://127.0.0.1:{port}/v1/completions"
+                    deadline = time.monotonic() + 60
+                    while True:
+                        try:
+                            ok = httpx.post(url, content=body, headers={"content-type": "application/json"})
+                            if ok.status_code == 200:
+                                break
+                        except httpx.HTTPError:
+                            pass
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"vllm-router {policy} did not start")
+                        time.sleep(0.2)
+                    peers[f"vllm-router {policy}"] = url
             rows = []
-            for mode, payload in (("non-stream", body), ("SSE", sse)):
-                for conns in (1, 32):
-                    d_rps = wrk(direct, payload, conns, args.seconds)
-                    r_rps = wrk(routed, payload, conns, args.seconds)
-                    rows.append(
-                        {
+            try:
+                for mode, payload in (("non-stream", body), ("SSE", sse)):
+                    for conns in (1, 32):
+                        d_rps = wrk(direct, payload, conns, args.seconds)
+                        r_rps = wrk(routed, payload, conns, args.seconds)
+                        row: dict[str, Any] = {
                             "mode": mode,
                             "c": conns,
                             "direct_rps": round(d_rps),
                             "router_rps": round(r_rps),
                             "ratio": round(r_rps / d_rps, 2) if d_rps else 0,
                         }
-                    )
+                        for name, url in peers.items():
+                            p_rps = wrk(url, payload, conns, args.seconds)
+                            row[f"{name} rps"] = round(p_rps)
+                            row[f"{name} ratio"] = round(p_rps / d_rps, 2) if d_rps else 0
+                        rows.append(row)
+            finally:
+                for proc in procs:
+                    stop(proc)
             result["throughput"] = rows
             print(json.dumps(rows), file=sys.stderr)
         finally:

@@ -2,7 +2,8 @@
 
 ``python bench/zero_mock.py PORT [--chunks N] [--pace-ms MS]``: non-stream requests get a fixed JSON
 completion at once; ``"stream": true`` requests get N SSE chunks (the first at once, the rest
-``--pace-ms`` apart) and ``data: [DONE]``. It answers /health and /v1/models so the router accepts it.
+``--pace-ms`` apart) and ``data: [DONE]``. It answers /health, /v1/models and /tokenize (vllm-router's
+kv_aware policy calls it) so routers accept it.
 Deliberately minimal so that the upstream is not the bottleneck of the measurement.
 """
 
@@ -24,6 +25,7 @@ COMPLETION = json.dumps(
 ).encode()
 MODELS = json.dumps({"object": "list", "data": [{"id": "toy", "object": "model"}]}).encode()
 HEALTH = b"{}"
+TOKENIZE = json.dumps({"count": 12, "max_model_len": 4096, "tokens": list(range(100, 112))}).encode()
 
 
 def _response(body: bytes, ctype: bytes = b"application/json") -> bytes:
@@ -67,6 +69,8 @@ async def handle(
                 writer.write(_response(HEALTH))
             elif path == b"/v1/models":
                 writer.write(_response(MODELS))
+            elif path == b"/tokenize":
+                writer.write(_response(TOKENIZE))
             elif b'"stream":true' in body.replace(b" ", b""):
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"

@@ -105,6 +105,7 @@ class RouterMetrics:
         index.ingestor.lag_observer = self.event_lag.observe
         r.register(_StateCollector(index, registry, loads))
         self.per_backend: dict[str, BackendCounters] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.total_requests = 0
         self.total_errors = 0
         self.started = time.time()
@@ -129,12 +130,12 @@ class RouterMetrics:
     ) -> None:
         """Record a decision that is being sent upstream."""
         self.decision_seconds.observe(decision_s)
-        self.decisions.labels(backend, str(dp_rank), outcome).inc()
-        self.prompt_tokens.labels(backend).inc(prompt_tokens)
+        self._child(self.decisions, backend, str(dp_rank), outcome).inc()
+        self._child(self.prompt_tokens, backend).inc(prompt_tokens)
         matched_blocks = 0
         for medium, blocks in matched.items():
             if blocks:
-                self.matched_tokens.labels(backend, medium).inc(blocks * block_size)
+                self._child(self.matched_tokens, backend, medium).inc(blocks * block_size)
                 matched_blocks += blocks
         if prompt_blocks:
             self.matched_ratio.observe(min(matched_blocks / prompt_blocks, 1.0))
@@ -144,8 +145,8 @@ class RouterMetrics:
 
     def finished(self, backend: str, model: str, status: int, latency_s: float) -> None:
         """Record a completed (or failed) upstream exchange."""
-        self.requests.labels(backend, model, f"{status // 100}xx").inc()
-        self.upstream_latency.labels(backend).observe(latency_s)
+        self._child(self.requests, backend, model, f"{status // 100}xx").inc()
+        self._child(self.upstream_latency, backend).observe(latency_s)
         c = self.backend(backend)
         c.requests += 1
         self.total_requests += 1
@@ -155,7 +156,19 @@ class RouterMetrics:
 
     def error(self, backend: str, kind: str) -> None:
         """Record a failure that produced no upstream status (connect error, timeout, cancel)."""
-        self.errors.labels(backend, kind).inc()
+        self._child(self.errors, backend, kind).inc()
+
+    def observe_ttft(self, backend: str, seconds: float) -> None:
+        """Dispatch to the first response byte."""
+        self._child(self.ttft, backend).observe(seconds)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """A labelled child, cached: prometheus-client's labels() costs microseconds per call."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

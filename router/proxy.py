@@ -250,7 +250,7 @@ class ProxyHandler:
                 if first:
                     first = False
                     self.loads.first_byte(ticket)
-                    self.metrics.ttft.labels(backend).observe(time.perf_counter() - started)
+                    self.metrics.observe_ttft(backend, time.perf_counter() - started)
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
