@@ -416,8 +416,8 @@ class EventSubscriber:
                 self._start_replay(src, expected, seq)
                 src.held.append((seq, batch))
                 return
-            src.lost += missing
-            if last >= 0:
+            if last >= 0:  # before first contact the engine's history is not ours to lose
+                src.lost += missing
                 log.warning("source %s: %d batches lost (seq %d..%d)", src.name, missing, expected, seq - 1)
         chunk.append((src.sidx, batch))
         src.last_seq = seq
@@ -451,17 +451,19 @@ class EventSubscriber:
                 self._decode_error(src, exc, [])
                 continue
             if seq == END_SEQ:
-                self._finish_replay(src, chunk)
+                self._finish_replay(src, chunk, finished=True)
                 return
             src.replay.replies.append((seq, payload))
 
-    def _finish_replay(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+    def _finish_replay(
+        self, src: _Source, chunk: list[tuple[int, Batch | None]], finished: bool = False
+    ) -> None:
         replay = src.replay
         if replay is None:
             return
         src.replay = None
-        if time.monotonic() > replay.deadline:
-            # replies of a timed-out request could still arrive and be mistaken for the next one
+        if not finished:
+            # replies of an abandoned request could still arrive and be mistaken for the next one's
             self._close_dealer(src)
         for seq, payload in sorted(replay.replies, key=lambda r: r[0]):
             if seq < replay.start or (replay.until is not None and seq >= replay.until):
@@ -475,10 +477,10 @@ class EventSubscriber:
             src.replayed_batches += 1
             self._accept(src, batch, chunk, allow_replay=False)
         held, src.held = src.held, []
-        for _, batch in held:
+        for i, (_, batch) in enumerate(held):
             self._accept(src, batch, chunk, allow_replay=True)
             if src.replay is not None:  # a new gap started another replay: keep holding the rest
-                src.held.extend(h for h in held if h[1].seq > batch.seq)
+                src.held.extend(held[i + 1 :])
                 return
 
     def _on_monitor(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:

@@ -15,6 +15,7 @@ import importlib.resources
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import parse_qs
 
 import httpx
 import msgspec
@@ -28,11 +29,11 @@ from index.kvindex import KVIndex
 from index.subscriber import SourceConfig
 from router.backends import BackendRegistry
 from router.config import RouterConfig, rank_endpoint
-from router.errors import ApiError, bad_request, too_large, unauthorized, unavailable
+from router.errors import ApiError, bad_request, unauthorized, unavailable
 from router.load import LoadTracker
 from router.metrics import RouterMetrics, dashboard_data
 from router.policy import Policy
-from router.proxy import PATHS, ProxyHandler, Receive, Scope, Send
+from router.proxy import PATHS, ProxyHandler, Receive, Scope, Send, read_body
 from router.service import Endpoint, RouterService
 from router.tokenizer import ChatTokenizer, RequestTokenizer
 from router.upstream import UpstreamPool
@@ -120,9 +121,9 @@ class KVRouter:
                 break
         if not token and scope.get("path", "").startswith("/dashboard"):
             # the page is opened in a browser, which cannot set headers: accept ?key=
-            for part in scope.get("query_string", b"").split(b"&"):
-                if part.startswith(b"key="):
-                    token = part[4:]
+            keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key")
+            if keys:
+                token = keys[0].encode()
         if not token or not any(hmac.compare_digest(token, k) for k in self._keys):
             raise unauthorized()
 
@@ -226,9 +227,10 @@ class KVRouter:
 
         @api.post("/route")
         async def route(request: Request) -> Response:
-            raw = await request.body()
-            if len(raw) > self.config.server.max_body_bytes:
-                raise too_large(self.config.server.max_body_bytes)
+            try:
+                raw = await read_body(request.scope, request.receive, self.config.server.max_body_bytes)
+            except asyncio.CancelledError:
+                return Response(status_code=499)
             try:
                 body = msgspec.json.decode(raw)
             except msgspec.DecodeError as exc:

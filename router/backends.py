@@ -151,10 +151,15 @@ class BackendRegistry:
     async def _refresh_models(self, backend: Backend, timeout: float) -> None:
         r = await self.client.get(f"{backend.url}/v1/models", timeout=timeout, headers=backend.auth_headers)
         r.raise_for_status()
-        data = r.json().get("data", [])
+        payload = r.json()
+        data = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(data, list):
+            raise ValueError("/v1/models did not return {'data': [...]}")
         models = set()
         parents = {}
         for card in data:
+            if not isinstance(card, dict):
+                continue
             mid = card.get("id")
             if not isinstance(mid, str):
                 continue

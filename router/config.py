@@ -169,6 +169,15 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("server.port: must be between 1 and 65535")
     if cfg.server.max_body_bytes < 1024:
         raise ConfigError("server.max_body_bytes: must be at least 1024")
+    if cfg.server.log_level not in ("debug", "info", "warning", "error", "critical"):
+        raise ConfigError("server.log_level: must be debug, info, warning, error or critical")
+    for key in ("connect_timeout_s", "read_timeout_s", "keepalive_expiry_s"):
+        if getattr(cfg.server, key) <= 0:
+            raise ConfigError(f"server.{key}: must be positive")
+    if cfg.server.drain_timeout_s < 0:
+        raise ConfigError("server.drain_timeout_s: must not be negative")
+    if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:
+        raise ConfigError("health: interval_s must be >= 0.1, timeout_s > 0 and unhealthy_after >= 1")
     for key in ("tokenizer",):
         path = getattr(cfg, key)
         if path is not None and not Path(path).exists():
@@ -198,7 +207,11 @@ def with_overrides(cfg: RouterConfig, **values: Any) -> RouterConfig:
     if values.get("host") is not None:
         server = msgspec.structs.replace(server, host=values["host"])
     if values.get("port") is not None:
-        server = msgspec.structs.replace(server, port=int(values["port"]))
+        try:
+            port = int(values["port"])
+        except ValueError:
+            raise ConfigError(f"server.port: {values['port']!r} is not a port number") from None
+        server = msgspec.structs.replace(server, port=port)
     if values.get("log_level") is not None:
         server = msgspec.structs.replace(server, log_level=values["log_level"])
     policy = cfg.policy
@@ -206,7 +219,7 @@ def with_overrides(cfg: RouterConfig, **values: Any) -> RouterConfig:
         policy = msgspec.structs.replace(policy, name=values["policy"])
     api_keys = cfg.api_keys
     if values.get("api_keys"):
-        api_keys = [k for k in values["api_keys"].split(",") if k]
+        api_keys = [k.strip() for k in values["api_keys"].split(",") if k.strip()]
     out = msgspec.structs.replace(cfg, server=server, policy=policy, api_keys=api_keys)
     validate(out)
     return out

@@ -23,7 +23,6 @@ the same code. Defaults and the measurements behind them are in the README.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -108,7 +107,12 @@ class Policy:
     def __init__(self, config: PolicyConfig | None = None, rng: random.Random | None = None) -> None:
         self.config = config or PolicyConfig()
         self.rng = rng or random.Random()
-        self._rr = itertools.count()
+        self._turn = 0
+
+    def _next_turn(self) -> int:
+        turn = self._turn
+        self._turn += 1
+        return turn
 
     def credit(self, c: Candidate, prompt_blocks: int) -> float:
         """Prefill blocks a candidate's cached prefix saves (0 below the minimum-match threshold)."""
@@ -126,7 +130,12 @@ class Policy:
         )
 
     def choose(
-        self, prompt_blocks: int, block_size: int, candidates: Sequence[Candidate], have_prompt: bool = True
+        self,
+        prompt_blocks: int,
+        block_size: int,
+        candidates: Sequence[Candidate],
+        have_prompt: bool = True,
+        dry_run: bool = False,
     ) -> Decision:
         """Pick a target among ``candidates`` (non-empty) for a prompt of ``prompt_blocks`` blocks."""
         if not candidates:
@@ -159,7 +168,7 @@ class Policy:
                     round(cost, 3),
                 )
             )
-        chosen = self._pick(scores, candidates)
+        chosen = self._pick(scores, candidates, dry_run)
         best = scores[chosen]
         best.chosen = True
         min_credit = min(s.credit_blocks for s in scores)
@@ -173,12 +182,15 @@ class Policy:
         self._explain(scores, best, outcome)
         return Decision(best.backend, best.dp_rank, outcome, scores)
 
-    def _pick(self, scores: list[CandidateScore], candidates: Sequence[Candidate]) -> int:
+    def _pick(
+        self, scores: list[CandidateScore], candidates: Sequence[Candidate], dry_run: bool = False
+    ) -> int:
         cfg = self.config
         n = len(scores)
         if cfg.name == "round_robin":
             order = sorted(range(n), key=lambda i: (scores[i].backend, scores[i].dp_rank))
-            return order[next(self._rr) % n]
+            turn = self._turn if dry_run else self._next_turn()
+            return order[turn % n]
         if cfg.name == "random":
             return self.rng.randrange(n)
         if cfg.name == "least_loaded":

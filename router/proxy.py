@@ -2,8 +2,9 @@
 
 It bypasses the web framework (FastAPI serves everything else) because this path runs for every
 request: read the body with a size cap, decide (:class:`router.service.RouterService`), send the
-original bytes upstream over a pooled httpx client, and stream the backend's response through chunk
-by chunk, unchanged (SSE or not, status codes and bodies included).
+original bytes upstream, and stream the backend's response through chunk
+by chunk over the proxy's own keep-alive HTTP/1.1 client (:mod:`router.upstream`), unchanged (SSE or
+not, status codes and bodies included).
 
 - A connection error or a 5xx **before the first response byte** is retried once on the next-best
   candidate; after that the backend's own error is passed through (or 502 when it never answered).
@@ -17,7 +18,6 @@ by chunk, unchanged (SSE or not, status codes and bodies included).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -193,10 +193,15 @@ class ProxyHandler:
     ) -> None:
         registry = self.service.registry
         path = scope["path"]
-        targets = route.ranked()[:2]
+        ranked = route.ranked()
+        targets = ranked[:1]
         last_error: ApiError = bad_gateway("no backend could be reached")
         for attempt, target in enumerate(targets):
             backend = registry.get(target[0])
+            if attempt == 0:
+                # the one retry goes to the best candidate on *another* healthy backend: a dead
+                # engine's other DP ranks are dead too
+                targets += [t for t in ranked[1:] if t[0] != target[0] and registry.get(t[0]).healthy][:1]
             if attempt and route.report is not None:
                 self.service.index.predict(target, route.report)  # the prefix will be computed here now
             uncached = self.service.uncached_tokens(route, target)
@@ -218,13 +223,15 @@ class ProxyHandler:
                 except UpstreamError as exc:
                     if isinstance(exc, UpstreamConnectError):
                         registry.mark_failed(backend, str(exc))
-                    self.metrics.error(backend.name, "connect")
+                    self.metrics.error(
+                        backend.name, "connect" if isinstance(exc, UpstreamConnectError) else "protocol"
+                    )
                     last_error = bad_gateway(f"backend {backend.name} failed: {exc}")
                     continue
                 status = resp.status
                 if status >= 500 and attempt + 1 < len(targets):
                     await resp.aclose()
-                    self.metrics.error(backend.name, f"upstream_{status}")
+                    self.metrics.error(backend.name, "upstream_5xx")
                     self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
                     continue
                 try:
@@ -254,8 +261,9 @@ class ProxyHandler:
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
-            # headers are out: all we can do is end the response early and count it
+            # headers are out: end without the final frame, so the server drops the connection
+            # and the client sees a truncated response instead of a complete-looking one
             log.warning("backend %s broke the response stream: %s", backend, exc)
             self.metrics.error(backend, "stream_broken")
-        with contextlib.suppress(Exception):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 import sys
 from typing import Any
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=cfg.server.access_log,
         loop=_best("uvloop", "asyncio"),
         http=_best("httptools", "h11"),
-        timeout_graceful_shutdown=int(cfg.server.drain_timeout_s),
+        timeout_graceful_shutdown=math.ceil(cfg.server.drain_timeout_s),
         lifespan="on",
     )
     return 0

@@ -10,8 +10,8 @@ What it does, and no more: one request per connection at a time; the request wri
 flow control (reading pauses while the consumer is behind); read and connect timeouts without
 extra tasks; idle connections reused LIFO per (scheme, host, port) and dropped after
 ``keepalive_expiry`` (below uvicorn's 5 s default idle timeout, so vLLM never closes one we are
-about to use); a request that fails on a *reused* connection before any response byte is retried
-once on a fresh connection (the server closed it while idle: the request was not processed).
+about to use); a request that fails on a *reused* connection within a second and before any response byte
+is retried once on a fresh connection (the server closed it while idle: the request was not processed).
 Closing a response before its end closes the connection, which vLLM treats as an abort.
 """
 
@@ -231,7 +231,10 @@ class UpstreamPool:
             ctx = self._ssl
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(loop), host, port, ssl=ctx), self.connect_timeout
+                loop.create_connection(
+                    lambda: _Conn(loop), host, port, ssl=ctx, server_hostname=host if ctx else None
+                ),
+                self.connect_timeout,
             )
         except TimeoutError:
             raise UpstreamConnectError(f"connect to {host}:{port} timed out") from None
@@ -263,18 +266,20 @@ class UpstreamPool:
         self, key: tuple[str, str, int], method: str, target: str, headers: list[tuple[str, str]], body: bytes
     ) -> UpstreamResponse:
         """Send a request and wait for the response headers; raises UpstreamError / UpstreamTimeout."""
-        head = [f"{method} {target} HTTP/1.1\r\nhost: {key[1]}:{key[2]}\r\ncontent-length: {len(body)}\r\n"]
+        host = f"[{key[1]}]" if ":" in key[1] else key[1]
+        head = [f"{method} {target} HTTP/1.1\r\nhost: {host}:{key[2]}\r\ncontent-length: {len(body)}\r\n"]
         for name, value in headers:
             head.append(f"{name}: {value}\r\n")
         head.append("\r\n")
         payload = "".join(head).encode("latin-1") + body
         for attempt in range(2):
-            conn = self._acquire_idle(key)
+            conn = self._acquire_idle(key) if attempt == 0 else None
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(key)
             assert conn.transport is not None
             conn.used = True
+            written = time.monotonic()
             conn.transport.write(payload)
             try:
                 while not conn.headers_done:
@@ -286,8 +291,12 @@ class UpstreamPool:
                 raise
             except UpstreamError:
                 conn.close()
-                if reused and not conn.got_bytes and attempt == 0:
-                    continue  # the backend closed this idle connection: the request never ran
+                quick = time.monotonic() - written < 1.0
+                if reused and not conn.got_bytes and quick:
+                    continue  # the backend had closed this idle connection: the request never ran
+                raise
+            except BaseException:
+                conn.close()  # cancelled (the client left): closing is how vLLM learns to abort
                 raise
             return UpstreamResponse(self, key, conn, self.read_timeout)
         raise UpstreamError("unreachable")  # pragma: no cover

@@ -166,8 +166,12 @@ class FakeEngine:
                 return JSONResponse(
                     {"error": {"message": "boom", "type": "internal", "code": 500}}, status_code=500
                 )
-            if engine.mode == "stall":
-                await asyncio.sleep(30)  # longer than any test's read timeout
+            if engine.mode == "stall":  # no headers for up to 30 s, like vLLM generating a non-stream reply
+                for _ in range(600):
+                    await asyncio.sleep(0.05)
+                    if await request.is_disconnected():
+                        engine.disconnected += 1
+                        return Response(status_code=499)
             if engine.delay_s:
                 await asyncio.sleep(engine.delay_s)
             rid = uuid.uuid4().hex
@@ -221,7 +225,9 @@ class FakeEngine:
         repeat = {"slow_stream": 200, "short_stream": 10}.get(self.mode, 1)
         words = ["hello", " from", f" {self.name}"] * repeat
         try:
-            for w in words:
+            for i, w in enumerate(words):
+                if self.mode == "broken_stream" and i == 2:
+                    raise RuntimeError("engine crashed mid-stream")
                 if chat:
                     chunk = {
                         "id": rid,

@@ -344,3 +344,41 @@ def test_graceful_shutdown_drains_an_inflight_stream(fleet: Fleet) -> None:
         rest = b"".join(chunks)
     assert b"[DONE]" in first + rest
     assert (first + rest).count(b"hello") == 10
+
+
+def test_client_leaving_before_the_headers_aborts_the_backend_request(fleet: Fleet) -> None:
+    """vLLM sends a non-streamed reply's headers only when generation ends: hanging up must abort it."""
+    router, eng = fleet(("a",))
+    eng["a"].mode = "stall"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router.url}/v1/completions", json={"model": "toy", "prompt": "x"}, timeout=0.5)
+    wait_for(lambda: eng["a"].disconnected == 1, "the engine to see the abort")
+    wait_for(
+        lambda: httpx.get(f"{router.url}/dashboard/data").json()["backends"][0]["inflight"] == 0, "released"
+    )
+
+
+def test_a_stream_broken_by_the_backend_is_not_passed_off_as_complete(fleet: Fleet) -> None:
+    router, eng = fleet(("a",))
+    eng["a"].mode = "broken_stream"
+    got = b""
+    body = {"model": "toy", "prompt": "x", "stream": True}
+    with (
+        pytest.raises(httpx.RemoteProtocolError),  # the truncation shows while reading
+        httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as r,
+    ):
+        assert r.status_code == 200
+        for chunk in r.iter_raw():
+            got += chunk
+    assert b"[DONE]" not in got
+
+
+def test_failover_skips_the_other_ranks_of_a_dead_engine(fleet: Fleet) -> None:
+    router, eng = fleet(("a", "b"), dp={"a": 2}, top="[health]\ninterval_s = 120\n")
+    prompt = ids(6, 6 * BS)
+    eng["a"].announce(prompt, BS, rank=1)
+    body = {"model": "toy", "prompt": prompt}
+    wait_for(lambda: route(router, body)["dp_rank"] == 1, "a/1 holds the prefix")
+    eng["a"].server.stop()
+    r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.headers["x-kvrouter-backend"] == "b"
