@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument(
         "--vllm-router",
         default=None,
-        help="path to a vllm-router binary (pip install vllm-router in a separate venv), measured in the same run",
+        help="a vllm-router binary (pip install vllm-router in a separate venv), measured in the same run",
     )
     args = ap.parse_args()
     if shutil.which("wrk") is None:

@@ -339,6 +339,7 @@ def test_a_hash_removed_twice_in_one_event() -> None:
     store = PrefixStore()
     ing = Ingestor(store, 2)
     s = ing.add_source(("e", 0))
-    ing.apply(s, decode_payload(encode_batch([BlockStored([1, 2], None, [1, 2, 3, 4], 2, None, "GPU", None)], 1.0, 0)))
+    stored = BlockStored([1, 2], None, [1, 2, 3, 4], 2, None, "GPU", None)
+    ing.apply(s, decode_payload(encode_batch([stored], 1.0, 0)))
     ing.apply(s, decode_payload(encode_batch([BlockRemoved([2, 2, 1], "GPU")], 1.0, 0)))
     assert store.total == 0 and store.counts()[0].unknown_removes == 1
