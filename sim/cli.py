@@ -19,6 +19,10 @@ from sim.fleet import Fleet
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the simulation subcommands to the `kvrouter` parser."""
     _register_mock_engine(subparsers)
+    from sim import demo, replay
+
+    demo.register(subparsers)  # `kvrouter demo`
+    replay.register(subparsers)  # `kvrouter bench replay`
     # Other simulation subcommands register here, each from its own module, e.g.:
     #   from sim import demo; demo.register(subparsers)     # `kvrouter demo`
     #   from sim import bench; bench.register(subparsers)   # `kvrouter bench`

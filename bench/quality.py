@@ -1,0 +1,264 @@
+"""Routing quality on the public traces: policies and PolicyConfig sweeps in the offline simulator.
+
+``.venv/bin/python bench/quality.py [--quick] [--traces conversation,synthetic,sessions] [--jobs N]``
+writes ``bench/out/quality.json`` (every run, with its full config) and ``bench/out/quality.md``
+(tables for BENCHMARKS.md). Traces are read from /work/shared/data/traces (``$KVROUTER_TRACE_DIR``).
+
+Stages, each on every selected trace:
+
+1. ``policies``: kv (PolicyConfig defaults), round_robin, least_loaded, random, at every capacity;
+2. ``knobs``: one PolicyConfig field at a time around the defaults (load_weight, decode_weight,
+   min_match_blocks, min_match_ratio, temperature; predict-on-route off), at the smallest capacity;
+3. ``cpu``: ``cpu_credit`` with a CPU offload tier (conversation only);
+4. ``recommended``: the recommended config at every capacity and at 2x arrival speed, next to the
+   defaults and round_robin.
+
+Capacities are real 16-token KV blocks per engine (32k blocks = 512k tokens: the README's 1,000-block
+LRU row for Mooncake). Mooncake runs scale a 512-token block to 128 tokens and sessions a 64-token
+block to 16 (``sim.traces``: 1 simulated token = 4 real ones, timing and policy units adjusted).
+A full run takes ~1 hour of one core; ``--quick`` ~10 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from router.policy import PolicyConfig
+from sim.engine import EngineConfig
+from sim.offline import PreparedWorkload, SimConfig, SimResult, simulate
+from sim.report import Row, from_sim, markdown
+from sim.traces import Trace, load_trace
+
+OUT = Path(__file__).resolve().parent / "out"
+
+RECOMMENDED: dict[str, Any] = {"load_weight": 0.25}
+"""The PolicyConfig changes this benchmark argues for (see quality.md and the lead's BENCHMARKS.md)."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A trace and the fleet sizes it is run at."""
+
+    trace: str
+    tokens_per_block: int
+    capacities: tuple[int, ...]
+    limit: int | None = None
+    max_sessions: int | None = None
+    engines: int = 8
+
+
+SCENARIOS = {
+    "conversation": Scenario("conversation", 128, (32_000, 128_000, 512_000)),
+    "synthetic": Scenario("synthetic", 128, (32_000, 128_000, 512_000)),
+    "sessions": Scenario("sessions", 16, (32_000, 128_000), max_sessions=40),
+}
+QUICK = {
+    "conversation": Scenario("conversation", 128, (32_000, 512_000), limit=3000),
+    "synthetic": Scenario("synthetic", 128, (32_000, 512_000)),
+    "sessions": Scenario("sessions", 16, (32_000,), max_sessions=20),
+}
+
+KNOBS: list[tuple[str, dict[str, Any]]] = [
+    ("load_weight=0.125", {"load_weight": 0.125}),
+    ("load_weight=0.25", {"load_weight": 0.25}),
+    ("load_weight=0.5", {"load_weight": 0.5}),
+    ("load_weight=2", {"load_weight": 2.0}),
+    ("decode_weight=0", {"decode_weight": 0.0}),
+    ("decode_weight=16", {"decode_weight": 16.0}),
+    ("decode_weight=64", {"decode_weight": 64.0}),
+    ("min_match_blocks=32", {"min_match_blocks": 32}),
+    ("min_match_blocks=128", {"min_match_blocks": 128}),
+    ("min_match_ratio=0.1", {"min_match_ratio": 0.1}),
+    ("min_match_ratio=0.3", {"min_match_ratio": 0.3}),
+    ("temperature=0.05", {"temperature": 0.05}),
+    ("temperature=0.2", {"temperature": 0.2}),
+    ("load_weight=0.25 min_match_blocks=32", {"load_weight": 0.25, "min_match_blocks": 32}),
+    ("load_weight=0.25 temperature=0.05", {"load_weight": 0.25, "temperature": 0.05}),
+    ("no predict-on-route", {"_sim": {"predict_ttl_s": 0.0}}),
+    ("event lag 50 ms", {"_sim": {"event_lag_s": 0.05}}),
+]
+QUICK_KNOBS = [k for k in KNOBS if k[0] in ("load_weight=0.25", "load_weight=2", "min_match_ratio=0.1")]
+
+
+class Job(msgspec.Struct, frozen=True):
+    """One simulation: a scenario, a capacity, a policy config and simulator overrides."""
+
+    stage: str
+    trace: str
+    capacity: int
+    label: str
+    policy: dict[str, Any]
+    sim: dict[str, Any] = {}
+    speedup: float = 1.0
+    cpu_blocks: int = 0
+
+
+@functools.lru_cache(maxsize=4)
+def _load(scn: Scenario) -> tuple[Trace, PreparedWorkload]:
+    trace = load_trace(
+        scn.trace,
+        tokens_per_block=scn.tokens_per_block,
+        limit=scn.limit,
+        max_sessions=scn.max_sessions,
+        max_input_tokens=200_000,
+    )
+    return trace, PreparedWorkload(trace.requests, trace_bound=trace.infinite_hit_ratio(), label=trace.name)
+
+
+def run_job(job: Job, scn: Scenario) -> dict[str, Any]:
+    """Run one job (in a worker process); returns a JSON-able record."""
+    trace, work = _load(scn)
+    engine = EngineConfig(
+        num_gpu_blocks=max(16, int(job.capacity / trace.scale)),
+        cpu_blocks=int(job.cpu_blocks / trace.scale),
+        max_model_len=1 << 30,
+    )
+    cfg = SimConfig(engines=scn.engines, engine=engine, token_scale=trace.scale, speedup=job.speedup)
+    if job.sim:
+        cfg = msgspec.structs.replace(cfg, **job.sim)
+    pcfg = msgspec.convert(job.policy, PolicyConfig)
+    res: SimResult = simulate(work, pcfg, cfg, label=job.label)
+    row = from_sim(res)
+    return {
+        "job": msgspec.to_builtins(job),
+        "requests_loaded": len(trace.requests),
+        "scale": trace.scale,
+        "row": msgspec.to_builtins(row) | {"ratio_to_bound": row.ratio_to_bound},
+    }
+
+
+def jobs_for(name: str, scn: Scenario, quick: bool) -> list[Job]:
+    """Every job of the four stages for one trace."""
+    out: list[Job] = []
+    small = scn.capacities[0]
+    for cap in scn.capacities:
+        for p in ("kv", "round_robin", "least_loaded", "random"):
+            out.append(Job("policies", name, cap, p, {"name": p}))
+    for label, knob in QUICK_KNOBS if quick else KNOBS:
+        sim = knob.get("_sim", {})
+        pol = {k: v for k, v in knob.items() if k != "_sim"}
+        out.append(Job("knobs", name, small, label, {"name": "kv", **pol}, sim))
+    if name == "conversation":
+        for credit in (0.25, 0.5, 0.75, 1.0):
+            out.append(
+                Job(
+                    "cpu",
+                    name,
+                    small,
+                    f"cpu_credit={credit}",
+                    {"name": "kv", "cpu_credit": credit},
+                    cpu_blocks=small * 4,
+                )
+            )
+        out.append(Job("cpu", name, small, "round_robin", {"name": "round_robin"}, cpu_blocks=small * 4))
+    rec: dict[str, Any] = {"name": "kv", **RECOMMENDED}
+    for cap in scn.capacities:
+        out.append(Job("recommended", name, cap, "kv recommended", rec))
+    fast: list[tuple[dict[str, Any], str]] = [
+        (rec, "kv recommended"),
+        ({"name": "kv"}, "kv"),
+        ({"name": "round_robin"}, "round_robin"),
+    ]
+    for pol, label in fast:
+        out.append(Job("recommended", name, small, f"{label} @2x", pol, speedup=2.0))
+    return out
+
+
+def _worker(args: tuple[Job, Scenario]) -> dict[str, Any]:
+    job, scn = args
+    t = time.perf_counter()
+    rec = run_job(job, scn)
+    rec["wall_s"] = time.perf_counter() - t
+    return rec
+
+
+def write_markdown(records: list[dict[str, Any]], path: Path) -> None:
+    """Tables grouped by trace, stage, capacity and speed."""
+    lines = ["# Routing quality (offline simulator)", ""]
+    groups: dict[tuple[str, str, int, float, int], list[dict[str, Any]]] = {}
+    for rec in records:
+        j = rec["job"]
+        groups.setdefault((j["trace"], j["stage"], j["capacity"], j["speedup"], j["cpu_blocks"]), []).append(
+            rec
+        )
+    order = {"policies": 0, "knobs": 1, "cpu": 2, "recommended": 3}
+    traces = {"conversation": 0, "synthetic": 1, "sessions": 2}
+
+    def key(item: tuple[tuple[str, str, int, float, int], list[dict[str, Any]]]) -> tuple[Any, ...]:
+        t, st, c, sp, cp = item[0]
+        return (traces.get(t, 9), t, order.get(st, 9), sp, c, cp)
+
+    for (trace, stage, cap, speed, cpu), recs in sorted(groups.items(), key=key):
+        rows = [
+            msgspec.convert({k: v for k, v in r["row"].items() if k != "ratio_to_bound"}, Row) for r in recs
+        ]
+        extra = rows[0].extra
+        title = (
+            f"{trace} / {stage}: {recs[0]['requests_loaded']} requests, 8 engines x {cap:,} blocks "
+            f"({cap * 16 / 1e6:.1f}M tokens)"
+            + (f" + CPU {cpu:,} blocks" if cpu else "")
+            + f", speed x{speed:g}; "
+            f"pooled-LRU bound {extra.get('pooled_bound', 0):.3f}, "
+            f"trace bound {extra.get('trace_bound') or 0:.3f}"
+        )
+        lines.append(markdown(rows, title))
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="smaller traces, fewer capacities and knobs")
+    p.add_argument("--traces", default="conversation,synthetic,sessions")
+    p.add_argument("--stages", default="policies,knobs,cpu,recommended")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (the box has 2 shared cores)")
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--markdown-only", action="store_true", help="rewrite quality.md from quality.json")
+    args = p.parse_args(argv)
+    if args.markdown_only:
+        out = Path(args.out)
+        write_markdown(json.loads((out / "quality.json").read_text())["records"], out / "quality.md")
+        return 0
+    scenarios = QUICK if args.quick else SCENARIOS
+    stages = set(args.stages.split(","))
+    todo: list[tuple[Job, Scenario]] = []
+    for name in args.traces.split(","):
+        scn = scenarios[name]
+        todo += [(j, scn) for j in jobs_for(name, scn, args.quick) if j.stage in stages]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    print(f"{len(todo)} simulations, {args.jobs} worker(s)", file=sys.stderr)
+    # jobs of one trace stay together so each worker loads a trace once
+    with multiprocessing.Pool(max(1, args.jobs), maxtasksperchild=None) as pool:
+        for i, rec in enumerate(pool.imap(_worker, todo)):
+            records.append(rec)
+            r, j = rec["row"], rec["job"]
+            print(
+                f"[{i + 1}/{len(todo)} {time.perf_counter() - started:6.0f} s] "
+                f"{j['trace']:<12} {j['stage']:<11} "
+                f"cap={j['capacity']:<7} x{j['speedup']:g} {j['label']:<22} hit={r['hit_ratio']:.3f} "
+                f"bound={r['bound']:.3f} ttft p50/p90={r['ttft_p50']:.2f}/{r['ttft_p90']:.2f} "
+                f"spread={r['spread_tokens']:.2f} ({rec['wall_s']:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            (out / "quality.json").write_text(json.dumps({"records": records}, indent=1))
+    write_markdown(records, out / "quality.md")
+    print(f"wrote {out / 'quality.json'} and {out / 'quality.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
