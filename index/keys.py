@@ -8,8 +8,9 @@ for a prompt. The key of block ``i`` commits to every token before it (a chain):
     S_i = S_{i-1} * C + m_i                                 mod 2^64      # chain, S_{-1} = root
 
 ``R`` are fixed odd 64-bit constants (one per position in a block), ``fmix64`` is the MurmurHash3
-finaliser, ``C`` an odd multiplier, ``root`` 0 or a salt derived from the LoRA name, and ``extra_i``
-a hash of the block's extra keys (cache_salt, multimodal ids) when it has any.
+finaliser, ``C`` an odd multiplier, ``root`` a fixed non-zero salt for the base model or one derived
+from the LoRA name, and ``extra_i`` a hash of the block's extra keys (cache_salt, multimodal ids)
+when it has any.
 
 Why this shape: the content hash is one numpy matrix-vector product over all blocks, and because
 the chain is a linear recurrence it can also be computed for a whole prompt at once,
@@ -76,11 +77,16 @@ def stable_hash(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
+BASE_ROOT = stable_hash(["base-model"]) | 1
+"""Chain root of the base model. Not 0: with a zero root, blocks whose content hash is 0 (all token
+ids 0) would get key 0 at every depth and match at the wrong depth."""
+
+
 def lora_root(lora_name: str | None) -> int:
-    """The chain root: 0 for the base model, a salt per LoRA adapter so adapters never match."""
+    """The chain root: a fixed salt for the base model, one per LoRA adapter so adapters never match."""
     if not lora_name:
-        return 0
-    return stable_hash(["lora", lora_name]) or 1
+        return BASE_ROOT
+    return stable_hash(["lora", lora_name]) | 1
 
 
 def extra_hash(items: Sequence[Any]) -> int:

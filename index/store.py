@@ -148,7 +148,7 @@ class PrefixStore:
                     self._forget(sidx, old)
                 emap[eh] = key
         present = media.keys() & keys if media else ()
-        if not present:
+        if not present and len(set(keys)) == len(keys):  # a key listed twice takes the careful path
             media.update(zip(keys, itertools.repeat(bit)))
             added = len(keys)
         else:

@@ -27,7 +27,7 @@ def test_extending_a_parent_equals_hashing_the_whole_prompt(tokens: list[int], c
     keys = prompt_keys(tokens, bs)
     k = min(cut // bs, len(keys))
     head = keys[:k]
-    parent = head[-1] if head else 0
+    parent = head[-1] if head else lora_root(None)
     tail = chain(parent, block_contents(tokens[k * bs :], bs).tolist())
     assert head + tail == keys
 
@@ -43,6 +43,14 @@ def test_chain_commits_to_earlier_blocks() -> None:
     a = prompt_keys([1, 2, 3, 4, 5, 6], 2)
     b = prompt_keys([9, 2, 3, 4, 5, 6], 2)
     assert all(x != y for x, y in zip(a, b, strict=True))
+
+
+def test_repeated_blocks_get_distinct_keys_at_every_depth() -> None:
+    """All-zero blocks hash to content 0: the chain must still give each depth its own key."""
+    for token in (0, 1):
+        keys = prompt_keys([token] * 64, 16)
+        assert len(set(keys)) == 4
+    assert len(set(prompt_keys([0] * 64, 16, lora_name="x"))) == 4
 
 
 def test_position_inside_a_block_matters() -> None:
