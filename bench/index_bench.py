@@ -139,6 +139,22 @@ def bench_lookup(n_res: int, sources: int, reps: int) -> dict[str, Any]:
 
 
 def bench_memory(n_res: int) -> dict[str, Any]:
+    """In a fresh process: memory freed by earlier steps would otherwise be reused and flatter it."""
+    import subprocess
+
+    code = f"import json, index_bench as b; print(json.dumps(b._memory_here({n_res})))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(__file__),
+    ).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def _memory_here(n_res: int) -> dict[str, Any]:
     gc.collect()
     before = rss_bytes()
     idx, _ = build_index(n_res, 8, keep_docs=False)
