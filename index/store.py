@@ -54,6 +54,19 @@ class SourceCounts(msgspec.Struct):
     evicted: int
 
 
+def _unset(media: dict[int, int], key: int, bit: int) -> bool:
+    """Clear one source's bit for ``key`` on a medium (dropping the entry when no holder is left)."""
+    held = media.get(key, 0)
+    if not held & bit:
+        return False
+    rest = held & ~bit
+    if rest:
+        media[key] = rest
+    else:
+        del media[key]
+    return True
+
+
 class PrefixStore:
     """Residencies and reference counts; knows nothing of wire formats, keys' origin or HTTP."""
 
@@ -205,11 +218,7 @@ class PrefixStore:
                     else:
                         del self._refs[rk]
                     continue
-            rest = held & ~bit
-            if rest:
-                media[key] = rest
-            else:
-                del media[key]
+            _unset(media, key, bit)
             ended += 1
             if not self._held_elsewhere(sidx, key, midx):
                 del emap[eh]
@@ -225,13 +234,7 @@ class PrefixStore:
         bit = 1 << sidx
         ended = 0
         for eh, key in list(emap.items()):
-            held = media.get(key, 0)
-            if held & bit:
-                rest = held & ~bit
-                if rest:
-                    media[key] = rest
-                else:
-                    del media[key]
+            if _unset(media, key, bit):
                 ended += 1
             if not self._held_elsewhere(sidx, key, midx):
                 del emap[eh]
@@ -247,13 +250,7 @@ class PrefixStore:
         ended = 0
         for media in self._media:
             for key in set(emap.values()):
-                held = media.get(key, 0)
-                if held & bit:
-                    rest = held & ~bit
-                    if rest:
-                        media[key] = rest
-                    else:
-                        del media[key]
+                if _unset(media, key, bit):
                     ended += 1
         emap.clear()
         self._drop_refs(sidx, None)
@@ -268,13 +265,7 @@ class PrefixStore:
     def _forget(self, sidx: int, key: int) -> None:
         bit = 1 << sidx
         for midx, media in enumerate(self._media):
-            held = media.get(key, 0)
-            if held & bit:
-                rest = held & ~bit
-                if rest:
-                    media[key] = rest
-                else:
-                    del media[key]
+            if _unset(media, key, bit):
                 self._counts[sidx][midx] -= 1
                 self.total -= 1
             if self._refs_by_source[sidx]:

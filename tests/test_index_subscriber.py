@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from harness import TIMEOUT, wait_for
 
 from index.keys import prompt_keys
 from index.kvindex import IndexConfig, KVIndex
@@ -16,17 +17,6 @@ from index.subscriber import SourceConfig, SourceStatus, SubscriberConfig
 from sim.publisher import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 
 BS = 4
-TIMEOUT = 30.0
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
-    """Poll a condition (never a fixed sleep as synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Chain:
