@@ -35,5 +35,5 @@ def test_quick_demo_prints_the_table_and_kv_wins(tmp_path: Path) -> None:
     rows = {r["policy"]: r for r in json.loads(out_json.read_text())["rows"]}
     assert set(rows) == set(POLICIES)
     for r in rows.values():
-        assert r["requests"] > 0 and r["errors"] == 0
+        assert r["requests"] >= 50 and r["errors"] == 0  # the small end-to-end fleet test
     assert rows["kv"]["hit_ratio"] > rows["round_robin"]["hit_ratio"], rows
