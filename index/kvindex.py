@@ -102,30 +102,34 @@ class KVIndex:
     ) -> MatchReport:
         """Longest cached prefix of ``tokens`` on every candidate source, by medium (predictions included)."""
         by_size: dict[int, list[int]] = {}
-        for source in candidates:
-            sidx = self.store.source_index(source)
+        default_size = self.config.block_size or 16
+        index_of = self.store.source_index
+        stats = self.ingestor.stats
+        for source in candidates:  # one dict lookup or two per candidate: this loop is O(fleet)
+            sidx = index_of(source)
             if sidx is not None:
-                by_size.setdefault(self.block_size_of(source), []).append(sidx)
+                st = stats.get(sidx)
+                size = st.block_size if st is not None and st.block_size else default_size
+                by_size.setdefault(size, []).append(sidx)
         main_size = self.config.block_size or (next(iter(by_size)) if by_size else 16)
         extra: dict[int, Sequence[Any]] | None = {0: [cache_salt]} if cache_salt else None
         keys: dict[int, list[int]] = {}
         matches: dict[SourceId, SourceMatch] = {}
         now = time.monotonic()
+        predictions = self._predicted
         for size, sidxs in by_size.items():
             ks = prompt_keys(tokens, size, lora_name=lora_name, extra_keys=extra)
             keys[size] = ks
-            for m in self.store.lookup(ks, sidxs):
-                predicted = self._predicted.get(self._sidx(m.source))
-                if predicted:
-                    self._extend_with_predictions(m, ks, predicted, now)
+            for m in self.store.lookup(ks, sidxs):  # skips a source removed meanwhile
+                if predictions:
+                    sidx = index_of(m.source)
+                    predicted = predictions.get(sidx) if sidx is not None else None
+                    if predicted:
+                        self._extend_with_predictions(m, ks, predicted, now)
                 matches[m.source] = m
         if main_size not in keys:
             keys[main_size] = prompt_keys(tokens, main_size, lora_name=lora_name, extra_keys=extra)
         return MatchReport(len(tokens), main_size, len(tokens) // main_size, matches, keys)
-
-    def _sidx(self, source: SourceId) -> int:
-        sidx = self.store.source_index(source)
-        return -1 if sidx is None else sidx
 
     @staticmethod
     def _extend_with_predictions(
