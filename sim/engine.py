@@ -752,8 +752,10 @@ class MockEngine:
         def chunk(choice: dict[str, Any]) -> bytes:
             return b"data: " + msgspec.json.encode({**base, "choices": [choice], **usage_field}) + b"\n\n"
 
-        if chat:
-            yield chunk(
+        # vLLM sends the chat role chunk with the first token, after prefill: sending it earlier would
+        # tell the router (and any client timing TTFT) that prefill ended at dispatch
+        role = (
+            chunk(
                 {
                     "index": 0,
                     "delta": {"role": "assistant", "content": ""},
@@ -761,6 +763,9 @@ class MockEngine:
                     "finish_reason": None,
                 }
             )
+            if chat
+            else b""
+        )
         count = 0
         try:
             async with contextlib.aclosing(self._generate(sched, req)) as tokens:
@@ -770,7 +775,10 @@ class MockEngine:
                     text = self.tokenizer.text([token])
                     if chat:
                         delta = {"content": text}
-                        yield chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
+                        yield role + chunk(
+                            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                        )
+                        role = b""
                     else:
                         yield chunk(
                             {

@@ -83,6 +83,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Encode events to bytes and decode them with index.wire (as the router does); False converts."""
     seed: int = 0
     """Seeds the policy's RNG (random policy, tie-breaks, temperature)."""
+    first_byte_at_dispatch: bool = False
+    """Model an engine that streams a byte before prefill (the mock engine's chat role chunk): the
+    load tracker's prefill-pending state then ends at dispatch, as it does in such live runs."""
     scale_policy: bool = True
     """With ``token_scale`` s != 1, give the policy its block-valued knobs in scaled blocks
     (decode_weight / s, waiting_weight / s, min_match_blocks / s) so that a config means the same
@@ -510,6 +513,8 @@ def simulate(
             req = _Req(i, f"r{i}", tokens, max_tokens, now, random.Random(keys[-1] if keys else i))
             req.engine = e
             req.ticket = router.loads.start(router.sources[e], max(len(tokens) - matched * bs, 0))
+            if cfg.first_byte_at_dispatch:
+                router.loads.first_byte(req.ticket)
             records.append(req)
             if first_arrival is None:
                 first_arrival = now

@@ -109,6 +109,23 @@ def test_session_turns_wait_for_their_predecessor() -> None:
     assert simulate(work, "kv", cfg).cached_tokens > chained.cached_tokens
 
 
+def test_pending_prefill_spreads_a_burst_unless_the_first_byte_comes_early() -> None:
+    shared = list(range(5, 69))  # 4 blocks every request shares
+    rng = random.Random(1)
+    burst = [
+        Request(
+            at_s=0.0, session=f"b{i}", prompt_token_ids=shared + [rng.randrange(5, 2000) for _ in range(960)]
+        )
+        for i in range(8)
+    ]
+    cfg = SimConfig(engines=2, engine=EngineConfig(num_gpu_blocks=1024))
+    normal = simulate(PreparedWorkload(burst), "kv", cfg)
+    early = simulate(PreparedWorkload(burst), "kv", msgspec.structs.replace(cfg, first_byte_at_dispatch=True))
+    assert max(normal.per_engine_requests) <= 5  # queued prefill outweighs a 4-block match
+    assert max(early.per_engine_requests) >= 7  # the queue is invisible: the match wins every time
+    assert early.ttft_p99 > normal.ttft_p99
+
+
 def test_scaled_policy_keeps_per_request_terms_in_real_units() -> None:
     cfg = PolicyConfig(decode_weight=2.0, min_match_blocks=8, waiting_weight=1.0)
     s = scale_policy(cfg, 4.0)

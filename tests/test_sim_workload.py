@@ -87,7 +87,7 @@ def test_with_answers_replaces_known_answers_only() -> None:
 def test_demo_configs_are_small() -> None:
     quick = generate(demo_config(quick=True))
     full = generate(demo_config())
-    assert 5 <= summary(quick)["requests"] < 60
+    assert 40 <= summary(quick)["requests"] < 90
     assert 60 <= summary(full)["requests"] <= 400
     assert summary(full)["span_s"] < 45
 
