@@ -30,10 +30,11 @@ from index.subscriber import SourceConfig
 from router.backends import BackendRegistry
 from router.config import RouterConfig, rank_endpoint
 from router.errors import ApiError, bad_request, unauthorized, unavailable
+from router.http import Receive, Scope, Send
 from router.load import LoadTracker
 from router.metrics import RouterMetrics, dashboard_data
 from router.policy import Policy
-from router.proxy import PATHS, ProxyHandler, Receive, Scope, Send, read_body
+from router.proxy import PATHS, ProxyHandler, read_body
 from router.service import Endpoint, RouterService
 from router.tokenizer import ChatTokenizer, RequestTokenizer
 from router.upstream import UpstreamPool

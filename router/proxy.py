@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
 
 from router.config import ServerConfig
 from router.errors import ApiError, bad_gateway, bad_request, gateway_timeout, too_large
+from router.http import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.service import Endpoint, Route, RouterService
@@ -39,11 +40,6 @@ from router.upstream import (
 )
 
 log = logging.getLogger("kvrouter.proxy")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -64,17 +60,9 @@ _HOP_BY_HOP = frozenset(
 _FORWARD_REQUEST_HEADERS = ("x-request-id", "traceparent", "tracestate")
 
 
-async def send_error(send: Send, err: ApiError) -> None:
+async def send_error(writer: ResponseWriter, err: ApiError) -> None:
     """An OpenAI-shaped JSON error response."""
-    body = err.body()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": err.status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await write_json(writer, err.status, err.body())
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
@@ -107,7 +95,7 @@ class _ClientGone(Exception):
 
 
 class ProxyHandler:
-    """Handles the two proxied endpoints; everything else goes to ``fallback``."""
+    """The two proxied endpoints, for kvrouter's own server (:meth:`handle`) and for ASGI (``__call__``)."""
 
     def __init__(
         self,
@@ -126,45 +114,29 @@ class ProxyHandler:
         self.authorize = authorize
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = PATHS[scope["path"]]
+        """ASGI entry: read the body, then :meth:`handle` with a task watching for the client leaving."""
+        writer = AsgiWriter(send)
         try:
             self.authorize(scope)
             body = await read_body(scope, receive, self.server.max_body_bytes)
-            try:
-                parsed = msgspec.json.decode(body)
-            except msgspec.DecodeError as exc:
-                raise bad_request(f"The body is not valid JSON: {exc}") from None
-            t0 = time.perf_counter()
-            route = await self.service.decide(endpoint, parsed)
-            decision_s = time.perf_counter() - t0
         except ApiError as err:
-            await send_error(send, err)
+            await send_error(writer, err)
             return
         except asyncio.CancelledError:
             return  # the client left while sending its body
-        m = self.metrics
-        m.routed(
-            route.backend,
-            route.dp_rank,
-            route.outcome,
-            route.prompt_tokens,
-            next((c.blocks_by_medium for c in route.candidates if c.chosen), {}),
-            route.block_size,
-            route.prompt_blocks,
-            decision_s,
-        )
-        # a client disconnect cancels the exchange: watch for it while we wait on the backend
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, task))
+
+        def gone() -> bool:
+            return watcher.done() and not watcher.cancelled() and watcher.result() is True
+
         try:
-            await self._exchange(scope, send, endpoint, body, route)
+            await self.handle(scope["path"], scope.get("headers", ()), body, writer, gone, authorized=True)
         except asyncio.CancelledError:
-            if not watcher.done() or watcher.result() is not True:
+            if not gone():
                 raise
             task.uncancel()
-            log.debug("client disconnected; upstream request to %s cancelled", route.backend)
-            self.metrics.error(route.backend, "client_disconnect")
         finally:
             watcher.cancel()
 
@@ -176,26 +148,74 @@ class ProxyHandler:
                 task.cancel()
                 return True
 
+    async def handle(
+        self,
+        path: str,
+        headers: Iterable[tuple[bytes, bytes]],
+        body: bytes,
+        writer: ResponseWriter,
+        gone: Callable[[], bool],
+        authorized: bool = False,
+    ) -> None:
+        """Decide and proxy one request whose body has been read. The caller cancels the running task
+        when the client disconnects (``gone()`` then returns True); cancellation closes the upstream
+        request, which is how vLLM learns to abort."""
+        endpoint = PATHS[path]
+        try:
+            if not authorized:
+                self.authorize({"path": path, "headers": headers})
+            try:
+                parsed = msgspec.json.decode(body)
+            except msgspec.DecodeError as exc:
+                raise bad_request(f"The body is not valid JSON: {exc}") from None
+            t0 = time.perf_counter()
+            route = await self.service.decide(endpoint, parsed)
+            decision_s = time.perf_counter() - t0
+        except ApiError as err:
+            await send_error(writer, err)
+            return
+        self.metrics.routed(
+            route.backend,
+            route.dp_rank,
+            route.outcome,
+            route.prompt_tokens,
+            next((c.blocks_by_medium for c in route.candidates if c.chosen), {}),
+            route.block_size,
+            route.prompt_blocks,
+            decision_s,
+        )
+        try:
+            await self._exchange(path, headers, writer, body, route)
+        except asyncio.CancelledError:
+            if gone():
+                log.debug("client disconnected; upstream request to %s cancelled", route.backend)
+                self.metrics.error(route.backend, "client_disconnect")
+            raise
+
     def _headers(
-        self, scope: Scope, backend_auth: dict[str, str], dp_size: int, rank: int
+        self, headers: Iterable[tuple[bytes, bytes]], backend_auth: dict[str, str], dp_size: int, rank: int
     ) -> list[tuple[str, str]]:
-        headers = [("content-type", "application/json"), *backend_auth.items()]
+        out = [("content-type", "application/json"), *backend_auth.items()]
         if dp_size > 1:
-            headers.append(("x-data-parallel-rank", str(rank)))
-        for name, value in scope.get("headers", ()):
+            out.append(("x-data-parallel-rank", str(rank)))
+        for name, value in headers:
             key = name.decode("latin-1")
             if key in _FORWARD_REQUEST_HEADERS:
-                headers.append((key, value.decode("latin-1")))
-        return headers
+                out.append((key, value.decode("latin-1")))
+        return out
 
     async def _exchange(
-        self, scope: Scope, send: Send, endpoint: Endpoint, body: bytes, route: Route
+        self,
+        path: str,
+        headers: Iterable[tuple[bytes, bytes]],
+        writer: ResponseWriter,
+        body: bytes,
+        route: Route,
     ) -> None:
         registry = self.service.registry
-        path = scope["path"]
         ranked = route.ranked()
         targets = ranked[:1]
-        last_error: ApiError = bad_gateway("no backend could be reached")
+        last_error: ApiError | None = None
         for attempt, target in enumerate(targets):
             backend = registry.get(target[0])
             if attempt == 0:
@@ -213,12 +233,14 @@ class ProxyHandler:
                         backend.upstream_key,
                         "POST",
                         backend.base_path + path,
-                        self._headers(scope, backend.auth_headers, backend.cfg.dp_size, target[1]),
+                        self._headers(headers, backend.auth_headers, backend.cfg.dp_size, target[1]),
                         body,
                     )
                 except UpstreamTimeout:
                     self.metrics.error(backend.name, "timeout")
-                    await send_error(send, gateway_timeout(f"backend {backend.name} did not answer in time"))
+                    await send_error(
+                        writer, gateway_timeout(f"backend {backend.name} did not answer in time")
+                    )
                     return
                 except UpstreamError as exc:
                     if isinstance(exc, UpstreamConnectError):
@@ -235,22 +257,30 @@ class ProxyHandler:
                     self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
                     continue
                 try:
-                    await self._stream(send, resp, ticket, backend.name, target[1], started)
+                    await self._stream(writer, resp, ticket, backend.name, target[1], started)
                 finally:
                     await resp.aclose()
                 self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
                 return
             finally:
                 self.loads.finish(ticket)
-        await send_error(send, last_error)
+        await send_error(writer, last_error or bad_gateway("no backend could be reached"))
 
     async def _stream(
-        self, send: Send, resp: UpstreamResponse, ticket: Any, backend: str, rank: int, started: float
+        self,
+        writer: ResponseWriter,
+        resp: UpstreamResponse,
+        ticket: Any,
+        backend: str,
+        rank: int,
+        started: float,
     ) -> None:
-        headers = [(k, v) for k, v in resp.headers if k not in _HOP_BY_HOP]
+        headers: Headers = [(k, v) for k, v in resp.headers if k not in _HOP_BY_HOP]
         headers.append((b"x-kvrouter-backend", backend.encode()))
         headers.append((b"x-kvrouter-dp-rank", str(rank).encode()))
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        await writer.start(resp.status, headers)
+        if not resp.ready:
+            writer.flush()  # nothing came with the headers: pass them on now, as the backend did
         first = True
         try:
             async for chunk in resp.aiter_raw():
@@ -258,12 +288,14 @@ class ProxyHandler:
                     first = False
                     self.loads.first_byte(ticket)
                     self.metrics.observe_ttft(backend, time.perf_counter() - started)
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if resp.finished:
+                    await writer.end(chunk)  # a whole small response goes out in one write
+                    return
+                await writer.send(chunk)
         except UpstreamError as exc:
-            # headers are out: end without the final frame, so the server drops the connection
-            # and the client sees a truncated response instead of a complete-looking one
+            # the status is committed: end without the final frame, so the server drops the
+            # connection and the client sees a truncated response instead of a complete-looking one
             log.warning("backend %s broke the response stream: %s", backend, exc)
             self.metrics.error(backend, "stream_broken")
             return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await writer.end()

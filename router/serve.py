@@ -1,11 +1,11 @@
-"""`kvrouter serve`: load the fleet config, build the router and run it under uvicorn."""
+"""`kvrouter serve`: load the fleet config, build the router and run it on kvrouter's own HTTP server
+(:mod:`router.server`; uvloop when installed)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import asyncio
 import logging
-import math
 import sys
 from typing import Any
 
@@ -34,10 +34,6 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _best(module: str, fallback: str) -> str:
-    return module if importlib.util.find_spec(module) is not None else fallback
-
-
 def run(args: argparse.Namespace) -> int:
     """Load, validate, serve; a config error exits with status 2 and names the key."""
     try:
@@ -52,24 +48,19 @@ def run(args: argparse.Namespace) -> int:
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
-    import uvicorn
-
     from router.app import KVRouter
+    from router.server import HttpServer, loop_factory
 
     try:
         app = KVRouter(cfg)
     except (OSError, ValueError) as exc:  # e.g. an unreadable tokenizer
         print(f"kvrouter: cannot start: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        app,
-        host=cfg.server.host,
-        port=cfg.server.port,
-        log_level=cfg.server.log_level,
-        access_log=cfg.server.access_log,
-        loop=_best("uvloop", "asyncio"),
-        http=_best("httptools", "h11"),
-        timeout_graceful_shutdown=math.ceil(cfg.server.drain_timeout_s),
-        lifespan="on",
-    )
+    logging.getLogger("kvrouter.access").setLevel(logging.INFO if cfg.server.access_log else logging.WARNING)
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        try:
+            runner.run(HttpServer(app).run())
+        except OSError as exc:  # e.g. the port is taken
+            print(f"kvrouter: cannot serve: {exc}", file=sys.stderr)
+            return 1
     return 0

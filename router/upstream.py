@@ -171,6 +171,16 @@ class UpstreamResponse:
         self.read_timeout = read_timeout
         self._closed = False
 
+    @property
+    def ready(self) -> bool:
+        """Body bytes (or the end of the body) arrived with the headers: reading will not wait."""
+        return bool(self.conn.body) or self.conn.complete
+
+    @property
+    def finished(self) -> bool:
+        """The body is complete and every chunk of it has been taken."""
+        return self.conn.complete and not self.conn.body
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive (de-chunked)."""
         conn = self.conn

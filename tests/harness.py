@@ -253,17 +253,77 @@ class FakeEngine:
             raise
 
 
-class RouterRunner:
-    """The real router (KVRouter under uvicorn) for a TOML config written by the test."""
+class NativeServer:
+    """kvrouter's own HTTP server (what `kvrouter serve` runs) in a thread with its own event loop,
+    on 127.0.0.1:0; stop() drains, shuts the router down and joins."""
 
-    def __init__(self, toml: str, tmp: Path) -> None:
+    def __init__(self, app: Any) -> None:
+        from router.server import HttpServer, loop_factory
+
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port: int = self.sock.getsockname()[1]
+        self.server = HttpServer(app, sock=self.sock)
+        self._factory = loop_factory()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self) -> None:
+        async def body() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            await self.server.start()
+            self.started.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await self.server.stop()
+
+        try:
+            with asyncio.Runner(loop_factory=self._factory) as runner:
+                runner.run(body())
+        except BaseException as exc:  # surfaced by start()/stop()
+            self.error = exc
+            self.started.set()
+
+    def start(self) -> NativeServer:
+        self.thread.start()
+        wait_for(self.started.is_set, "router start")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(TIMEOUT)
+        self.sock.close()
+        assert not self.thread.is_alive(), "router thread did not stop"
+
+
+class RouterRunner:
+    """The real router (KVRouter on kvrouter's own HTTP server, as `kvrouter serve` runs it) for a
+    TOML config written by the test; ``asgi=True`` runs the same app under uvicorn instead."""
+
+    def __init__(self, toml: str, tmp: Path, asgi: bool = False) -> None:
         from router.app import KVRouter
         from router.config import load_config
 
         path = tmp / f"fleet-{uuid.uuid4().hex[:6]}.toml"
         path.write_text(toml)
         self.app = KVRouter(load_config(path))
-        self.server = ThreadedServer(self.app).start()
+        self.server: NativeServer | ThreadedServer = (
+            ThreadedServer(self.app).start() if asgi else NativeServer(self.app).start()
+        )
 
     @property
     def url(self) -> str:

@@ -1,5 +1,5 @@
-"""The router end to end: real uvicorn servers on 127.0.0.1, fake engines publishing real KV events,
-and the official OpenAI client."""
+"""The router end to end: real servers on 127.0.0.1 (kvrouter's own and uvicorn), fake engines
+publishing real KV events, and the official OpenAI client."""
 
 from __future__ import annotations
 
@@ -41,8 +41,12 @@ def ctx() -> Iterator[zmq.Context[Any]]:
 Fleet = Callable[..., tuple[RouterRunner, dict[str, FakeEngine]]]
 
 
-@pytest.fixture
-def fleet(ctx: zmq.Context[Any], tmp_path: Path, tokdir: Path) -> Iterator[Fleet]:
+@pytest.fixture(params=["native", "asgi"])
+def fleet(
+    request: pytest.FixtureRequest, ctx: zmq.Context[Any], tmp_path: Path, tokdir: Path
+) -> Iterator[Fleet]:
+    """Every test runs on kvrouter's own server (what `kvrouter serve` runs) and under uvicorn
+    (the app is a complete ASGI application too)."""
     made: list[Any] = []
 
     def make(
@@ -52,7 +56,7 @@ def fleet(ctx: zmq.Context[Any], tmp_path: Path, tokdir: Path) -> Iterator[Fleet
         made.extend(engines.values())
         toml = f'block_size = {BS}\ntokenizer = "{tokdir}"\n{top}\n' + extra + "\n"
         toml += "\n".join(e.backend_toml() for e in engines.values())
-        router = RouterRunner(toml, tmp_path)
+        router = RouterRunner(toml, tmp_path, asgi=request.param == "asgi")
         made.append(router)
         return router, engines
 

@@ -1,0 +1,72 @@
+"""The small HTTP vocabulary the proxy is written against, so it runs on kvrouter's own server and
+under any ASGI server alike.
+
+:class:`ResponseWriter` is what the proxy needs from a server: start a response, send chunks, end
+it. ``start`` may hold the status line and headers back until the first chunk or :meth:`flush`, so a
+server that owns its socket can send a whole small response in one write (on the 2-vCPU VM of
+BENCHMARKS.md a socket write that wakes the peer is the largest single cost of a proxied request).
+:class:`AsgiWriter` maps the same calls onto ASGI ``send`` messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Protocol
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+
+class ResponseWriter(Protocol):
+    """One response: ``start`` once, ``send`` any number of times, ``end`` once (or never, when the
+    response must look truncated: the server then closes the connection)."""
+
+    started: bool
+
+    async def start(self, status: int, headers: Headers) -> None:
+        """Status and headers (names lower-case); may be held back until the first chunk."""
+
+    def flush(self) -> None:
+        """Send what ``start`` held back now (the first chunk is not there yet)."""
+
+    async def send(self, chunk: bytes) -> None:
+        """One body chunk, sent now; waits while the client is not reading."""
+
+    async def end(self, chunk: bytes = b"") -> None:
+        """The last chunk (possibly empty) and the end of the response."""
+
+
+class AsgiWriter:
+    """A :class:`ResponseWriter` over an ASGI ``send`` (no write coalescing: ASGI sends each message)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+
+    async def start(self, status: int, headers: Headers) -> None:
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    def flush(self) -> None:
+        return None
+
+    async def send(self, chunk: bytes) -> None:
+        if chunk:
+            await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self, chunk: bytes = b"") -> None:
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
+
+
+async def write_json(writer: ResponseWriter, status: int, body: bytes) -> None:
+    """A complete JSON response."""
+    await writer.start(
+        status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    )
+    await writer.end(body)
+
+
+__all__ = ["AsgiWriter", "Headers", "Message", "Receive", "ResponseWriter", "Scope", "Send", "write_json"]

@@ -1,0 +1,536 @@
+"""kvrouter's own HTTP/1.1 server (asyncio + httptools' C parser): the two proxied endpoints run
+natively, everything else goes through the FastAPI app over a minimal ASGI bridge.
+
+Why not uvicorn for the hot path (measured, BENCHMARKS.md): under uvicorn every proxied response
+costs two socket writes (status line and headers, then the body) plus ASGI message dicts and a task
+watching for the client leaving. On the 2-vCPU VM we benchmark on, a write that wakes the peer is the
+largest single cost of a request, so owning the socket lets a small response go out in one write and
+a disconnect cancel the request's task directly. The ASGI app stays complete (``KVRouter`` is still
+an ASGI application, tested under uvicorn), so any ASGI server can run kvrouter too.
+
+What it implements, and no more:
+
+- HTTP/1.0 and 1.1, keep-alive with an idle timeout, pipelined requests answered in order (reading
+  pauses while one is in flight), content-length and chunked request bodies, ``Expect: 100-continue``;
+- limits: request line plus headers at most ``_MAX_HEAD`` bytes (431), body at most
+  ``max_body_bytes`` (413 as soon as it is known, then the connection is closed);
+- response framing: the handler's content-length, else chunked (1.1) or close-delimited (1.0);
+  no body for HEAD, 204 and 304;
+- flow control: a handler's write waits while the client is not reading (transport high-water mark);
+- a client disconnect cancels the request's task (the proxy then closes its upstream request);
+- graceful shutdown: stop accepting, close idle connections, give in-flight requests
+  ``drain_timeout_s``, then cancel what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import email.utils
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import unquote
+
+import httptools
+
+from router.errors import ApiError, bad_request, too_large
+from router.http import Headers, Message, write_json
+from router.proxy import PATHS
+
+if TYPE_CHECKING:
+    from router.app import KVRouter
+
+log = logging.getLogger("kvrouter.server")
+access = logging.getLogger("kvrouter.access")
+
+_MAX_HEAD = 64 * 1024
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
+_NO_BODY = frozenset({204, 304})
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+
+
+class _Request:
+    """A complete request: what the parser saw, body included."""
+
+    __slots__ = ("body", "headers", "keep_alive", "method", "path", "query", "raw_path", "version")
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        raw_path: bytes,
+        query: bytes,
+        headers: Headers,
+        body: bytes,
+        version: str,
+        keep_alive: bool,
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.raw_path = raw_path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.version = version
+        self.keep_alive = keep_alive
+
+
+class _Writer:
+    """The :class:`router.http.ResponseWriter` of one request on one connection."""
+
+    __slots__ = ("_bodyless", "_chunked", "_head", "committed", "conn", "ended", "req", "started", "status")
+
+    def __init__(self, conn: _Connection, req: _Request) -> None:
+        self.conn = conn
+        self.req = req
+        self.started = False
+        self.committed = False
+        self.ended = False
+        self.status = 0
+        self._head = b""
+        self._chunked = False
+        self._bodyless = req.method == "HEAD"
+
+    async def start(self, status: int, headers: Headers) -> None:
+        req = self.req
+        self.started = True
+        self.status = status
+        self._bodyless = req.method == "HEAD" or status in _NO_BODY or status < 200
+        has_length = False
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"")), self.conn.server.date_line()]
+        for name, value in headers:
+            name = name.lower()
+            if name in _FRAMING:
+                if name != b"content-length":
+                    continue  # framing and connection management are this server's job
+                has_length = True
+            lines.append(b"%s: %s\r\n" % (name, value))
+        if not has_length and not self._bodyless:
+            if req.version == "1.1":
+                self._chunked = True
+                lines.append(b"transfer-encoding: chunked\r\n")
+            else:
+                req.keep_alive = False  # HTTP/1.0 without a length: the body ends with the connection
+        if not req.keep_alive:
+            lines.append(b"connection: close\r\n")
+        elif req.version == "1.0":
+            lines.append(b"connection: keep-alive\r\n")
+        lines.append(b"\r\n")
+        self._head = b"".join(lines)
+
+    def flush(self) -> None:
+        if self._head:
+            self.conn.write(self._head)
+            self._head = b""
+            self.committed = True
+
+    def _frame(self, chunk: bytes) -> bytes:
+        if self._bodyless or not chunk:
+            return b""
+        if self._chunked:
+            return b"%x\r\n%s\r\n" % (len(chunk), chunk)
+        return chunk
+
+    async def send(self, chunk: bytes) -> None:
+        data = self._frame(chunk)
+        if self._head:
+            data = self._head + data
+            self._head = b""
+        if data:
+            self.committed = True
+            conn = self.conn
+            conn.write(data)
+            if conn.write_paused:
+                await conn.drain()
+
+    async def end(self, chunk: bytes = b"") -> None:
+        data = self._frame(chunk)
+        if self._chunked:
+            data += b"0\r\n\r\n"
+        if self._head:
+            data = self._head + data
+            self._head = b""
+        self.ended = True
+        self.committed = True
+        if data:
+            self.conn.write(data)
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parser state, the queue of complete requests, the running request."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.client: tuple[str, int] | None = None
+        self.sockname: tuple[str, int] | None = None
+        self.queue: collections.deque[_Request] = collections.deque()
+        self.task: asyncio.Task[None] | None = None
+        self.gone = False
+        self.write_paused = False
+        self.read_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._lost: asyncio.Future[None] | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self._reject: ApiError | None = None
+        self._reset_message()
+
+    def _reset_message(self) -> None:
+        self._url = b""
+        self._headers: Headers = []
+        self._head_size = 0
+        self._body: list[bytes] = []
+        self._body_size = 0
+
+    # --- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
+        name = transport.get_extra_info("sockname")
+        self.sockname = (str(name[0]), int(name[1])) if isinstance(name, tuple) else None
+        self.server.connections.add(self)
+        self._arm_idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        self.server.connections.discard(self)
+        self._disarm_idle()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        for fut in (self._drain, self._lost):
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self._disarm_idle()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(bad_request("protocol upgrades are not supported"))
+            return
+        except httptools.HttpParserError as exc:
+            self._fail(bad_request(f"invalid HTTP request: {exc}"))
+            return
+        if self._reject is not None:
+            self._fail(self._reject)
+            return
+        if self.queue:
+            if self.task is None:
+                self._next()
+            elif not self.read_paused and self.transport is not None:
+                self.read_paused = True  # a pipelined request waits; read no further meanwhile
+                self.transport.pause_reading()
+        elif self.task is None:
+            self._arm_idle()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # --- httptools callbacks ---------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._reset_message()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+        self._head_size += len(name) + len(value) + 4
+
+    def on_headers_complete(self) -> None:
+        if self._reject is not None:
+            return
+        if self._head_size > _MAX_HEAD:
+            self._reject = ApiError(
+                431, f"request head larger than {_MAX_HEAD} bytes", "invalid_request_error", "head_too_large"
+            )
+            return
+        limit = self.server.max_body_bytes
+        expect = False
+        for name, value in self._headers:
+            if name == b"content-length":
+                try:
+                    if int(value) > limit:
+                        self._reject = too_large(limit)
+                        return
+                except ValueError:
+                    self._reject = bad_request("invalid Content-Length")
+                    return
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expect = True
+        if expect and self.parser.get_http_version() == "1.1" and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if self._reject is not None:
+            return
+        self._body_size += len(body)
+        if self._body_size > self.server.max_body_bytes:
+            self._reject = too_large(self.server.max_body_bytes)
+            self._body = []
+            return
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._reject is not None:
+            return
+        parsed = httptools.parse_url(self._url)
+        raw_path: bytes = parsed.path
+        path = raw_path.decode("latin-1")
+        if "%" in path:
+            path = unquote(path)
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self.queue.append(
+            _Request(
+                self.parser.get_method().decode("latin-1"),
+                path,
+                raw_path,
+                parsed.query or b"",
+                self._headers,
+                body,
+                self.parser.get_http_version(),
+                self.parser.should_keep_alive(),
+            )
+        )
+        self._reset_message()
+
+    # --- requests --------------------------------------------------------------------------------
+    def _next(self) -> None:
+        req = self.queue.popleft()
+        self.task = self.loop.create_task(self._run(req))
+
+    async def _run(self, req: _Request) -> None:
+        writer = _Writer(self, req)
+        t0 = time.perf_counter()
+        try:
+            await self.server.dispatch(req, writer, self)
+        except asyncio.CancelledError:
+            self.close()
+            if not self.gone:
+                raise  # cancelled by shutdown, not by the client
+            return
+        except Exception:
+            log.exception("unhandled error in %s %s", req.method, req.path)
+            if not writer.committed:
+                err = ApiError(500, "internal error in kvrouter", "internal_error", "internal_error")
+                writer = _Writer(self, req)
+                await write_json(writer, 500, err.body())
+        finally:
+            if self.server.access_log:
+                access.info(
+                    '%s - "%s %s HTTP/%s" %d %.1fms',
+                    self.client[0] if self.client else "-",
+                    req.method,
+                    req.path,
+                    req.version,
+                    writer.status,
+                    (time.perf_counter() - t0) * 1e3,
+                )
+        if not writer.ended or not req.keep_alive or self.server.stopping or self.gone:
+            self.close()  # a response that did not end properly must look truncated
+            return
+        self.task = None
+        if self.queue:
+            self._next()
+            return
+        if self.read_paused and self.transport is not None:
+            self.read_paused = False
+            self.transport.resume_reading()
+        self._arm_idle()
+
+    def _fail(self, err: ApiError) -> None:
+        """A request we refuse before handling it: answer (if nothing is in flight) and close."""
+        if self.task is None and self.transport is not None and not self.gone:
+            body = err.body()
+            self.transport.write(
+                b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%s" % (err.status, _REASONS.get(err.status, b""), len(body), body)
+            )
+        self.close()
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.gone:
+            self.transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait until the client reads again (or leaves)."""
+        while self.write_paused and not self.gone:
+            self._drain = self.loop.create_future()
+            await self._drain
+
+    async def wait_lost(self) -> None:
+        """Until the client disconnects."""
+        if self.gone:
+            return
+        if self._lost is None:
+            self._lost = self.loop.create_future()
+        await self._lost
+
+    def close(self) -> None:
+        self._disarm_idle()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _arm_idle(self) -> None:
+        self._disarm_idle()
+        self._idle = self.loop.call_later(self.server.keepalive_timeout, self.close)
+
+    def _disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+
+class HttpServer:
+    """Serves a :class:`router.app.KVRouter` on one listening socket; ``start`` / ``stop`` or ``run``."""
+
+    def __init__(self, app: KVRouter, sock: socket.socket | None = None) -> None:
+        srv = app.config.server
+        self.app = app
+        self.host = srv.host
+        self.port = srv.port
+        self.sock = sock
+        self.max_body_bytes = srv.max_body_bytes
+        self.keepalive_timeout = srv.keepalive_timeout_s
+        self.drain_timeout = srv.drain_timeout_s
+        self.access_log = srv.access_log
+        self.connections: set[_Connection] = set()
+        self.stopping = False
+        self._server: asyncio.AbstractServer | None = None
+        self._date = b""
+        self._date_at = 0
+
+    def date_line(self) -> bytes:
+        """The ``date`` header, formatted at most once per second."""
+        now = int(time.time())
+        if now != self._date_at:
+            self._date_at = now
+            self._date = b"date: %s\r\n" % email.utils.formatdate(now, usegmt=True).encode()
+        return self._date
+
+    async def dispatch(self, req: _Request, writer: _Writer, conn: _Connection) -> None:
+        """The proxied endpoints natively, everything else through the ASGI app."""
+        if req.method == "POST" and req.path in PATHS:
+            await self.app.proxy.handle(req.path, req.headers, req.body, writer, lambda: conn.gone)
+        else:
+            await self._asgi(req, writer, conn)
+
+    async def _asgi(self, req: _Request, writer: _Writer, conn: _Connection) -> None:
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": req.version,
+            "method": req.method,
+            "scheme": "http",
+            "path": req.path,
+            "raw_path": req.raw_path,
+            "query_string": req.query,
+            "root_path": "",
+            "headers": req.headers,
+            "client": conn.client,
+            "server": conn.sockname,
+        }
+        delivered = False
+
+        async def receive() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": req.body, "more_body": False}
+            await conn.wait_lost()
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", ())]
+                await writer.start(int(message["status"]), headers)
+            elif kind == "http.response.body" and not writer.ended:
+                if message.get("more_body", False):
+                    await writer.send(message.get("body", b""))
+                else:
+                    await writer.end(message.get("body", b""))
+
+        await self.app.api(scope, receive, send)
+
+    async def start(self) -> None:
+        """Start the router's background work, then listen."""
+        await self.app.startup()
+        loop = asyncio.get_running_loop()
+        if self.sock is not None:
+            self._server = await loop.create_server(lambda: _Connection(self), sock=self.sock, backlog=2048)
+        else:
+            self._server = await loop.create_server(
+                lambda: _Connection(self), self.host, self.port, backlog=2048, reuse_address=True
+            )
+        sockets = self._server.sockets
+        if sockets:
+            self.port = int(sockets[0].getsockname()[1])
+        log.info("kvrouter listening on http://%s:%d", self.host, self.port)
+
+    async def stop(self) -> None:
+        """Stop accepting, drain in-flight requests for ``drain_timeout_s``, stop the router."""
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if conn.task is None:
+                conn.close()
+        deadline = time.monotonic() + self.drain_timeout
+        busy = [c.task for c in self.connections if c.task is not None and not c.task.done()]
+        if busy:
+            log.info("draining %d in-flight request(s) for up to %.0f s", len(busy), self.drain_timeout)
+            _, pending = await asyncio.wait(busy, timeout=max(deadline - time.monotonic(), 0))
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5)
+        for conn in list(self.connections):
+            conn.close()
+        await self.app.shutdown()
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Serve until SIGINT/SIGTERM (or until ``stop`` is set), then shut down gracefully."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        stop = stop or asyncio.Event()
+        installed: list[signal.Signals] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread (tests): the caller sets ``stop``
+        try:
+            await stop.wait()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            await self.stop()
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvloop's event loop when installed (measured faster for this server), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
+
+
+__all__ = ["HttpServer", "loop_factory"]

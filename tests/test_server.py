@@ -1,0 +1,264 @@
+"""kvrouter's own HTTP/1.1 server (router/server.py) on a real socket: framing, keep-alive,
+pipelining, limits, malformed input, idle timeout, graceful shutdown, and one write per small
+proxied response."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+from harness import TIMEOUT, FakeEngine, RouterRunner, wait_for
+
+from router.server import _Connection
+from sim.toy_tokenizer import build_toy_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_toy_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    c: zmq.Context[Any] = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def setup(ctx: zmq.Context[Any], tmp_path: Path, tokdir: Path) -> Iterator[tuple[RouterRunner, FakeEngine]]:
+    engine = FakeEngine("a", ctx)
+    toml = (
+        f'block_size = 4\ntokenizer = "{tokdir}"\n[server]\nmax_body_bytes = 2048\n'
+        f"keepalive_timeout_s = 0.5\ndrain_timeout_s = 20\n{engine.backend_toml()}\n"
+    )
+    router = RouterRunner(toml, tmp_path)
+    try:
+        yield router, engine
+    finally:
+        router.stop()
+        engine.close()
+
+
+def _connect(router: RouterRunner) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", router.server.port), timeout=TIMEOUT)
+    return s
+
+
+def _read_response(
+    s: socket.socket, buf: bytearray, is_head: bool = False
+) -> tuple[int, dict[str, str], bytes]:
+    """One response (content-length or chunked) from ``buf`` + the socket; leaves the rest in buf."""
+    while b"\r\n\r\n" not in buf:
+        data = s.recv(65536)
+        assert data, f"connection closed before a response head: {bytes(buf)!r}"
+        buf += data
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    del buf[:]
+    buf += rest
+    if status == 100 or is_head:
+        return status, headers, b""
+    if "content-length" in headers:
+        n = int(headers["content-length"])
+        while len(buf) < n:
+            data = s.recv(65536)
+            assert data, "connection closed inside a body"
+            buf += data
+        body = bytes(buf[:n])
+        del buf[:n]
+        return status, headers, body
+    assert headers.get("transfer-encoding") == "chunked", headers
+    out = b""
+    while True:
+        while b"\r\n" not in buf:
+            buf += s.recv(65536)
+        size_line, _, _ = bytes(buf).partition(b"\r\n")
+        size = int(size_line, 16)
+        need = len(size_line) + 2 + size + 2
+        while len(buf) < need:
+            data = s.recv(65536)
+            assert data, "connection closed inside a chunk"
+            buf += data
+        out += bytes(buf[len(size_line) + 2 : len(size_line) + 2 + size])
+        del buf[:need]
+        if size == 0:
+            return status, headers, out
+
+
+def _closed(s: socket.socket) -> bool:
+    """True once the peer closed (reads until EOF; fails the test on a timeout)."""
+    while True:
+        data = s.recv(65536)
+        if not data:
+            return True
+
+
+def _completion(prompt: str = "x y z") -> bytes:
+    return json.dumps({"model": "toy", "prompt": prompt, "max_tokens": 4}).encode()
+
+
+def _post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+def test_keep_alive_and_pipelining(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    router, engine = setup
+    with _connect(router) as s:
+        buf = bytearray()
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert _read_response(s, buf)[0] == 200
+        # three pipelined requests in one write: answered in order on the same connection
+        s.sendall(
+            _post("/v1/completions", _completion("a b"))
+            + b"GET /v1/models HTTP/1.1\r\nhost: t\r\n\r\n"
+            + _post("/v1/completions", _completion("c d"))
+        )
+        first, second, third = (_read_response(s, buf) for _ in range(3))
+        assert first[0] == 200 and json.loads(first[2])["object"] == "text_completion"
+        assert first[1]["x-kvrouter-backend"] == "a"
+        assert second[0] == 200 and json.loads(second[2])["data"][0]["id"] == "toy"
+        assert third[0] == 200 and json.loads(third[2])["object"] == "text_completion"
+    assert len(engine.requests) == 2
+
+
+def test_expect_continue_and_chunked_request_body(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    router, _ = setup
+    body = _completion()
+    with _connect(router) as s:
+        buf = bytearray()
+        s.sendall(
+            _post("/v1/completions", b"", "expect: 100-continue\r\n").replace(
+                b"content-length: 0", b"content-length: %d" % len(body)
+            )
+        )
+        status, _, _ = _read_response(s, buf)
+        assert status == 100
+        s.sendall(body)
+        assert _read_response(s, buf)[0] == 200
+        chunked = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n" % (10, body[:10])
+            + b"%x\r\n%s\r\n" % (len(body) - 10, body[10:])
+            + b"0\r\n\r\n"
+        )
+        s.sendall(chunked)
+        status, _, out = _read_response(s, buf)
+        assert status == 200, out
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_body_over_the_limit_is_413_and_closes(setup: tuple[RouterRunner, FakeEngine], chunked: bool) -> None:
+    router, engine = setup
+    big = _completion("w " * 3000)
+    assert len(big) > 2048
+    with _connect(router) as s:
+        buf = bytearray()
+        if chunked:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+                + b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big)
+            )
+        else:
+            s.sendall(_post("/v1/completions", big))
+        status, headers, body = _read_response(s, buf)
+        assert status == 413
+        assert json.loads(body)["error"]["code"] == "request_too_large"
+        assert headers["connection"] == "close"
+        assert _closed(s)
+    assert engine.requests == []
+
+
+def test_malformed_requests(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    router, _ = setup
+    with _connect(router) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        status, _, body = _read_response(s, bytearray())
+        assert status == 400 and "error" in json.loads(body)
+        assert _closed(s)
+    with _connect(router) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n")
+        status, _, body = _read_response(s, bytearray())
+        assert status == 431
+    # the server is fine afterwards
+    assert httpx.get(f"{router.url}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_http10_head_and_idle_timeout(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    router, _ = setup
+    with _connect(router) as s:
+        s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        status, headers, body = _read_response(s, bytearray())
+        assert status == 200 and json.loads(body) == {"status": "ok"}
+        assert headers["connection"] == "close"
+        assert _closed(s)
+    with _connect(router) as s:
+        buf = bytearray()
+        s.sendall(b"HEAD /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        status, headers, body = _read_response(s, buf, is_head=True)
+        # HEAD: the GET's headers, no body (FastAPI answers HEAD on GET routes with 405)
+        assert status in (200, 405) and "content-length" in headers
+        assert buf == bytearray()
+        # keepalive_timeout_s = 0.5: the idle connection is closed by the server
+        t0 = time.monotonic()
+        assert _closed(s)
+        assert time.monotonic() - t0 < TIMEOUT
+
+
+def test_small_response_is_one_write(
+    setup: tuple[RouterRunner, FakeEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router, _ = setup
+    writes: list[bytes] = []
+    real = _Connection.write
+
+    def counting(self: _Connection, data: bytes) -> None:
+        writes.append(data)
+        real(self, data)
+
+    monkeypatch.setattr(_Connection, "write", counting)
+    r = httpx.post(
+        f"{router.url}/v1/completions", content=_completion(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 200
+    assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(r.content)
+
+
+def test_graceful_shutdown_drains_streams(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    router, engine = setup
+    engine.mode = "short_stream"
+    engine.delay_s = 0.05  # a stream of ~10 paced chunks in flight while the router stops
+    got: dict[str, Any] = {}
+
+    def client() -> None:
+        with httpx.stream(
+            "POST",
+            f"{router.url}/v1/completions",
+            json={"model": "toy", "prompt": "x y z", "stream": True},
+            timeout=TIMEOUT,
+        ) as r:
+            got["status"] = r.status_code
+            got["body"] = b"".join(r.iter_raw())
+
+    t = threading.Thread(target=client)
+    t.start()
+    wait_for(lambda: len(engine.requests) == 1, "the stream started")
+    router.stop()
+    t.join(TIMEOUT)
+    assert got["status"] == 200
+    assert got["body"].rstrip().endswith(b"data: [DONE]")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{router.url}/health", timeout=2)
