@@ -6,7 +6,8 @@ route-decision latency for 1k/8k/32k-token prompts.
 
 - req/s: wrk, POST /v1/completions (a short text prompt, tokenized by the router with the toy
   tokenizer, so the kv policy does its full work), non-stream and SSE (16 chunks), c=1 and c=32;
-  ratio = through the router / direct, measured in the same run.
+  ratio = through the router / direct, measured in the same run; the same app under uvicorn is
+  measured in the same run too (the A/B behind kvrouter's own server; ``--no-uvicorn`` skips it).
 - added TTFT: 300 sequential streaming requests with paced tokens (20 ms apart), first chunk time
   through the router minus direct, p50.
 - decision latency: ``POST /route`` with text prompts of ~1k/8k/32k tokens, the router's own
@@ -116,6 +117,13 @@ def stop(p: subprocess.Popen[bytes]) -> None:
         os.killpg(p.pid, signal.SIGKILL)
 
 
+UVICORN = (
+    "import sys, uvicorn; from router.app import KVRouter; from router.config import load_config; "
+    "uvicorn.run(KVRouter(load_config(sys.argv[1])), host='127.0.0.1', port=int(sys.argv[2]), "
+    "log_level='warning', loop='uvloop', http='httptools', lifespan='on')"
+)
+
+
 def router_config(tmp: Path, mock_port: int, port: int, tok: Path) -> Path:
     cfg = tmp / "bench.toml"
     cfg.write_text(
@@ -134,6 +142,12 @@ def main() -> None:
         default=None,
         help="a vllm-router binary (pip install vllm-router in a separate venv), measured in the same run",
     )
+    ap.add_argument(
+        "--no-uvicorn",
+        dest="uvicorn",
+        action="store_false",
+        help="skip the A/B run of the same app under uvicorn",
+    )
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is required: apt-get install wrk")
@@ -149,7 +163,7 @@ def main() -> None:
         sse = json.dumps(
             {"model": "toy", "prompt": "Tell me about the old harbour and its ships", "stream": True}
         )
-        mport, rport = free_port(), free_port()
+        mport, rport, uport = free_port(), free_port(), free_port()
         mock = start([PY, "bench/zero_mock.py", str(mport)], tmp / "mock.log")
         router = start(
             [PY, "-m", "router.cli", "serve", "--config", str(router_config(tmp, mport, rport, tok))],
@@ -163,6 +177,17 @@ def main() -> None:
             wrk(routed, body, 8, 2)  # warm-up
             peers: dict[str, str] = {}
             procs: list[subprocess.Popen[bytes]] = []
+            if args.uvicorn:
+                # the same app and proxy code under uvicorn: the A/B for kvrouter's own server
+                procs.append(
+                    start(
+                        [PY, "-c", UVICORN, str(router_config(tmp, mport, uport, tok)), str(uport)],
+                        tmp / "router-uvicorn.log",
+                    )
+                )
+                wait_ready(f"http://127.0.0.1:{uport}/ready")
+                peers["kvrouter on uvicorn"] = f"http://127.0.0.1:{uport}/v1/completions"
+                wrk(peers["kvrouter on uvicorn"], body, 8, 2)
             if args.vllm_router:
                 for i, policy in enumerate(("round_robin", "kv_aware")):
                     port, prom = free_port(), free_port()

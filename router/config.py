@@ -41,6 +41,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Idle connections older than this are not reused (vLLM's uvicorn closes them after 5 s)."""
     drain_timeout_s: float = 30.0
     """On shutdown, in-flight requests and streams get this long to finish."""
+    write_timeout_s: float = 60.0
+    """A client that reads nothing of its response for this long is disconnected (and its upstream
+    request cancelled), so a stuck client cannot pin a stream and its engine slot forever."""
     keepalive_timeout_s: float = 75.0
     """Idle client connections are closed after this long. Longer than the common clients' own
     expiry (httpx and the openai client: 5 s) so that the client, not the router, closes first."""

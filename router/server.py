@@ -16,7 +16,8 @@ What it implements, and no more:
   ``max_body_bytes`` (413 as soon as it is known, then the connection is closed);
 - response framing: the handler's content-length, else chunked (1.1) or close-delimited (1.0);
   no body for HEAD, 204 and 304;
-- flow control: a handler's write waits while the client is not reading (transport high-water mark);
+- flow control: a handler's write waits while the client is not reading (transport high-water mark),
+  for at most ``write_timeout_s``, then the client is disconnected;
 - a client disconnect cancels the request's task (the proxy then closes its upstream request);
 - graceful shutdown: stop accepting, close idle connections, give in-flight requests
   ``drain_timeout_s``, then cancel what is left.
@@ -368,10 +369,21 @@ class _Connection(asyncio.Protocol):
             self.transport.write(data)
 
     async def drain(self) -> None:
-        """Wait until the client reads again (or leaves)."""
+        """Wait until the client reads again (or leaves); drop it after ``write_timeout_s``."""
         while self.write_paused and not self.gone:
             self._drain = self.loop.create_future()
-            await self._drain
+            try:
+                await asyncio.wait_for(self._drain, self.server.write_timeout)
+            except TimeoutError:
+                log.warning(
+                    "client %s read nothing for %.0f s: disconnected",
+                    self.client[0] if self.client else "-",
+                    self.server.write_timeout,
+                )
+                self.gone = True
+                if self.transport is not None:
+                    self.transport.abort()  # close() would wait for the unread buffer to flush
+                raise asyncio.CancelledError from None
 
     async def wait_lost(self) -> None:
         """Until the client disconnects."""
@@ -407,6 +419,7 @@ class HttpServer:
         self.sock = sock
         self.max_body_bytes = srv.max_body_bytes
         self.keepalive_timeout = srv.keepalive_timeout_s
+        self.write_timeout = srv.write_timeout_s
         self.drain_timeout = srv.drain_timeout_s
         self.access_log = srv.access_log
         self.connections: set[_Connection] = set()

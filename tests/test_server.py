@@ -10,12 +10,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 import zmq
-from harness import TIMEOUT, FakeEngine, RouterRunner, wait_for
+from harness import TIMEOUT, FakeEngine, NativeServer, RouterRunner, wait_for
 
 from router.server import _Connection
 from sim.toy_tokenizer import build_toy_tokenizer
@@ -262,3 +262,38 @@ def test_graceful_shutdown_drains_streams(setup: tuple[RouterRunner, FakeEngine]
     assert got["body"].rstrip().endswith(b"data: [DONE]")
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{router.url}/health", timeout=2)
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    """Deterministic: a connection whose transport reports a full buffer and never drains."""
+    import asyncio
+
+    router, _ = setup
+    assert isinstance(router.server, NativeServer)
+    server = router.server.server
+    server.write_timeout = 0.05
+
+    class Stuck:
+        aborted = False
+
+        def get_extra_info(self, name: str) -> Any:
+            return ("127.0.0.1", 1)
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        conn = _Connection(server)
+        stuck = Stuck()
+        conn.transport = cast(asyncio.Transport, stuck)
+        conn.write_paused = True  # the client stopped reading
+        cancelled = False
+        try:
+            await conn.drain()
+        except asyncio.CancelledError:
+            cancelled = True
+        return cancelled, conn.gone, stuck.aborted
+
+    assert asyncio.run(scenario()) == (True, True, True)
