@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from index.kvindex import KVIndex
+from index.kvindex import PREDICTED, KVIndex
 from router.backends import BackendRegistry
 from router.load import LoadTracker
 
@@ -78,7 +78,8 @@ class RouterMetrics:
         )
         self.matched_tokens = Counter(
             "kvrouter_matched_tokens",
-            "Prompt tokens cached on the chosen target when routed, by backend and medium",
+            "Prompt tokens cached on the chosen target when routed, by backend and medium "
+            "(medium PREDICTED: predicted-on-route, not yet confirmed by events; not in hit ratios)",
             ["backend", "medium"],
             registry=r,
         )
@@ -136,7 +137,8 @@ class RouterMetrics:
         for medium, blocks in matched.items():
             if blocks:
                 self._child(self.matched_tokens, backend, medium).inc(blocks * block_size)
-                matched_blocks += blocks
+                if medium != PREDICTED:  # a guess, not a cache hit: visible by its label only
+                    matched_blocks += blocks
         if prompt_blocks:
             self.matched_ratio.observe(min(matched_blocks / prompt_blocks, 1.0))
         c = self.backend(backend)

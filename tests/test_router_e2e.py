@@ -224,6 +224,14 @@ def test_predict_on_route_keeps_a_burst_together(fleet: Fleet) -> None:
 
     served = asyncio.run(burst())
     assert len(set(served)) == 1, served
+    # the burst's followers matched predicted blocks only: a guess, labelled, never a cache hit
+    metrics = httpx.get(f"{router.url}/metrics", timeout=30).text
+    assert (
+        f'kvrouter_matched_tokens_total{{backend="{served[0]}",medium="PREDICTED"}} {4 * 40 * BS}.0'
+        in metrics
+    )
+    data = httpx.get(f"{router.url}/dashboard/data", timeout=30).json()
+    assert data["totals"]["matched_tokens"] == 0, data["totals"]
 
 
 def test_failover_before_first_byte(fleet: Fleet, tok: ChatTokenizer) -> None:
