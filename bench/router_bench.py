@@ -4,6 +4,9 @@ route-decision latency for 1k/8k/32k-token prompts.
 ``.venv/bin/python bench/router_bench.py [--seconds 8]`` (``make bench`` runs it). Needs ``wrk``
 (Debian package). Everything runs on 127.0.0.1; every load run is bounded in time.
 
+- upstreams: ``raw`` (bench/zero_mock.py: raw asyncio, tens of thousands of req/s, so the router's
+  own cost dominates) and ``framework`` (the same answers from FastAPI on uvicorn, vLLM's server
+  stack, so the upstream costs what vLLM's HTTP layer costs without a model).
 - req/s: wrk, POST /v1/completions (a short text prompt, tokenized by the router with the toy
   tokenizer, so the kv policy does its full work), non-stream and SSE (16 chunks), c=1 and c=32;
   ratio = through the router / direct, measured in the same run; the same app under uvicorn is
@@ -125,12 +128,91 @@ UVICORN = (
 
 
 def router_config(tmp: Path, mock_port: int, port: int, tok: Path) -> Path:
-    cfg = tmp / "bench.toml"
+    cfg = tmp / f"bench-{port}.toml"
     cfg.write_text(
         f'block_size = 16\ntokenizer = "{tok}"\n[server]\nport = {port}\nlog_level = "warning"\n'
         f'[[backends]]\nname = "mock"\nurl = "http://127.0.0.1:{mock_port}"\nmodels = ["toy"]\n'
     )
     return cfg
+
+
+def throughput(
+    kind: str, args: argparse.Namespace, tmp: Path, tok: Path, body: str, sse: str
+) -> list[dict[str, Any]]:
+    """wrk through kvrouter (and the peers) vs direct, against one kind of zero-latency upstream."""
+    mport, rport, uport = free_port(), free_port(), free_port()
+    flags = ["--framework"] if kind == "framework" else []
+    mock = start([PY, "bench/zero_mock.py", str(mport), *flags], tmp / f"mock-{kind}.log")
+    router = start(
+        [PY, "-m", "router.cli", "serve", "--config", str(router_config(tmp, mport, rport, tok))],
+        tmp / "router.log",
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{mport}/health")
+        wait_ready(f"http://127.0.0.1:{rport}/ready")
+        direct = f"http://127.0.0.1:{mport}/v1/completions"
+        routed = f"http://127.0.0.1:{rport}/v1/completions"
+        wrk(routed, body, 8, 2)  # warm-up
+        peers: dict[str, str] = {}
+        procs: list[subprocess.Popen[bytes]] = []
+        if args.uvicorn:
+            # the same app and proxy code under uvicorn: the A/B for kvrouter's own server
+            procs.append(
+                start(
+                    [PY, "-c", UVICORN, str(router_config(tmp, mport, uport, tok)), str(uport)],
+                    tmp / "router-uvicorn.log",
+                )
+            )
+            wait_ready(f"http://127.0.0.1:{uport}/ready")
+            peers["kvrouter on uvicorn"] = f"http://127.0.0.1:{uport}/v1/completions"
+            wrk(peers["kvrouter on uvicorn"], body, 8, 2)
+        if args.vllm_router:
+            for i, policy in enumerate(("round_robin", "kv_aware")):
+                port, prom = free_port(), free_port()
+                cmd = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port)]
+                cmd += ["--worker-urls", f"http://127.0.0.1:{mport}", "--policy", policy]
+                cmd += ["--prometheus-port", str(prom), "--log-level", "error"]
+                procs.append(start(cmd, tmp / f"vllm-router-{i}.log"))
+                url = f"http://127.0.0.1:{port}/v1/completions"
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        ok = httpx.post(url, content=body, headers={"content-type": "application/json"})
+                        if ok.status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"vllm-router {policy} did not start")
+                    time.sleep(0.2)
+                peers[f"vllm-router {policy}"] = url
+        rows = []
+        try:
+            for mode, payload in (("non-stream", body), ("SSE", sse)):
+                for conns in (1, 32):
+                    d_rps = wrk(direct, payload, conns, args.seconds)
+                    r_rps = wrk(routed, payload, conns, args.seconds)
+                    row: dict[str, Any] = {
+                        "upstream": kind,
+                        "mode": mode,
+                        "c": conns,
+                        "direct_rps": round(d_rps),
+                        "router_rps": round(r_rps),
+                        "ratio": round(r_rps / d_rps, 2) if d_rps else 0,
+                    }
+                    for name, url in peers.items():
+                        p_rps = wrk(url, payload, conns, args.seconds)
+                        row[f"{name} rps"] = round(p_rps)
+                        row[f"{name} ratio"] = round(p_rps / d_rps, 2) if d_rps else 0
+                    rows.append(row)
+        finally:
+            for proc in procs:
+                stop(proc)
+        print(json.dumps(rows), file=sys.stderr)
+        return rows
+    finally:
+        stop(router)
+        stop(mock)
 
 
 def main() -> None:
@@ -148,6 +230,11 @@ def main() -> None:
         action="store_false",
         help="skip the A/B run of the same app under uvicorn",
     )
+    ap.add_argument(
+        "--upstreams",
+        default="raw,framework",
+        help="zero-latency upstreams: raw (asyncio) and/or framework (FastAPI on uvicorn, as vLLM)",
+    )
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is required: apt-get install wrk")
@@ -163,77 +250,9 @@ def main() -> None:
         sse = json.dumps(
             {"model": "toy", "prompt": "Tell me about the old harbour and its ships", "stream": True}
         )
-        mport, rport, uport = free_port(), free_port(), free_port()
-        mock = start([PY, "bench/zero_mock.py", str(mport)], tmp / "mock.log")
-        router = start(
-            [PY, "-m", "router.cli", "serve", "--config", str(router_config(tmp, mport, rport, tok))],
-            tmp / "router.log",
-        )
-        try:
-            wait_ready(f"http://127.0.0.1:{mport}/health")
-            wait_ready(f"http://127.0.0.1:{rport}/ready")
-            direct = f"http://127.0.0.1:{mport}/v1/completions"
-            routed = f"http://127.0.0.1:{rport}/v1/completions"
-            wrk(routed, body, 8, 2)  # warm-up
-            peers: dict[str, str] = {}
-            procs: list[subprocess.Popen[bytes]] = []
-            if args.uvicorn:
-                # the same app and proxy code under uvicorn: the A/B for kvrouter's own server
-                procs.append(
-                    start(
-                        [PY, "-c", UVICORN, str(router_config(tmp, mport, uport, tok)), str(uport)],
-                        tmp / "router-uvicorn.log",
-                    )
-                )
-                wait_ready(f"http://127.0.0.1:{uport}/ready")
-                peers["kvrouter on uvicorn"] = f"http://127.0.0.1:{uport}/v1/completions"
-                wrk(peers["kvrouter on uvicorn"], body, 8, 2)
-            if args.vllm_router:
-                for i, policy in enumerate(("round_robin", "kv_aware")):
-                    port, prom = free_port(), free_port()
-                    cmd = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port)]
-                    cmd += ["--worker-urls", f"http://127.0.0.1:{mport}", "--policy", policy]
-                    cmd += ["--prometheus-port", str(prom), "--log-level", "error"]
-                    procs.append(start(cmd, tmp / f"vllm-router-{i}.log"))
-                    url = f"http://127.0.0.1:{port}/v1/completions"
-                    deadline = time.monotonic() + 60
-                    while True:
-                        try:
-                            ok = httpx.post(url, content=body, headers={"content-type": "application/json"})
-                            if ok.status_code == 200:
-                                break
-                        except httpx.HTTPError:
-                            pass
-                        if time.monotonic() > deadline:
-                            raise RuntimeError(f"vllm-router {policy} did not start")
-                        time.sleep(0.2)
-                    peers[f"vllm-router {policy}"] = url
-            rows = []
-            try:
-                for mode, payload in (("non-stream", body), ("SSE", sse)):
-                    for conns in (1, 32):
-                        d_rps = wrk(direct, payload, conns, args.seconds)
-                        r_rps = wrk(routed, payload, conns, args.seconds)
-                        row: dict[str, Any] = {
-                            "mode": mode,
-                            "c": conns,
-                            "direct_rps": round(d_rps),
-                            "router_rps": round(r_rps),
-                            "ratio": round(r_rps / d_rps, 2) if d_rps else 0,
-                        }
-                        for name, url in peers.items():
-                            p_rps = wrk(url, payload, conns, args.seconds)
-                            row[f"{name} rps"] = round(p_rps)
-                            row[f"{name} ratio"] = round(p_rps / d_rps, 2) if d_rps else 0
-                        rows.append(row)
-            finally:
-                for proc in procs:
-                    stop(proc)
-            result["throughput"] = rows
-            print(json.dumps(rows), file=sys.stderr)
-        finally:
-            stop(router)
-            stop(mock)
+        result["throughput"] = [
+            row for kind in args.upstreams.split(",") for row in throughput(kind, args, tmp, tok, body, sse)
+        ]
 
         # added TTFT with paced tokens
         mport, rport = free_port(), free_port()

@@ -5,6 +5,10 @@ completion at once; ``"stream": true`` requests get N SSE chunks (the first at o
 ``--pace-ms`` apart) and ``data: [DONE]``. It answers /health, /v1/models and /tokenize (vllm-router's
 kv_aware policy calls it) so routers accept it.
 Deliberately minimal so that the upstream is not the bottleneck of the measurement.
+
+``--framework``: the same answers from a FastAPI app under uvicorn (uvloop + httptools), the server
+stack vLLM's OpenAI server runs on, so that the upstream costs per request what vLLM's HTTP layer
+costs (without a model): the closer analogue of a real fleet.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+
+from fastapi import Request  # resolved from module globals by FastAPI (postponed annotations)
 
 COMPLETION = json.dumps(
     {
@@ -99,12 +105,70 @@ async def main(port: int, chunks: int, pace: float) -> None:
         await server.serve_forever()
 
 
+def framework_app(chunks: int, pace: float) -> object:
+    """The same endpoints as a FastAPI app (vLLM's server stack)."""
+    from fastapi import FastAPI
+    from fastapi.responses import Response, StreamingResponse
+
+    app = FastAPI()
+    event = json.dumps(
+        {
+            "id": "cmpl-bench",
+            "object": "text_completion",
+            "created": 1,
+            "model": "toy",
+            "choices": [{"index": 0, "text": " tok", "finish_reason": None}],
+        }
+    ).encode()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(HEALTH, media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(MODELS, media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        return Response(TOKENIZE, media_type="application/json")
+
+    async def stream() -> object:
+        for i in range(chunks):
+            if i and pace:
+                await asyncio.sleep(pace)
+            yield b"data: " + event + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        if body.get("stream"):
+            return StreamingResponse(stream(), media_type="text/event-stream")  # type: ignore[arg-type]
+        return Response(COMPLETION, media_type="application/json")
+
+    return app
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("port", type=int)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--pace-ms", type=float, default=0.0)
+    ap.add_argument("--framework", action="store_true", help="FastAPI under uvicorn, as vLLM serves")
     a = ap.parse_args()
+    if a.framework:
+        import uvicorn
+
+        uvicorn.run(
+            framework_app(a.chunks, a.pace_ms / 1000),  # type: ignore[arg-type]
+            host="127.0.0.1",
+            port=a.port,
+            log_level="warning",
+            loop="uvloop",
+            http="httptools",
+        )
+        raise SystemExit(0)
     try:
         import uvloop
 
