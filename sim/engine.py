@@ -6,10 +6,11 @@ latencies that depend on prefix-cache hits. Nothing here runs a model: output to
 ids seeded by the prompt, and time is spent in `asyncio.sleep` according to a per-step cost model
 (see sim/README.md for the defaults and why).
 
-Each DP rank has its own `PrefixCache`, scheduler loop and `KVEventPublisher`. A scheduler step
-decodes one token for every running request (running requests first, as vLLM does), then admits
-waiting requests FIFO while there are free sequence slots, token budget and cache blocks, sleeps for
-the step's modelled duration, and finally publishes every event the step caused as one batch.
+Each DP rank has its own `PrefixCache`, scheduler loop and `KVEventPublisher`. The step algorithm
+itself (decode every running request, preempting when out of blocks, then admit waiting requests FIFO
+within sequence slots, token budget and cache blocks, and the step's modelled duration) lives in
+`sim.scheduler`, shared with the offline simulator. The loop here plans a step, sleeps for its
+duration, emits the tokens to the HTTP streams, and publishes every event the step caused as one batch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fastapi.responses import Response, StreamingResponse
 from router.tokenizer import ChatTokenizer, TokenizerError, TokenizerUnavailable
 from sim.kvcache import PrefixCache
 from sim.publisher import KVEventPublisher
+from sim.scheduler import StepModel, StepScheduler
 
 DP_RANK_HEADER = "x-data-parallel-rank"
 
@@ -264,7 +266,7 @@ class _Histogram:
 
 
 class RankScheduler:
-    """One DP rank: cache, FIFO waiting queue, bounded running batch, step loop and publisher."""
+    """One DP rank: the shared step algorithm (`sim.scheduler`) run in real time, plus its publisher."""
 
     def __init__(
         self, config: EngineConfig, rank: int, publisher: KVEventPublisher | None, tokenizer: EngineTokenizer
@@ -273,9 +275,8 @@ class RankScheduler:
         self.rank = rank
         self.publisher = publisher
         self.tokenizer = tokenizer
-        self.cache = self._new_cache()
-        self.waiting: deque[EngineRequest] = deque()
-        self.running: list[EngineRequest] = []
+        self.model = StepModel.from_engine(config, duration_factor=config.time_scale)
+        self.core: StepScheduler[EngineRequest] = StepScheduler(self._new_cache(), self.model)
         self._wake = asyncio.Event()
         self._epoch = 0
         self._in_step = False
@@ -284,7 +285,6 @@ class RankScheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_finished = 0
-        self.preemptions = 0
         self.steps = 0
         self.ttft = _Histogram()
         self.e2e = _Histogram()
@@ -299,6 +299,26 @@ class RankScheduler:
             cpu_blocks=c.cpu_blocks,
             hashes_per_chunk=c.hashes_per_chunk,
         )
+
+    @property
+    def cache(self) -> PrefixCache:
+        """This rank's cache (a new one after a restart), for metrics and tests that look inside."""
+        return self.core.cache
+
+    @property
+    def waiting(self) -> deque[EngineRequest]:
+        """FIFO queue, owned by the step (`StepScheduler`)."""
+        return self.core.waiting
+
+    @property
+    def running(self) -> list[EngineRequest]:
+        """Running batch, oldest first, owned by the step (`StepScheduler`)."""
+        return self.core.running
+
+    @property
+    def preemptions(self) -> int:
+        """Preemptions since the start or the last restart (`vllm:num_preemptions_total`)."""
+        return self.core.preemptions
 
     @property
     def load(self) -> int:
@@ -330,11 +350,7 @@ class RankScheduler:
         if req.finish_reason is not None or req.aborted:
             return
         req.aborted = True
-        if req in self.running:
-            self.running.remove(req)
-            self.cache.free(req.request_id)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        self.core.drop(req)
 
     # ---- faults and admin ---------------------------------------------------------------------------
 
@@ -344,20 +360,18 @@ class RankScheduler:
         for req in [*self.running, *self.waiting]:
             req.aborted = True
             req.queue.put_nowait(EngineError(503, "engine restarted", "ServiceUnavailableError"))
-        self.running.clear()
-        self.waiting.clear()
-        self.cache = self._new_cache()
+        self.core = StepScheduler(self._new_cache(), self.model)
         if self.publisher is not None:
             self.publisher.restart()
         self.prompt_tokens_total = self.generation_tokens_total = self.requests_finished = 0
-        self.preemptions = self.steps = 0
+        self.steps = 0
         self.ttft, self.e2e = _Histogram(), _Histogram()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's reset: only succeeds when no request holds blocks, unless running ones are preempted."""
         if reset_running_requests:
             for req in reversed(list(self.running)):
-                self._preempt(req)
+                self.core.preempt(req)
         ok = self.cache.reset()
         if not self._in_step:
             self.flush()
@@ -377,92 +391,42 @@ class RankScheduler:
 
     async def _loop(self) -> None:
         while True:
-            if not self.running and not self.waiting:
+            if not self.core.has_work:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             await self._step()
 
-    def _preempt(self, req: EngineRequest) -> None:
-        """vLLM's recompute preemption: free the blocks, requeue at the head, prefill again later."""
-        self.running.remove(req)
-        self.cache.free(req.request_id)
-        self.waiting.appendleft(req)
-        self.preemptions += 1
-
     async def _step(self) -> None:
-        cfg = self.config
         epoch = self._epoch
+        core = self.core
         self._in_step = True
         try:
-            decoding: list[EngineRequest] = []
-            preempted = False
-            for req in list(self.running):
-                if req not in self.running:
-                    continue  # preempted earlier in this loop
-                while not self.cache.decode(req.request_id, req.outputs[-1]):
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        break
-                else:
-                    decoding.append(req)
-            admitted: list[EngineRequest] = []
-            prefill_tokens = 0
-            cpu_blocks = 0
-            while self.waiting and not preempted and len(self.running) < cfg.max_num_seqs:
-                req = self.waiting[0]
-                tokens = req.tokens
-                gpu_hit, cpu_hit = self.cache.probe(tokens)
-                uncached = len(tokens) - gpu_hit - cpu_hit
-                if admitted and prefill_tokens + uncached > cfg.max_num_batched_tokens:
-                    break
-                adm = self.cache.admit(req.request_id, tokens)
-                if adm is None:
-                    if not self.running:  # cannot fit even alone; validation should prevent this
-                        self.waiting.popleft()
-                        req.queue.put_nowait(EngineError(400, "request does not fit in the KV cache"))
-                        continue
-                    break
-                self.waiting.popleft()
-                self.running.append(req)
-                admitted.append(req)
-                if req.cached_tokens is None:
-                    req.cached_tokens = adm.cached_tokens
-                prefill_tokens += len(tokens) - adm.cached_tokens
-                cpu_blocks += adm.cpu_hit_tokens // cfg.block_size
-            if not admitted and not decoding:
+            plan = core.plan()
+            for req in plan.rejected:  # cannot fit even alone; validation should prevent this
+                req.queue.put_nowait(EngineError(400, "request does not fit in the KV cache"))
+            if plan.idle:
                 self.flush()
-                await asyncio.sleep(cfg.step_overhead_s * cfg.time_scale)  # nothing fits yet: wait a beat
+                await asyncio.sleep(plan.duration_s)  # nothing fits yet: wait a beat
                 return
-            duration = cfg.step_overhead_s + prefill_tokens * cfg.prefill_s_per_token
-            duration += cpu_blocks * cfg.cpu_load_s_per_block
-            if decoding:
-                duration += cfg.decode_step_s + len(decoding) * cfg.decode_s_per_seq
-            await asyncio.sleep(duration * cfg.time_scale)
+            await asyncio.sleep(plan.duration_s)
             if epoch != self._epoch:
                 return  # restarted while this step ran: its results died with the old engine
             self.steps += 1
             now = time.monotonic()
-            for req in admitted + decoding:
-                if req.aborted or req not in self.running:
-                    continue
-                token = self.tokenizer.sample(req.rng)
-                req.outputs.append(token)
-                self.generation_tokens_total += 1
-                if req.first_token_at is None:
-                    req.first_token_at = now
-                    self.prompt_tokens_total += len(req.prompt)
-                    self.ttft.observe(now - req.arrival)
+            out = core.complete(plan, lambda r: self.tokenizer.sample(r.rng))
+            self.generation_tokens_total += len(out.emitted)
+            for req in out.first:
+                req.first_token_at = now
+                self.prompt_tokens_total += len(req.prompt)
+                self.ttft.observe(now - req.arrival)
+            for req, token in out.emitted:
                 req.queue.put_nowait(token)
-                if len(req.outputs) >= req.max_tokens:
-                    req.finish_reason = "length"
-                    self.running.remove(req)
-                    self.cache.free(req.request_id)
-                    self.requests_finished += 1
-                    self.e2e.observe(now - req.arrival)
-                    req.queue.put_nowait(_DONE)
+            for req in out.finished:
+                req.finish_reason = "length"
+                self.requests_finished += 1
+                self.e2e.observe(now - req.arrival)
+                req.queue.put_nowait(_DONE)
         finally:
             self._in_step = False
         self.flush()

@@ -5,11 +5,11 @@ runs in seconds to a minute on one core, deterministically, so policies and weig
 and tuned. Nothing is mocked on the router side:
 
 * **engines**: one :class:`sim.kvcache.PrefixCache` per engine (finite, so it evicts) driven by the
-  mock engine's scheduler rules and timing model (``sim.engine.EngineConfig``'s fields and
-  ``RankScheduler._step``'s algorithm, replayed in virtual time): decode every running sequence
-  (preempting the newest when out of blocks), admit FIFO within ``max_num_seqs``, the step token
-  budget and free blocks, then a step lasts ``step_overhead + uncached prompt tokens * prefill cost
-  + CPU-tier loads + (decode cost if decoding)``; a prefill yields the first token at the step's end;
+  mock engine's own step, :class:`sim.scheduler.StepScheduler` (the code the live engine runs, with
+  ``sim.engine.EngineConfig``'s fields), in virtual time: decode every running sequence (preempting
+  the newest when out of blocks), admit FIFO within ``max_num_seqs``, the step token budget and free
+  blocks, then a step lasts ``step_overhead + uncached prompt tokens * prefill cost + CPU-tier loads
+  + (decode cost if decoding)``; a prefill yields the first token at the step's end;
 * **index**: ``index.store.PrefixStore`` fed by ``index.ingest.Ingestor`` with every event batch the
   caches emit, encoded to msgpack bytes as vLLM would and decoded by ``index.wire`` (``wire=False``
   converts the structs directly), ``event_lag_s`` after the step that produced it;
@@ -53,6 +53,7 @@ from router.policy import Candidate, Decision, Policy, PolicyConfig
 from sim.engine import EngineConfig
 from sim.kvcache import PrefixCache
 from sim.publisher import AllBlocksCleared, BlockRemoved, BlockStored, Event, encode_batch
+from sim.scheduler import StepModel, StepPlan, StepScheduler
 from sim.workload import Request
 
 
@@ -159,7 +160,7 @@ class SimResult(msgspec.Struct, kw_only=True):
 @dataclass(eq=False)
 class _Req:
     idx: int
-    rid: str
+    request_id: str
     prompt: list[int]
     max_tokens: int
     arrival: float
@@ -167,115 +168,70 @@ class _Req:
     engine: int = -1
     ticket: Ticket | None = None
     outputs: list[int] = field(default_factory=list)
-    cached: int | None = None
+    cached_tokens: int | None = None
     first_at: float | None = None
     done_at: float | None = None
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.outputs if self.outputs else self.prompt
-
 
 class _Engine:
-    """One engine rank: the mock engine's scheduler rules over a PrefixCache, in virtual time."""
+    """One engine rank: the mock engine's step (:class:`StepScheduler`) over a PrefixCache, in virtual time.
+
+    Durations are multiplied by the token scale: one simulated step stands for ``token_scale`` real ones.
+    """
+
+    VOCAB = 2048
+    """Output tokens are drawn from [5, VOCAB)."""
 
     def __init__(self, index: int, cfg: EngineConfig, token_scale: float) -> None:
         self.index = index
-        self.cfg = cfg
-        self.scale = token_scale
-        self.cache = PrefixCache(
+        cache = PrefixCache(
             cfg.num_gpu_blocks,
             cfg.block_size,
             hash_seed=cfg.hash_seed,
             cpu_blocks=cfg.cpu_blocks,
             hashes_per_chunk=cfg.hashes_per_chunk,
         )
-        self.waiting: deque[_Req] = deque()
-        self.running: list[_Req] = []
+        model = StepModel.from_engine(cfg, duration_factor=token_scale, token_scale=token_scale)
+        self.core: StepScheduler[_Req] = StepScheduler(cache, model)
+        self.cache = cache
         self.busy = False
-        self.preemptions = 0
         self.evicted = 0
-        self.vocab = 2048
-        # what the step in flight will emit at its end
-        self._admitted: list[_Req] = []
-        self._decoding: list[_Req] = []
-        self.budget = cfg.max_num_batched_tokens / token_scale
+        self._plan: StepPlan[_Req] | None = None  # the step in flight
 
-    def _preempt(self, req: _Req) -> None:
-        self.running.remove(req)
-        self.cache.free(req.rid)
-        self.waiting.appendleft(req)
-        self.preemptions += 1
+    @property
+    def waiting(self) -> deque[_Req]:
+        """Where arrivals are queued (the step's own FIFO)."""
+        return self.core.waiting
+
+    @property
+    def preemptions(self) -> int:
+        """Preemptions so far (reported per run)."""
+        return self.core.preemptions
 
     def begin_step(self) -> float | None:
         """Plan one step (decode, then admit); returns its duration, or None when there is no work."""
-        cfg = self.cfg
-        cache = self.cache
-        if not self.running and not self.waiting:
+        if not self.core.has_work:
             self.busy = False
             return None
-        decoding: list[_Req] = []
-        preempted = False
-        for req in list(self.running):
-            if req not in self.running:
-                continue
-            while not cache.decode(req.rid, req.outputs[-1]):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                decoding.append(req)
-        admitted: list[_Req] = []
-        prefill = 0
-        cpu_blocks = 0
-        while self.waiting and not preempted and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
-            tokens = req.tokens
-            if admitted:
-                gpu_hit, cpu_hit = cache.probe(tokens)
-                if prefill + len(tokens) - gpu_hit - cpu_hit > self.budget:
-                    break
-            adm = cache.admit(req.rid, tokens)
-            if adm is None:
-                if not self.running:
-                    raise RuntimeError(f"request of {len(tokens)} tokens does not fit engine {self.index}")
-                break
-            self.waiting.popleft()
-            self.running.append(req)
-            admitted.append(req)
-            if req.cached is None:
-                req.cached = adm.cached_tokens
-            prefill += len(tokens) - adm.cached_tokens
-            cpu_blocks += adm.cpu_hit_tokens // cfg.block_size
-        self._admitted, self._decoding = admitted, decoding
+        plan = self.core.plan()
+        if plan.rejected:
+            n = len(plan.rejected[0].prompt) + len(plan.rejected[0].outputs)
+            raise RuntimeError(f"request of {n} tokens does not fit engine {self.index}")
+        self._plan = plan
         self.busy = True
-        duration = (
-            cfg.step_overhead_s + prefill * cfg.prefill_s_per_token + cpu_blocks * cfg.cpu_load_s_per_block
-        )
-        if decoding:
-            duration += cfg.decode_step_s + len(decoding) * cfg.decode_s_per_seq
-        return duration * self.scale
+        return plan.duration_s
 
     def end_step(self, now: float) -> tuple[list[_Req], list[_Req]]:
         """Emit one token per scheduled request; returns (first tokens, finished requests)."""
-        firsts: list[_Req] = []
-        done: list[_Req] = []
-        for req in self._admitted + self._decoding:
-            if req not in self.running:
-                continue
-            req.outputs.append(5 + req.rng.randrange(self.vocab - 5))
-            if req.first_at is None:
-                req.first_at = now
-                firsts.append(req)
-            if len(req.outputs) >= req.max_tokens:
-                self.running.remove(req)
-                self.cache.free(req.rid)
-                req.done_at = now
-                done.append(req)
-        self._admitted, self._decoding = [], []
-        return firsts, done
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return [], []
+        out = self.core.complete(plan, lambda r: 5 + r.rng.randrange(self.VOCAB - 5))
+        for req in out.first:
+            req.first_at = now
+        for req in out.finished:
+            req.done_at = now
+        return out.first, out.finished
 
 
 # ---- the router side -----------------------------------------------------------------------------------
@@ -561,7 +517,7 @@ def simulate(
         progress(finished, n)
 
     prompt = sum(len(q.prompt) for q in records)
-    cached = sum(q.cached or 0 for q in records)
+    cached = sum(q.cached_tokens or 0 for q in records)
     ttft = [q.first_at - q.arrival for q in records if q.first_at is not None]
     e2e = [q.done_at - q.arrival for q in records if q.done_at is not None]
     end = max((q.done_at for q in records if q.done_at is not None), default=0.0)
