@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import sys
 import tempfile
@@ -100,7 +101,11 @@ def load(args: argparse.Namespace, live: bool) -> Trace:
 
 def run_offline(args: argparse.Namespace, trace: Trace, policies: list[PolicyConfig]) -> list[Row]:
     """Every policy through the simulator on fresh engines."""
-    work = PreparedWorkload(trace.requests, trace_bound=trace.infinite_hit_ratio(), label=trace.name)
+    reqs = trace.requests
+    if args.max_tokens is not None:  # the live run's cap, in simulated tokens, for like-for-like rows
+        cap = args.max_tokens * trace.scale
+        reqs = [r if r.max_tokens <= cap else dataclasses.replace(r, max_tokens=int(cap)) for r in reqs]
+    work = PreparedWorkload(reqs, trace_bound=trace.infinite_hit_ratio(), label=trace.name)
     # the simulator applies token_scale to the timing itself; only the cache is sized here
     engine = EngineConfig(
         block_size=BLOCK_SIZE,
@@ -136,7 +141,8 @@ async def run_live(args: argparse.Namespace, trace: Trace, policies: list[Policy
     requests: list[Request] = []
     for r in trace.requests:
         ids = r.token_ids() or [5]
-        out = max(1, min(args.max_tokens, math.ceil(r.max_tokens / trace.scale)))
+        cap = args.max_tokens if args.max_tokens is not None else 32
+        out = max(1, min(cap, math.ceil(r.max_tokens / trace.scale)))
         ids = ids[: max(1, room - out - 2 * BLOCK_SIZE)]
         requests.append(
             Request(
@@ -252,14 +258,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="simulated tokens per trace block (default: 128 Mooncake offline, 16 otherwise)",
     )
     p.add_argument(
-        "--speedup", type=float, default=0.0, help="arrival speed-up (default: 1 offline, 10 live)"
+        "--speedup",
+        type=float,
+        default=0.0,
+        help=(
+            "live (default 10): engines and arrivals both run this much faster, so the load in trace time "
+            "is unchanged and TTFTs are converted back to trace seconds; offline (default 1): only "
+            "arrivals are compressed, which adds load. Compare a live run at any speed-up with an "
+            "offline run without --speedup"
+        ),
     )
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--set", default=None, metavar="K=V,...", help="PolicyConfig fields, e.g. load_weight=2")
     p.add_argument(
         "--event-lag", type=float, default=0.0, help="offline: seconds before events reach the index"
     )
-    p.add_argument("--max-tokens", type=int, default=32, help="live: cap on output tokens per request")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="cap on output tokens per request, in simulated tokens (live default 32; offline: no cap "
+        "unless given, so pass the live run's value to compare like for like)",
+    )
     p.add_argument("--concurrency", type=int, default=256, help="live: requests in flight at most")
     p.add_argument("--deadline", type=float, default=60.0, help="live: stop issuing after this many seconds")
     p.add_argument("--seed", type=int, default=0)
