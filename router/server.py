@@ -365,8 +365,9 @@ class _Connection(asyncio.Protocol):
 
     # --- helpers ---------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.gone:
-            self.transport.write(data)
+        t = self.transport
+        if t is not None and not self.gone and not t.is_closing():
+            t.write(data)
 
     async def drain(self) -> None:
         """Wait until the client reads again (or leaves); drop it after ``write_timeout_s``."""
