@@ -150,20 +150,34 @@ class PrefixStore:
         media = self._media[midx]
         emap = self._emaps[sidx]
         bit = 1 << sidx
-        if emap.keys().isdisjoint(engine_hashes):
-            emap.update(zip(engine_hashes, keys, strict=True))
-        else:
-            for eh, key in zip(engine_hashes, keys, strict=True):
-                old = emap.get(eh)
-                if old is not None and old != key:
+        if len(engine_hashes) != len(keys):
+            raise ValueError("one key per engine hash")
+        # one probe per block: setdefault inserts the new mappings (in order) and hands back the
+        # current key of hashes already mapped, which the loop below settles one by one
+        before = len(emap)
+        olds = list(map(emap.setdefault, engine_hashes, keys))
+        if len(emap) - before != len(keys):
+            for eh, key, old in zip(engine_hashes, keys, olds, strict=True):
+                if old is key:
+                    continue  # inserted just now
+                current = emap[eh]  # not ``old``: a hash listed twice may have moved on since
+                if current != key:
                     # the same engine block now resolves to another key (its parent became known):
                     # retire the old key's residencies so nothing stale survives.
-                    self._forget(sidx, old)
-                emap[eh] = key
-        present = media.keys() & keys if media else ()
-        if not present and len(set(keys)) == len(keys):  # a key listed twice takes the careful path
+                    self._forget(sidx, current)
+                    emap[eh] = key
+        if media.keys().isdisjoint(keys):
+            # all new: one bulk insert; a key listed twice in the event (the dict grew by less than
+            # the list is long) gets one reference per extra listing, as the per-block path would
+            before = len(media)
             media.update(zip(keys, itertools.repeat(bit)))
-            added = len(keys)
+            added = len(media) - before
+            if added != len(keys):
+                for key, times in collections.Counter(keys).items():
+                    if times > 1:
+                        rk = (key, sidx, midx)
+                        self._refs[rk] = self._refs.get(rk, 0) + times - 1
+                        self._refs_by_source[sidx] += times - 1
         else:
             added = 0
             for key in keys:

@@ -95,3 +95,33 @@ def test_keys_are_stable_across_processes() -> None:
     }
     assert len(outs) == 1
     assert outs.pop().strip() == str(prompt_keys(list(range(32)), 16, lora_name="x"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=80),
+    block_size=st.sampled_from([1, 3, 16]),
+    lora=st.none() | st.text(max_size=8),
+    salted=st.sets(st.integers(min_value=0, max_value=5), max_size=3),
+)
+def test_short_prompt_python_path_equals_numpy_path(
+    tokens: list[int], block_size: int, lora: str | None, salted: set[int]
+) -> None:
+    """Prompts of up to 4 blocks take a Python-int path (numpy's fixed cost dominates there)."""
+    import index.keys as keys_mod
+
+    extra = {i: ["salt", i] for i in salted} or None
+    fast = prompt_keys(tokens, block_size, lora_name=lora, extra_keys=extra)
+    saved = keys_mod._SCALAR_MAX_BLOCKS
+    keys_mod._SCALAR_MAX_BLOCKS = 0  # force the numpy path
+    try:
+        slow = prompt_keys(tokens, block_size, lora_name=lora, extra_keys=extra)
+    finally:
+        keys_mod._SCALAR_MAX_BLOCKS = saved
+    assert fast == slow
+
+
+def test_short_prompt_path_rejects_bad_tokens_like_the_numpy_path() -> None:
+    for bad in ([-1] * 16, [2**64] * 16, ["a"] * 16):
+        with pytest.raises(ValueError):
+            prompt_keys(bad, 16)  # type: ignore[arg-type]
