@@ -55,6 +55,12 @@ _NO_BODY = frozenset({204, 304})
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
+def _head_too_large() -> ApiError:
+    return ApiError(
+        431, f"request head larger than {_MAX_HEAD} bytes", "invalid_request_error", "head_too_large"
+    )
+
+
 class _Request:
     """A complete request: what the parser saw, body included."""
 
@@ -117,6 +123,8 @@ class _Writer:
                 lines.append(b"transfer-encoding: chunked\r\n")
             else:
                 req.keep_alive = False  # HTTP/1.0 without a length: the body ends with the connection
+        if self.conn.server.stopping:
+            req.keep_alive = False  # draining: tell the client not to reuse this connection
         if not req.keep_alive:
             lines.append(b"connection: close\r\n")
         elif req.version == "1.0":
@@ -181,6 +189,10 @@ class _Connection(asyncio.Protocol):
         self._lost: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._reject: ApiError | None = None
+        self._final: ApiError | None = None
+        self._stop_reading = False
+        self._in_head = False
+        self._head_seen = 0
         self._reset_message()
 
     def _reset_message(self) -> None:
@@ -212,16 +224,31 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._disarm_idle()
+        if self._stop_reading:
+            return
+        if self._in_head:
+            # a head still arriving: count it here, since httptools buffers an unfinished header
+            # line without calling back (the chunk that starts a head is bounded by the read size)
+            end = data.find(b"\r\n\r\n")
+            self._head_seen += len(data) if end < 0 else end
+            if self._head_seen > _MAX_HEAD:
+                self._refuse(_head_too_large())
+                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(bad_request("protocol upgrades are not supported"))
-            return
+            # an upgrade offer (h2c from `curl --http2`, some Java clients): answer the request
+            # itself in HTTP/1.1, as uvicorn does; the parser cannot go past it, so close afterwards
+            if not self.queue:
+                self._refuse(bad_request("protocol upgrades are not supported"))
+                return
+            self.queue[-1].keep_alive = False
+            self._stop_reading = True
         except httptools.HttpParserError as exc:
-            self._fail(bad_request(f"invalid HTTP request: {exc}"))
+            self._refuse(bad_request(f"invalid HTTP request: {exc}"))
             return
         if self._reject is not None:
-            self._fail(self._reject)
+            self._refuse(self._reject)
             return
         if self.queue:
             if self.task is None:
@@ -243,6 +270,8 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ---------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._reset_message()
+        self._in_head = True
+        self._head_seen = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -253,12 +282,11 @@ class _Connection(asyncio.Protocol):
         self._head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         if self._reject is not None:
             return
         if self._head_size > _MAX_HEAD:
-            self._reject = ApiError(
-                431, f"request head larger than {_MAX_HEAD} bytes", "invalid_request_error", "head_too_large"
-            )
+            self._reject = _head_too_large()
             return
         limit = self.server.max_body_bytes
         expect = False
@@ -273,8 +301,10 @@ class _Connection(asyncio.Protocol):
                     return
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect = True
-        if expect and self.parser.get_http_version() == "1.1" and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if expect and self.task is None and not self.queue and self.parser.get_http_version() == "1.1":
+            # only when nothing is in flight: mid-response it would corrupt the response being sent;
+            # a client whose 100 is skipped sends its body after its own short wait anyway
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         if self._reject is not None:
@@ -348,19 +378,34 @@ class _Connection(asyncio.Protocol):
         if self.queue:
             self._next()
             return
+        if self._final is not None:
+            self._answer_and_close(self._final)  # the refused request, after every earlier answer
+            return
         if self.read_paused and self.transport is not None:
             self.read_paused = False
             self.transport.resume_reading()
         self._arm_idle()
 
-    def _fail(self, err: ApiError) -> None:
-        """A request we refuse before handling it: answer (if nothing is in flight) and close."""
-        if self.task is None and self.transport is not None and not self.gone:
-            body = err.body()
-            self.transport.write(
-                b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%s" % (err.status, _REASONS.get(err.status, b""), len(body), body)
-            )
+    def _refuse(self, err: ApiError) -> None:
+        """A request refused before it is handled (bad, too large): read no further, answer it after
+        the requests pipelined before it have been answered, then close."""
+        self._stop_reading = True
+        if self.task is None and not self.queue:
+            self._answer_and_close(err)
+            return
+        self._final = err
+        if not self.read_paused and self.transport is not None:
+            self.read_paused = True
+            self.transport.pause_reading()
+        if self.task is None:
+            self._next()
+
+    def _answer_and_close(self, err: ApiError) -> None:
+        body = err.body()
+        self.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (err.status, _REASONS.get(err.status, b""), len(body), body)
+        )
         self.close()
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -392,12 +437,18 @@ class _Connection(asyncio.Protocol):
             return
         if self._lost is None:
             self._lost = self.loop.create_future()
-        await self._lost
+        # shielded: a waiter that is cancelled (Starlette cancels its disconnect listener when a
+        # response ends) must not cancel the connection's future for the next request
+        await asyncio.shield(self._lost)
 
     def close(self) -> None:
         self._disarm_idle()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.close()
+            if t.get_write_buffer_size():
+                # close() waits for the buffer to flush: a client that never reads would hold it
+                self.loop.call_later(self.server.write_timeout, t.abort)
 
     def _arm_idle(self) -> None:
         self._disarm_idle()
@@ -474,6 +525,7 @@ class HttpServer:
             if kind == "http.response.start":
                 headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", ())]
                 await writer.start(int(message["status"]), headers)
+                conn.loop.call_soon(writer.flush)  # a body sent right away still shares the write
             elif kind == "http.response.body" and not writer.ended:
                 if message.get("more_body", False):
                     await writer.send(message.get("body", b""))

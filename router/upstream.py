@@ -257,7 +257,8 @@ class UpstreamPool:
         now = time.monotonic()
         while stack:
             conn = stack.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_expiry:
+            # bytes on an idle connection are not an answer to the next request: drop it
+            if not conn.closed and not conn.got_bytes and now - conn.idle_since < self.keepalive_expiry:
                 return conn
             conn.close()
         return None

@@ -297,3 +297,98 @@ def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
         return cancelled, conn.gone, stuck.aborted
 
     assert asyncio.run(scenario()) == (True, True, True)
+
+
+# --- regressions found in review (each failed before its fix) --------------------------------------
+
+
+def test_expect_continue_is_not_written_into_a_response_in_flight(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    router, engine = setup
+    engine.mode = "short_stream"  # ~30 paced chunks
+    body = _completion()
+    with _connect(router) as s:
+        buf = bytearray()
+        s.sendall(
+            _post("/v1/completions", json.dumps({"model": "toy", "prompt": "x", "stream": True}).encode())
+        )
+        while b"data: " not in buf:
+            buf += s.recv(65536)
+        head = _post("/v1/completions", b"", "expect: 100-continue\r\n")
+        s.sendall(head.replace(b"content-length: 0", b"content-length: %d" % len(body)))
+        rest = bytearray(buf)
+        status, _, streamed = _read_response(s, rest)
+        assert status == 200 and b"100 Continue" not in streamed and streamed.rstrip().endswith(b"[DONE]")
+        s.sendall(body)  # no 100 came: the client sends its body anyway (after its own wait)
+        status, _, out = _read_response(s, rest)
+        assert status == 200 and json.loads(out)["object"] == "text_completion"
+
+
+def test_an_h2c_upgrade_offer_is_answered_in_http11(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    router, _ = setup
+    with _connect(router) as s:
+        s.sendall(
+            b"GET /health HTTP/1.1\r\nhost: t\r\nconnection: Upgrade, HTTP2-Settings\r\n"
+            b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"
+        )
+        status, headers, body = _read_response(s, bytearray())
+        assert status == 200 and json.loads(body) == {"status": "ok"}
+        assert headers["connection"] == "close"
+
+
+def test_a_refused_request_is_answered_after_the_requests_before_it(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    router, _ = setup
+    big = _completion("w " * 3000)
+    with _connect(router) as s:
+        buf = bytearray()
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n" + _post("/v1/completions", big))
+        first = _read_response(s, buf)
+        second = _read_response(s, buf)
+        assert first[0] == 200 and json.loads(first[2]) == {"status": "ok"}
+        assert second[0] == 413 and second[1]["connection"] == "close"
+
+
+def test_an_endless_request_head_is_refused_while_it_arrives(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    router, _ = setup
+    line = b"x-pad: " + b"a" * 1000 + b"\r\n"
+    sent = 0
+    with _connect(router) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")
+        try:
+            while sent < 8_000_000:  # without the limit the server would take all of it, silently
+                s.sendall(line)
+                sent += len(line)
+            got = s.recv(100)
+        except OSError:
+            got = b"refused"  # the server answered 431 and closed while we were still sending
+    assert sent < 8_000_000 or got.startswith(b"HTTP/1.1 431"), (sent, got)
+
+
+def test_asgi_requests_after_one_that_waited_for_a_disconnect(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    """Starlette cancels its disconnect listener when a streamed response ends; that must not cancel
+    the connection's own disconnect future for the next request."""
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    from fastapi.responses import StreamingResponse
+
+    router, _ = setup
+
+    async def parts() -> AsyncIterator[bytes]:
+        for i in range(3):
+            await asyncio.sleep(0.01)
+            yield b"part %d\n" % i
+
+    async def stream() -> StreamingResponse:
+        return StreamingResponse(parts(), media_type="text/plain")
+
+    router.app.api.add_api_route("/test/stream", stream, methods=["GET"])
+    with _connect(router) as s:
+        buf = bytearray()
+        for _ in range(3):
+            s.sendall(b"GET /test/stream HTTP/1.1\r\nhost: t\r\n\r\n")
+            status, _, body = _read_response(s, buf)
+            assert status == 200 and body == b"part 0\npart 1\npart 2\n"
