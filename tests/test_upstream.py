@@ -231,3 +231,33 @@ def test_closing_early_closes_the_connection() -> None:
             pool.close()
 
     asyncio.run(main())
+
+
+def test_an_idle_connection_that_received_bytes_is_not_reused() -> None:
+    """Unsolicited bytes on an idle pooled connection (a misbehaving backend, a late duplicate) must
+    never be read as the answer to the next request."""
+
+    async def answer_then_stray(body: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body) + 3, b"ok:" + body))
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale")  # nobody asked
+        await w.drain()
+        return True
+
+    async def main() -> None:
+        srv = Server(answer_then_stray)
+        async with srv as key:
+            pool = UpstreamPool(read_timeout=5)
+            assert await body_of(pool, key, b"one") == (200, b"ok:one")
+            conn = pool._idle[key][-1]
+            for _ in range(500):  # until the stray bytes reached the idle connection
+                if conn.got_bytes:
+                    break
+                await asyncio.sleep(0.01)
+            assert conn.got_bytes
+            assert await body_of(pool, key, b"two") == (200, b"ok:two")
+            assert srv.connections == 2
+            pool.close()
+
+    asyncio.run(main())
