@@ -1,7 +1,9 @@
 """From decoded batches to store operations: keys, parents, block sizes, and per-source counters.
 
 The subscriber hands over chunks of ``(source index, batch)`` in stream order; all BlockStored token
-ids of a chunk are hashed in one vectorised call (:func:`index.keys.block_contents`), then events are
+ids of a chunk are hashed in one call per block size (decoded events: the compiled
+:func:`index.keys.u64_block_contents` over their payloads' uint64 buffers; token lists built in
+Python: :func:`index.keys.block_contents`), then events are
 applied one by one, because a block's key depends on its parent's, which may have arrived earlier in
 the same chunk.
 
@@ -34,7 +36,17 @@ from typing import Any, cast
 
 import numpy as np
 
-from index.keys import M64, U64, block_contents, extra_hash, lora_root, powers, stable_hash
+from index.keys import (
+    M64,
+    U64,
+    block_contents,
+    extra_hash,
+    lora_root,
+    powers,
+    stable_hash,
+    u64_block_contents,
+)
+from index.rawtokens import TokenIds
 from index.store import PrefixStore, SourceId
 from index.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
 
@@ -109,38 +121,73 @@ def _block_extras(ev: BlockStored, n: int) -> list[tuple[int, list[Any]]]:
 
 
 class _Group:
-    """The BlockStored events of one chunk that share a block size, keyed together."""
+    """The BlockStored events of one chunk that share a block size, keyed together.
 
-    __slots__ = ("block_size", "events", "keys", "m", "prefix", "roots", "starts", "tokens")
+    Token ids decoded from the wire are :class:`TokenIds`, slices of their payload's uint64 buffer:
+    consecutive slices of one buffer are kept as one run, and the runs are hashed in one compiled
+    pass. Ids given as Python sequences (events built in Python) take the numpy path.
+    """
+
+    __slots__ = ("block_size", "blocks", "events", "keys", "m", "prefix", "roots", "runs", "starts", "tokens")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.tokens = array("Q")
+        """Ids of the events whose token_ids are Python sequences."""
+        self.runs: list[list[Any]] = []
+        """[buffer, first, end] runs of the TokenIds events' ids, in event order."""
+        self.blocks = 0
         self.starts: list[int] = []
         self.events: list[BlockStored] = []
         self.roots: list[int] = []
-        self.keys: list[int] = []
+        self.keys: U64 = np.empty(0, dtype=np.uint64)
         self.m: U64 = np.empty(0, dtype=np.uint64)
         self.prefix: U64 = np.empty(0, dtype=np.uint64)
 
-    def add(self, ev: BlockStored) -> bool:
-        """Take an event's tokens; False (nothing taken) when a token id is not an unsigned 64-bit int."""
-        start = len(self.tokens) // self.block_size
+    def add(self, ev: BlockStored, n: int) -> bool:
+        """Take an event's ``n`` blocks of tokens; False (nothing taken) when a token id is not an
+        unsigned 64-bit int (the shape was checked by the caller)."""
         tokens = ev.token_ids
-        try:
-            if type(tokens) is list:
-                self.tokens.fromlist(tokens)  # all or nothing; ~2x faster than list.extend + array()
+        if type(tokens) is TokenIds:
+            if tokens.negative:
+                return False
+            runs = self.runs
+            if runs and runs[-1][0] is tokens.buf and runs[-1][2] == tokens.off:
+                runs[-1][2] += tokens.size
             else:
-                self.tokens.extend(array("Q", tokens))
-        except (OverflowError, TypeError):
-            return False
-        self.starts.append(start)
+                runs.append([tokens.buf, tokens.off, tokens.off + tokens.size])
+        else:
+            try:
+                if type(tokens) is list:
+                    self.tokens.fromlist(tokens)  # all or nothing; ~2x faster than list.extend + array()
+                else:
+                    self.tokens.extend(array("Q", tokens))
+            except (OverflowError, TypeError):
+                return False
+        self.starts.append(self.blocks)
+        self.blocks += n
         self.events.append(ev)
         return True
 
     def prepare(self) -> None:
         """Contents of every block (extra keys folded in) and the prefix sums of m_j * C^-j."""
-        m = block_contents(self.tokens, self.block_size)
+        if self.runs and not self.tokens:
+            runs = self.runs
+            if len(runs) == 1:
+                buf, first, end = runs[0]
+                ids = buf[first:end]
+            else:
+                ids = np.concatenate([buf[first:end] for buf, first, end in runs])
+            m = u64_block_contents(ids, self.block_size)
+        elif not self.runs:
+            m = block_contents(self.tokens, self.block_size)
+        else:  # both kinds in one chunk (rare: Python-built events mixed into decoded ones)
+            parts = []
+            for ev in self.events:
+                tokens = ev.token_ids
+                ids = tokens.array() if type(tokens) is TokenIds else np.array(tokens, dtype=np.uint64)
+                parts.append(ids)
+            m = u64_block_contents(np.concatenate(parts), self.block_size)
         for ev, start in zip(self.events, self.starts, strict=True):
             if ev.extra_keys:
                 for i, items in _block_extras(ev, len(ev.block_hashes)):
@@ -167,7 +214,7 @@ class _Group:
         g = np.arange(n, dtype=np.int64)
         below = np.where(starts > 0, self.prefix[np.maximum(starts - 1, 0)], np.uint64(0))
         keys = powers.fwd[:n] * (self.prefix - below) + powers.fwd[g - starts + 1] * roots
-        self.keys = keys.tolist()
+        self.keys = keys  # the store takes slices of the array as they are
 
 
 class Ingestor:
@@ -229,7 +276,7 @@ class Ingestor:
                 if g is None:
                     g = groups[bs] = _Group(bs)
                 e = len(g.starts)
-                if not g.add(ev):
+                if not g.add(ev, n):
                     self._bad_event(sidx, st, n, bs, len(ev.token_ids), "token ids outside 0..2^64-1")
                     continue
                 plan[id(ev)] = (g, e)

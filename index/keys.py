@@ -32,6 +32,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from index.rawtokens import contents
+
 M64 = (1 << 64) - 1
 CHAIN_MUL = 0x9E3779B97F4A7C15  # odd: invertible mod 2^64
 _CHAIN_INV = pow(CHAIN_MUL, -1, 1 << 64)
@@ -150,6 +152,16 @@ def block_contents(tokens: Sequence[int] | array[int], block_size: int) -> U64:
             buf.extend(tokens)
     mat = np.frombuffer(buf, dtype=np.uint64, count=n * block_size).reshape(n, block_size)
     return _fmix64_vec(mat @ _POSITION_MULS[:block_size])
+
+
+def u64_block_contents(tokens: U64, block_size: int) -> U64:
+    """:func:`block_contents` of a uint64 token array, compiled (same values, no temporaries).
+
+    The ingest path: decoded events carry their ids in such arrays (:mod:`index.rawtokens`).
+    """
+    if not 0 < block_size <= _MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size {block_size} outside 1..{_MAX_BLOCK_SIZE}")
+    return contents(tokens, block_size, _POSITION_MULS)
 
 
 def chain(parent: int, contents: Sequence[int]) -> list[int]:

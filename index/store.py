@@ -5,32 +5,51 @@ reference count: vLLM's GPU pool can hold two blocks with one hash, and the CPU 
 re-announces shared hashes once per chunk and removes them the same way, so a residency ends only
 when its count reaches zero.
 
-Layout (chosen for lookup speed and memory; see index/README.md for the complexity table):
+Layout: compact open-addressing tables over numpy arrays, every per-block loop a compiled kernel of
+:mod:`index.table` (numba), one kernel call per event, per lookup, per eviction:
 
-- ``_media[m]``: ``dict[key, int]``, one per medium, the value a bitmask of the sources holding the key
-  there. For fleets of up to 8 sources every mask is a small cached int, so a residency costs one
-  dict slot. A count above one lives in ``_refs`` (rare), keyed ``(key, source, medium)``.
-- ``_emaps[s]``: ``dict[engine hash, key]`` per source, so BlockRemoved (which carries only vLLM's
-  hash) and the parent of the next BlockStored resolve to our key. An entry lives while the source
-  holds the key on some medium.
+- key table: our 64-bit key -> one uint64 source bitmask per (medium, 64-source word) in use (a
+  GPU-only fleet of up to 64 sources: 16 bytes per slot). A count above one lives in the refs table
+  (rare), keyed (key, source, medium).
+- per source, an engine-hash table: vLLM's hash -> our key and the row's position in the source's
+  insertion log (24 bytes per slot), so BlockRemoved (which carries only vLLM's hash) and the parent
+  of the next BlockStored resolve to our key. A mapping lives while the source holds the key on some
+  medium. The log (8 bytes per mapping) gives the eviction order.
 
-Writes come from one thread (the subscriber); lookups from the router's event loop. Lookups only call
-``dict.get``, which is atomic under the GIL, so no lock is needed: a lookup may see a batch half
-applied, which only affects one routing decision.
+About 100 bytes per residency at 1M residencies over 8 sources (the dict store,
+:mod:`index.store_dict`, ~190). The semantics are the dict store's, operation for operation
+(tests/test_index_compact.py compares the two on random interleavings).
+
+Threads: writes come from one thread (the subscriber), lookups from the router's event loop. The
+kernels that change the key table, and the lookup, hold the GIL, so each runs whole with respect to
+the other thread, as one dict operation did: a lookup sees the tables between two events and never
+a row mid-move. A rebuild fills new arrays without the GIL (nothing changes the published ones
+meanwhile) and publishes them with one attribute store of a tuple (table, shift, column layout),
+which a lookup reads once; clearing or dropping a source holds the GIL in slices. Media are
+registered by the writer (ingest does). See :mod:`index.table`.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from index import table as tb
 
 SourceId = tuple[str, int]
 """(instance name, DP rank)."""
 
 MEDIA = ("GPU", "CPU", "STORAGE")
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+_MIN_CAP = 64
+_REBUILD_LOAD = 0.625  # a rebuilt table is the smallest power of two at or below this load
+_SLICE = 1 << 16  # engine-hash rows per kernel call when clearing or dropping a source (~10 ms)
 
 
 class SourceMatch(msgspec.Struct, gc=False):
@@ -54,38 +73,119 @@ class SourceCounts(msgspec.Struct):
     evicted: int
 
 
-def _unset(media: dict[int, int], key: int, bit: int) -> bool:
-    """Clear one source's bit for ``key`` on a medium (dropping the entry when no holder is left)."""
-    held = media.get(key, 0)
-    if not held & bit:
-        return False
-    rest = held & ~bit
-    if rest:
-        media[key] = rest
-    else:
-        del media[key]
-    return True
+def _u64(values: Sequence[int] | U64) -> U64:
+    """Hashes or keys as a uint64 array (``fromiter``: the fastest conversion of a list of ints)."""
+    if isinstance(values, np.ndarray):
+        return values.astype(np.uint64, copy=False)
+    return np.fromiter(values, np.uint64, len(values))
+
+
+def _full(used: int, cap: int) -> bool:
+    """Past the 3/4 load a table may reach (the store kernel's test, in the same integers)."""
+    return used * 4 > cap * 3
+
+
+def _cap_for(rows: int) -> int:
+    cap = _MIN_CAP
+    while rows > cap * _REBUILD_LOAD:
+        cap *= 2
+    return cap
+
+
+class _Source:
+    """One source's engine-hash table, insertion log and counters (touched by the writer only)."""
+
+    __slots__ = ("cnt", "em", "eshift", "log", "ss")
+
+    def __init__(self, media: int) -> None:
+        self.em: U64 = np.zeros((_MIN_CAP, 3), dtype=np.uint64)
+        self.eshift = tb.shift_of(_MIN_CAP)
+        self.log: U64 = np.zeros(256, dtype=np.uint64)
+        self.ss: I64 = np.zeros(tb.S_SIZE, dtype=np.int64)
+        self.cnt: I64 = np.zeros(max(8, media), dtype=np.int64)
+
+    def reset_map(self) -> None:
+        """An empty engine-hash table and log (after a restart)."""
+        self.em = np.zeros((_MIN_CAP, 3), dtype=np.uint64)
+        self.eshift = tb.shift_of(_MIN_CAP)
+        self.log = np.zeros(256, dtype=np.uint64)
+        for i in (tb.S_EM_LIVE, tb.S_HEAD, tb.S_TAIL):
+            self.ss[i] = 0
+
+    def room(self, n: int) -> None:
+        """Make room for ``n`` new mappings (rebuild the table, compact or grow the log)."""
+        ss = self.ss
+        if _full(int(ss[tb.S_EM_LIVE]) + n, len(self.em)):
+            new = np.zeros((_cap_for(int(ss[tb.S_EM_LIVE]) + n), 3), dtype=np.uint64)
+            tb.em_rebuild(self.em, new)
+            self.em, self.eshift = new, tb.shift_of(len(new))
+        if int(ss[tb.S_TAIL]) + n > len(self.log):
+            need = int(ss[tb.S_EM_LIVE]) + n
+            size = len(self.log) if need <= len(self.log) * 0.75 else need + need // 2 + 256
+            new_log = np.zeros(size, dtype=np.uint64)
+            tb.log_compact(self.em, self.log, ss, new_log)
+            self.log = new_log
+
+
+def _warm_up() -> None:
+    """Every kernel once, with the argument types of real calls (see :class:`PrefixStore`)."""
+    st = PrefixStore(2, warm=False)
+    a, b = st.add_source(("a", 0)), st.add_source(("b", 0))
+    cpu = st.medium_index("CPU")
+    st.store(a, 0, [1, 2, 3], [10, 10, 11])
+    st.refcount(a, 10)
+    st.store(a, 0, [1], [12])  # remap, then the cap evicts
+    st.store(b, cpu, np.array([4], dtype=np.uint64), np.array([10], dtype=np.uint64))
+    st.store(b, 0, list(range(100, 400)), list(range(300)))  # rebuilds, log compaction
+    st.lookup([10, 11], [a, b])
+    st.lookup(np.array([10], dtype=np.uint64), [a])
+    st.key_of(a, 1)
+    st.remove(a, 0, [2, 3, 9])
+    st.clear(b, "CPU")
+    st.drop(b)
 
 
 class PrefixStore:
     """Residencies and reference counts; knows nothing of wire formats, keys' origin or HTTP."""
 
-    def __init__(self, max_residencies: int = 20_000_000) -> None:
+    def __init__(self, max_residencies: int = 20_000_000, *, warm: bool = True) -> None:
+        """``warm``: run every kernel once on a throwaway store, so that numba compiles (first run
+        without a cache, ~10 s) or loads (~0.2 s) them here, at startup, not on the first event or
+        the first request (compiling holds the GIL); ~50 us once they are loaded."""
         if max_residencies < 1:
             raise ValueError("max_residencies must be positive")
+        self._g: I64 = np.zeros(tb.G_SIZE, dtype=np.int64)
         self.max_residencies = max_residencies
         self._media_names: list[str] = list(MEDIA)
-        self._media: list[dict[int, int]] = [{} for _ in self._media_names]
-        self._refs: dict[tuple[int, int, int], int] = {}
-        self._refs_by_source: list[int] = []
-        self._emaps: list[dict[int, int]] = []
-        self._counts: list[list[int]] = []
-        self._unknown_removes: list[int] = []
-        self._evicted: list[int] = []
+        col_of = np.full((len(MEDIA), 1), -1, dtype=np.int64)
+        col_of[0, 0] = 1  # GPU, sources 0..63: column 1 (column 0 holds the key)
+        kt = np.zeros((_MIN_CAP, 2), dtype=np.uint64)
+        self._kts: tuple[U64, np.uint64, I64] = (kt, tb.shift_of(_MIN_CAP), col_of)
+        self._rts: tuple[U64, np.uint64] = (np.zeros((_MIN_CAP, 3), np.uint64), tb.shift_of(_MIN_CAP))
+        self._srcs: list[_Source] = []
         self._sources: list[SourceId | None] = []
         self._index_of: dict[SourceId, int] = {}
-        self.total = 0
-        self.evictions = 0
+        if warm:
+            _warm_up()
+
+    @property
+    def max_residencies(self) -> int:
+        """The cap on residencies: beyond it, the oldest blocks of the largest source go."""
+        return int(self._g[tb.G_MAX])
+
+    @max_residencies.setter
+    def max_residencies(self, value: int) -> None:
+        self._g[tb.G_MAX] = value
+
+    @property
+    def total(self) -> int:
+        """Residencies held (all sources, all media)."""
+        return int(self._g[tb.G_TOTAL])
+
+    @property
+    def evictions(self) -> int:
+        """Residencies evicted because the cap bit."""
+        return int(self._g[tb.G_EVICTIONS])
 
     # --- sources -------------------------------------------------------------------------------
     def add_source(self, source: SourceId) -> int:
@@ -97,11 +197,12 @@ class PrefixStore:
         except ValueError:
             idx = len(self._sources)
             self._sources.append(None)
-            self._emaps.append({})
-            self._counts.append([0] * len(self._media))
-            self._refs_by_source.append(0)
-            self._unknown_removes.append(0)
-            self._evicted.append(0)
+            self._srcs.append(_Source(len(self._media_names)))
+            kt, shift, col_of = self._kts
+            if idx >> 6 >= col_of.shape[1]:  # every kernel may index the source's word
+                wider = np.full((col_of.shape[0], (idx >> 6) + 1), -1, dtype=np.int64)
+                wider[:, : col_of.shape[1]] = col_of
+                self._kts = (kt, shift, wider)
         self._sources[idx] = source
         self._index_of[source] = idx
         return idx
@@ -113,8 +214,9 @@ class PrefixStore:
             return
         self.drop(idx)
         self._sources[idx] = None
-        self._unknown_removes[idx] = 0
-        self._evicted[idx] = 0
+        ss = self._srcs[idx].ss
+        ss[tb.S_UNKNOWN] = 0
+        ss[tb.S_EVICTED] = 0
 
     def source_index(self, source: SourceId) -> int | None:
         """Dense index of a registered source."""
@@ -129,269 +231,211 @@ class PrefixStore:
         try:
             return self._media_names.index(medium)
         except ValueError:
+            m = len(self._media_names)
+            for src in self._srcs:
+                if len(src.cnt) <= m:
+                    cnt = np.zeros(2 * (m + 1), dtype=np.int64)
+                    cnt[: len(src.cnt)] = src.cnt
+                    src.cnt = cnt
+            kt, shift, col_of = self._kts
+            taller = np.full((m + 1, col_of.shape[1]), -1, dtype=np.int64)
+            taller[:m] = col_of
+            self._kts = (kt, shift, taller)
             self._media_names.append(medium)
-            self._media.append({})
-            for counts in self._counts:
-                counts.append(0)
-            return len(self._media_names) - 1
+            return m
 
     # --- writes (one writer thread) -----------------------------------------------------------
     def key_of(self, sidx: int, engine_hash: int) -> int | None:
         """Our key for a source's engine hash, if that source still holds the block somewhere."""
-        return self._emaps[sidx].get(engine_hash)
+        src = self._srcs[sidx]
+        em = src.em
+        i = tb.em_find(em, src.eshift, np.uint64(engine_hash))
+        return None if i < 0 else int(em[i, 1])
 
-    def store(self, sidx: int, midx: int, engine_hashes: Sequence[int], keys: Sequence[int]) -> None:
+    def _room(self, sidx: int, midx: int, n: int) -> None:
+        """Columns and free rows for a store of ``n`` blocks (rebuilds publish new tables)."""
+        kt, _, col_of = self._kts
+        w = sidx >> 6
+        g = self._g
+        if col_of[midx, w] < 0:
+            col_of = col_of.copy()
+            col_of[midx, w] = kt.shape[1]
+            self._rebuild_kt(kt.shape[1] + 1, col_of, n)
+        elif _full(int(g[tb.G_KT_LIVE]) + n, len(kt)):
+            self._rebuild_kt(kt.shape[1], col_of, n)
+        rt, _ = self._rts
+        if _full(int(g[tb.G_RT_USED]) + n, len(rt)):
+            new = np.zeros((_cap_for(int(g[tb.G_RT_LIVE]) + n), 3), dtype=np.uint64)
+            tb.rt_rebuild(rt, new)
+            self._rts = (new, tb.shift_of(len(new)))
+            g[tb.G_RT_USED] = g[tb.G_RT_LIVE]
+        self._srcs[sidx].room(n)
+
+    def _rebuild_kt(self, width: int, col_of: I64, n: int) -> None:
+        kt = self._kts[0]
+        g = self._g
+        new = np.zeros((_cap_for(int(g[tb.G_KT_LIVE]) + n), width), dtype=np.uint64)
+        tb.kt_rebuild(kt, new, np.arange(kt.shape[1], dtype=np.int64))
+        self._kts = (new, tb.shift_of(len(new)), col_of)
+
+    def store(
+        self, sidx: int, midx: int, engine_hashes: Sequence[int] | U64, keys: Sequence[int] | U64
+    ) -> None:
         """Add one reference per (engine hash, key) pair to the source's residency on a medium.
 
-        Fast path (the common case: new blocks): the mappings are inserted with C-level bulk dict
-        updates; only keys the medium already holds, or engine hashes already mapped, take the
-        per-block path.
+        A hash already mapped to another key (its parent became known) retires the old key's
+        residencies first, so nothing stale survives.
         """
-        media = self._media[midx]
-        emap = self._emaps[sidx]
-        bit = 1 << sidx
-        if len(engine_hashes) != len(keys):
+        n = len(keys)
+        if len(engine_hashes) != n:
             raise ValueError("one key per engine hash")
-        # one probe per block: setdefault inserts the new mappings (in order) and hands back the
-        # current key of hashes already mapped, which the loop below settles one by one
-        before = len(emap)
-        olds = list(map(emap.setdefault, engine_hashes, keys))
-        if len(emap) - before != len(keys):
-            for eh, key, old in zip(engine_hashes, keys, olds, strict=True):
-                if old is key:
-                    continue  # inserted just now
-                current = emap[eh]  # not ``old``: a hash listed twice may have moved on since
-                if current != key:
-                    # the same engine block now resolves to another key (its parent became known):
-                    # retire the old key's residencies so nothing stale survives.
-                    self._forget(sidx, current)
-                    emap[eh] = key
-        if media.keys().isdisjoint(keys):
-            # all new: one bulk insert; a key listed twice in the event (the dict grew by less than
-            # the list is long) gets one reference per extra listing, as the per-block path would
-            before = len(media)
-            media.update(zip(keys, itertools.repeat(bit)))
-            added = len(media) - before
-            if added != len(keys):
-                for key, times in collections.Counter(keys).items():
-                    if times > 1:
-                        rk = (key, sidx, midx)
-                        self._refs[rk] = self._refs.get(rk, 0) + times - 1
-                        self._refs_by_source[sidx] += times - 1
-        else:
-            added = 0
-            for key in keys:
-                held = media.get(key, 0)
-                if held & bit:
-                    rk = (key, sidx, midx)
-                    self._refs[rk] = self._refs.get(rk, 0) + 1
-                    self._refs_by_source[sidx] += 1
-                else:
-                    media[key] = held | bit
-                    added += 1
-        self._counts[sidx][midx] += added
-        self.total += added
-        if self.total > self.max_residencies:
+        ehs = _u64(engine_hashes)
+        ks = _u64(keys)
+        src = self._srcs[sidx]
+        while True:
+            kt, kshift, col_of = self._kts
+            rt, rshift = self._rts
+            over = tb.store_event(
+                kt, kshift, col_of, self._g, rt, rshift, src.em, src.eshift, src.log, src.ss, src.cnt,
+                sidx, midx, ehs, ks,
+            )  # fmt: skip
+            if over >= 0:
+                break
+            self._room(sidx, midx, n)
+        if over:
             self._evict()
 
-    def remove(self, sidx: int, midx: int, engine_hashes: Sequence[int]) -> int:
-        """Drop one reference per engine hash; returns how many residencies ended.
-
-        Fast path: this source is the only holder of every block, holds them once, on this medium
-        only (no offload tier in use): bulk deletes. Anything else takes the per-block path.
-        """
-        media = self._media[midx]
-        emap = self._emaps[sidx]
-        bit = 1 << sidx
-        if not self._refs_by_source[sidx] and not any(m for i, m in enumerate(self._media) if i != midx):
-            keys = list(map(emap.get, engine_hashes))
-            if (
-                list(map(media.get, keys)).count(bit) == len(keys)  # type: ignore[arg-type]
-                and len(set(engine_hashes)) == len(keys)  # a hash listed twice takes the careful path
-            ):
-                collections.deque(map(media.__delitem__, keys), maxlen=0)  # type: ignore[arg-type]
-                collections.deque(map(emap.__delitem__, engine_hashes), maxlen=0)
-                n = len(keys)
-                self._counts[sidx][midx] -= n
-                self.total -= n
-                return n
-        ended = 0
-        for eh in engine_hashes:
-            key = emap.get(eh)
-            held = 0 if key is None else media.get(key, 0)
-            if key is None or not held & bit:
-                self._unknown_removes[sidx] += 1
-                continue
-            if self._refs_by_source[sidx]:
-                rk = (key, sidx, midx)
-                extra = self._refs.get(rk)
-                if extra is not None:
-                    self._refs_by_source[sidx] -= 1
-                    if extra > 1:
-                        self._refs[rk] = extra - 1
-                    else:
-                        del self._refs[rk]
-                    continue
-            _unset(media, key, bit)
-            ended += 1
-            if not self._held_elsewhere(sidx, key, midx):
-                del emap[eh]
-        self._counts[sidx][midx] -= ended
-        self.total -= ended
+    def remove(self, sidx: int, midx: int, engine_hashes: Sequence[int] | U64) -> int:
+        """Drop one reference per engine hash; returns how many residencies ended."""
+        kt, kshift, col_of = self._kts
+        rt, rshift = self._rts
+        src = self._srcs[sidx]
+        ended: int = tb.remove_event(
+            kt, kshift, col_of, self._g, rt, rshift, src.em, src.eshift, src.ss, src.cnt, sidx, midx,
+            _u64(engine_hashes),
+        )  # fmt: skip
         return ended
 
     def clear(self, sidx: int, medium: str = "GPU") -> int:
         """Wipe a source's residencies on one medium (AllBlocksCleared); returns how many."""
         midx = self.medium_index(medium)
-        media = self._media[midx]
-        emap = self._emaps[sidx]
-        bit = 1 << sidx
+        src = self._srcs[sidx]
         ended = 0
-        for eh, key in list(emap.items()):
-            if _unset(media, key, bit):
-                ended += 1
-            if not self._held_elsewhere(sidx, key, midx):
-                del emap[eh]
-        self._drop_refs(sidx, {midx})
-        self._counts[sidx][midx] = 0
-        self.total -= ended
+        i = 0
+        while i < len(src.em):  # in slices: the interpreter may switch threads between them
+            kt, kshift, col_of = self._kts
+            i, n = tb.clear_rows(
+                kt,
+                kshift,
+                col_of,
+                self._g,
+                src.em,
+                src.eshift,
+                src.ss,
+                sidx,
+                midx,
+                i,
+                min(i + _SLICE, len(src.em)),
+            )
+            ended += n
+        tb.drop_refs(self._rts[0], self._g, src.ss, sidx, midx)
+        src.cnt[midx] = 0
         return ended
 
     def drop(self, sidx: int) -> int:
         """Wipe every residency of a source (engine restart); returns how many."""
-        emap = self._emaps[sidx]
-        bit = 1 << sidx
+        src = self._srcs[sidx]
         ended = 0
-        for media in self._media:
-            for key in set(emap.values()):
-                if _unset(media, key, bit):
-                    ended += 1
-        emap.clear()
-        self._drop_refs(sidx, None)
-        self._counts[sidx] = [0] * len(self._media)
-        self.total -= ended
+        for i in range(0, len(src.em), _SLICE):
+            kt, kshift, col_of = self._kts
+            ended += tb.drop_rows(kt, kshift, col_of, self._g, src.em, sidx, i, min(i + _SLICE, len(src.em)))
+        tb.drop_refs(self._rts[0], self._g, src.ss, sidx, -1)
+        src.cnt[:] = 0
+        src.reset_map()
         return ended
-
-    def _held_elsewhere(self, sidx: int, key: int, skip: int) -> bool:
-        bit = 1 << sidx
-        return any(i != skip and media.get(key, 0) & bit for i, media in enumerate(self._media))
-
-    def _forget(self, sidx: int, key: int) -> None:
-        bit = 1 << sidx
-        for midx, media in enumerate(self._media):
-            if _unset(media, key, bit):
-                self._counts[sidx][midx] -= 1
-                self.total -= 1
-            if self._refs_by_source[sidx]:
-                extra = self._refs.pop((key, sidx, midx), 0)
-                self._refs_by_source[sidx] -= extra
-
-    def _drop_refs(self, sidx: int, media: set[int] | None) -> None:
-        if not self._refs_by_source[sidx]:
-            return
-        doomed = [rk for rk in self._refs if rk[1] == sidx and (media is None or rk[2] in media)]
-        for rk in doomed:
-            self._refs_by_source[sidx] -= self._refs.pop(rk)
 
     def _evict(self) -> None:
         """Over the cap: drop the oldest 1% of the largest source's blocks (all media)."""
-        sidx = max(range(len(self._emaps)), key=lambda i: len(self._emaps[i]))
-        emap = self._emaps[sidx]
-        n = max(1, len(emap) // 100, self.total - self.max_residencies)
-        doomed = list(itertools.islice(emap.items(), n))
-        before = self.total
-        for eh, key in doomed:
-            emap.pop(eh, None)
-            self._forget(sidx, key)
-        gone = before - self.total
-        self.evictions += gone
-        self._evicted[sidx] += gone
+        live = [int(src.ss[tb.S_EM_LIVE]) for src in self._srcs]
+        sidx = max(range(len(live)), key=live.__getitem__)
+        n = max(1, live[sidx] // 100, self.total - self.max_residencies)
+        kt, kshift, col_of = self._kts
+        rt, rshift = self._rts
+        src = self._srcs[sidx]
+        gone = tb.evict_oldest(
+            kt, kshift, col_of, self._g, rt, rshift, src.em, src.eshift, src.log, src.ss, src.cnt, sidx, n
+        )
+        self._g[tb.G_EVICTIONS] += gone
+        src.ss[tb.S_EVICTED] += gone
 
     # --- reads ---------------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[int], candidates: Sequence[int]) -> list[SourceMatch]:
+    def lookup(self, keys: Sequence[int] | U64, candidates: Sequence[int]) -> list[SourceMatch]:
         """Longest consecutive prefix of ``keys`` held by each candidate source (any medium).
 
-        One pass over the prompt's keys with bitmask arithmetic: O(prompt blocks), independent of
-        the fleet size for fleets whose masks fit a machine word; per-medium counting only touches
-        blocks that a candidate holds off-GPU.
+        One compiled pass over the prompt's keys with bitmask arithmetic: O(prompt blocks),
+        independent of the fleet size for fleets whose masks fit a machine word; it stops at the
+        first block no candidate holds.
         """
-        alive = 0
-        for sidx in candidates:
-            alive |= 1 << sidx
-        depth: dict[int, int] = {}
-        off_gpu: dict[tuple[int, int], int] = {}
-        gpu = self._media[0]
-        others = [(i, m) for i, m in enumerate(self._media) if i and m]
-        n = 0
-        if alive:
-            for n, key in enumerate(keys):
-                on_gpu = gpu.get(key, 0)
-                held = on_gpu
-                if others:
-                    for _, media in others:
-                        held |= media.get(key, 0)
-                still = alive & held
-                if still != alive:
-                    lost = alive & ~still
-                    while lost:
-                        low = lost & -lost
-                        depth[low.bit_length() - 1] = n
-                        lost ^= low
-                    alive = still
-                    if not alive:
-                        break
-                if others:
-                    off = alive & ~on_gpu
-                    while off:
-                        low = off & -off
-                        s = low.bit_length() - 1
-                        for midx, media in others:
-                            if media.get(key, 0) & low:
-                                off_gpu[s, midx] = off_gpu.get((s, midx), 0) + 1
-                                break
-                        off ^= low
-            else:
-                n = len(keys)
-        while alive:
-            low = alive & -alive
-            depth[low.bit_length() - 1] = n
-            alive ^= low
-        out = []
+        kt, kshift, col_of = self._kts  # one consistent snapshot (see the module docstring)
+        cands = np.array(candidates, dtype=np.int64)
+        blocks = np.empty(len(cands), dtype=np.int64)
+        off = np.zeros((len(cands), col_of.shape[0]), dtype=np.int64)
+        any_off = tb.lookup_prefix(kt, kshift, col_of, cands, _u64(keys), blocks, off)
+        sources = self._sources
+        if not any_off:  # the common case: one comprehension, no per-medium work
+            return [
+                SourceMatch(source, b, {"GPU": b})
+                for source, b in zip(map(sources.__getitem__, candidates), blocks.tolist(), strict=True)
+                if source is not None
+            ]
         names = self._media_names
-        for sidx in candidates:
-            source = self._sources[sidx]
+        out = []
+        offs = off.tolist()
+        for i, (sidx, b) in enumerate(zip(candidates, blocks.tolist(), strict=True)):
+            source = sources[sidx]
             if source is None:
                 continue
-            blocks = depth.get(sidx, 0)
-            by_medium = {"GPU": blocks}
-            if others:
-                for midx, _ in others:
-                    c = off_gpu.get((sidx, midx), 0)
-                    if c:
-                        by_medium[names[midx]] = c
-                        by_medium["GPU"] -= c
-            out.append(SourceMatch(source, blocks, by_medium))
+            by_medium = {"GPU": b}
+            for midx, c in enumerate(offs[i]):
+                if c:
+                    by_medium[names[midx]] = c
+                    by_medium["GPU"] -= c
+            out.append(SourceMatch(source, b, by_medium))
         return out
+
+    def _row(self, key: int) -> tuple[U64, I64, int]:
+        kt, kshift, col_of = self._kts
+        return kt, col_of, tb.kt_find(kt, kshift, np.uint64(key))
 
     def holders(self, key: int) -> dict[SourceId, list[str]]:
         """Which sources hold one key, on which media (debugging and tests)."""
         out: dict[SourceId, list[str]] = {}
-        for midx, media in enumerate(self._media):
-            mask = media.get(key, 0)
-            while mask:
-                low = mask & -mask
-                source = self._sources[low.bit_length() - 1]
-                if source is not None:
-                    out.setdefault(source, []).append(self._media_names[midx])
-                mask ^= low
+        kt, col_of, r = self._row(key)
+        if r < 0:
+            return out
+        for midx in range(col_of.shape[0]):
+            for w in range(col_of.shape[1]):
+                c = col_of[midx, w]
+                mask = int(kt[r, c]) if c >= 0 else 0
+                while mask:
+                    low = mask & -mask
+                    sidx = (w << 6) + low.bit_length() - 1
+                    source = self._sources[sidx] if sidx < len(self._sources) else None
+                    if source is not None:
+                        out.setdefault(source, []).append(self._media_names[midx])
+                    mask ^= low
         return out
 
     def refcount(self, sidx: int, key: int, medium: str = "GPU") -> int:
         """The reference count of one residency (0 when absent)."""
         midx = self.medium_index(medium)
-        if not self._media[midx].get(key, 0) & (1 << sidx):
+        kt, col_of, r = self._row(key)
+        c = col_of[midx, sidx >> 6]
+        if r < 0 or c < 0 or not int(kt[r, c]) >> (sidx & 63) & 1:
             return 0
-        return 1 + self._refs.get((key, sidx, midx), 0)
+        rt, rshift = self._rts
+        q = tb.rt_find(rt, rshift, np.uint64(key), np.uint64((sidx + 1) << 16 | midx))
+        return 1 + (int(rt[q, 2]) if q >= 0 else 0)
 
     def counts(self) -> list[SourceCounts]:
         """Per-source residency counts by medium, for status pages and metrics."""
@@ -399,18 +443,61 @@ class PrefixStore:
         for sidx, source in enumerate(self._sources):
             if source is None:
                 continue
-            blocks = {
-                name: self._counts[sidx][midx]
-                for midx, name in enumerate(self._media_names)
-                if self._counts[sidx][midx] or name == "GPU"
-            }
-            out.append(SourceCounts(source, blocks, self._unknown_removes[sidx], self._evicted[sidx]))
+            ss = self._srcs[sidx].ss
+            out.append(
+                SourceCounts(source, self.source_blocks(sidx), int(ss[tb.S_UNKNOWN]), int(ss[tb.S_EVICTED]))
+            )
         return out
 
     def source_blocks(self, sidx: int) -> dict[str, int]:
         """Residencies of one source by medium."""
-        return {
-            name: self._counts[sidx][midx]
-            for midx, name in enumerate(self._media_names)
-            if self._counts[sidx][midx] or name == "GPU"
-        }
+        cnt = self._srcs[sidx].cnt.tolist()
+        return {name: cnt[midx] for midx, name in enumerate(self._media_names) if cnt[midx] or name == "GPU"}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the store's arrays."""
+        n = self._kts[0].nbytes + self._rts[0].nbytes
+        return n + sum(src.em.nbytes + src.log.nbytes for src in self._srcs)
+
+    # --- plain views, for tests and debugging (O(size)) -----------------------------------------
+    @property
+    def _media(self) -> list[dict[int, int]]:
+        """Per medium, key -> mask of the sources holding it there."""
+        kt, _, col_of = self._kts
+        out: list[dict[int, int]] = [{} for _ in self._media_names]
+        rows = kt[kt[:, 1:].any(axis=1)].tolist()
+        for row in rows:
+            for midx in range(col_of.shape[0]):
+                mask = 0
+                for w in range(col_of.shape[1]):
+                    c = int(col_of[midx, w])
+                    if c >= 0 and row[c]:
+                        mask |= row[c] << (64 * w)
+                if mask:
+                    out[midx][row[0]] = mask
+        return out
+
+    @property
+    def _emaps(self) -> list[dict[int, int]]:
+        """Per source, engine hash -> key, in insertion order (the eviction order)."""
+        out: list[dict[int, int]] = []
+        for src in self._srcs:
+            d: dict[int, int] = {}
+            ss = src.ss
+            for p in range(int(ss[tb.S_HEAD]), int(ss[tb.S_TAIL])):
+                eh = int(src.log[p])
+                i = tb.em_find(src.em, src.eshift, np.uint64(eh))
+                if i >= 0 and int(src.em[i, 2]) == p + 2:
+                    d[eh] = int(src.em[i, 1])
+            out.append(d)
+        return out
+
+    @property
+    def _refs(self) -> dict[tuple[int, int, int], int]:
+        """(key, source, medium) -> references above one."""
+        rt = self._rts[0]
+        out = {}
+        for key, tag, count in rt[rt[:, 1] >= 2].tolist():
+            out[key, (tag >> 16) - 1, tag & 0xFFFF] = count
+        return out

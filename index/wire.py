@@ -5,11 +5,15 @@ msgpack array ``[ts, events, data_parallel_rank?]``. Events are maps tagged by `
 0.24 on, and tagged arrays ``["BlockStored", field, ...]`` up to 0.23. Block hashes are unsigned
 64-bit ints by default or raw digest bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 
-Decoding takes the fast typed path first (msgspec straight into structs for the current map shape),
-then the typed legacy array shape, and only then a tolerant positional parse of the untyped value,
-which accepts unknown trailing fields and items. Everything downstream sees one normalised shape:
-:class:`Batch` holding :class:`BlockStored`, :class:`BlockRemoved` and :class:`AllBlocksCleared`
-with int hashes and a non-empty ``medium``.
+Decoding takes the fast typed path first: one compiled pass (:func:`index.rawtokens.strip_tokens`)
+parses every ``token_ids`` array into a uint64 buffer and leaves a copy of the payload with each
+array replaced by its index, which msgspec decodes straight into structs (map shape, then the
+legacy array shape); events get :class:`index.rawtokens.TokenIds` (no Python int per token). If
+that fails for any reason, the same structs with ``token_ids: list[int]`` are tried on the payload
+itself, and only then a tolerant positional parse of the untyped value, which accepts unknown
+trailing fields and items; so any payload decodes (or fails) exactly as it did before.
+Everything downstream sees one normalised shape: :class:`Batch` holding :class:`BlockStored`,
+:class:`BlockRemoved` and :class:`AllBlocksCleared` with int hashes and a non-empty ``medium``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+
+from index.rawtokens import strip_tokens
 
 END_SEQ = 0xFFFF_FFFF_FFFF_FFFF
 """Seq of the replay end marker (``-1`` as a signed 64-bit big-endian int)."""
@@ -32,11 +38,15 @@ class WireError(ValueError):
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
-    """Blocks newly cached by a source; ``token_ids`` holds all their tokens, concatenated."""
+    """Blocks newly cached by a source; ``token_ids`` holds all their tokens, concatenated.
+
+    ``token_ids`` is a list, or after :func:`decode_payload` usually a :class:`TokenIds` (equal to
+    that list, decoded only when read).
+    """
 
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
@@ -98,9 +108,48 @@ class _LegacyBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+# The stripped shapes: as above, with token_ids replaced by its index in strip_tokens' list.
+class _StrippedStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: int
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _StrippedBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_StrippedStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _LegacyStrippedStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: int
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _LegacyStrippedBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_LegacyStrippedStored | _LegacyRemoved | _LegacyCleared]
+    data_parallel_rank: int | None = None
+
+
 _map_decoder = msgspec.msgpack.Decoder(Batch)
 _legacy_decoder = msgspec.msgpack.Decoder(_LegacyBatch)
 _any_decoder = msgspec.msgpack.Decoder()
+_stripped_map_decoder = msgspec.msgpack.Decoder(_StrippedBatch)
+_stripped_legacy_decoder = msgspec.msgpack.Decoder(_LegacyStrippedBatch)
 
 
 def hash_to_int(value: int | bytes) -> int:
@@ -278,8 +327,67 @@ def _tolerant_batch(payload: bytes) -> Batch:
     return Batch(float(ts), out, rank)
 
 
-def decode_payload(payload: bytes) -> Batch:
-    """Decode one batch payload of any vLLM version since 0.9; raises :class:`WireError`."""
+def _stripped_batch(payload: bytes) -> Batch | None:
+    """The compiled-token decode, or None when the payload needs the generic path (which decides).
+
+    Equivalent to the typed decoders below whenever it returns a batch: the copy differs from the
+    payload only where a token_ids array was, and the compiled pass gives up on any array that
+    ``list[int]`` would not accept (and on anything else it does not fully understand).
+    """
+    stripped = strip_tokens(payload)
+    if stripped is None:
+        return None
+    copy, ids = stripped
+    legacy = False
+    decoded: _StrippedBatch | _LegacyStrippedBatch
+    try:
+        decoded = _stripped_map_decoder.decode(copy)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        try:
+            decoded = _stripped_legacy_decoder.decode(copy)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+        legacy = True
+    out: list[Event] = []
+    events: list[Any] = decoded.events
+    for ev in events:
+        kind = type(ev)
+        if kind is _StrippedStored or kind is _LegacyStrippedStored:
+            index = ev.token_ids
+            if not 0 <= index < len(ids):
+                return None  # not an index we wrote (cannot happen: every token_ids was replaced)
+            out.append(
+                BlockStored(
+                    ev.block_hashes,
+                    ev.parent_block_hash,
+                    ids[index],
+                    ev.block_size,
+                    ev.lora_id,
+                    ev.medium,
+                    ev.lora_name,
+                    ev.extra_keys,
+                    ev.group_idx,
+                )
+            )
+        elif not legacy:
+            out.append(ev)
+        elif kind is _LegacyRemoved:
+            out.append(BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx))
+        else:
+            out.append(AllBlocksCleared())
+    return _normalise(Batch(decoded.ts, out, decoded.data_parallel_rank))
+
+
+def decode_payload(payload: bytes, *, compiled: bool = True) -> Batch:
+    """Decode one batch payload of any vLLM version since 0.9; raises :class:`WireError`.
+
+    ``compiled=False`` skips the compiled token path, so every ``token_ids`` is a list (the
+    reference the tests compare that path with).
+    """
+    if compiled:
+        batch = _stripped_batch(payload)
+        if batch is not None:
+            return batch
     try:
         return _normalise(_map_decoder.decode(payload))
     except (msgspec.ValidationError, msgspec.DecodeError):
