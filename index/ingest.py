@@ -37,6 +37,7 @@ from typing import Any, cast
 import numpy as np
 
 from index.keys import (
+    CHAIN_MUL,
     M64,
     U64,
     block_contents,
@@ -125,10 +126,28 @@ class _Group:
 
     Token ids decoded from the wire are :class:`TokenIds`, slices of their payload's uint64 buffer:
     consecutive slices of one buffer are kept as one run, and the runs are hashed in one compiled
-    pass. Ids given as Python sequences (events built in Python) take the numpy path.
+    pass. Ids given as Python sequences (events built in Python) take the numpy path. Engine hashes
+    are gathered into one uint64 array too, so the store gets a slice per event (no per-call
+    conversion of a list).
     """
 
-    __slots__ = ("block_size", "blocks", "events", "keys", "m", "prefix", "roots", "runs", "starts", "tokens")
+    __slots__ = (
+        "block_size",
+        "blocks",
+        "ehs",
+        "events",
+        "extras",
+        "hashes",
+        "keys",
+        "later",
+        "m",
+        "prefix",
+        "roots",
+        "runs",
+        "sizes",
+        "starts",
+        "tokens",
+    )
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -138,8 +157,17 @@ class _Group:
         """[buffer, first, end] runs of the TokenIds events' ids, in event order."""
         self.blocks = 0
         self.starts: list[int] = []
+        self.sizes: list[int] = []
         self.events: list[BlockStored] = []
+        self.extras: list[int] = []
+        """Numbers of the events that carry extra keys."""
         self.roots: list[int] = []
+        """Root of each event (0 for those in ``later``)."""
+        self.later: list[tuple[int, int, int]] = []
+        """(event, parent block, parent event) of the events whose parent is a block of this chunk."""
+        self.hashes = array("Q")
+        """Engine hashes of the events, in block order (zeros for an event whose hashes did not fit)."""
+        self.ehs: U64 = np.empty(0, dtype=np.uint64)
         self.keys: U64 = np.empty(0, dtype=np.uint64)
         self.m: U64 = np.empty(0, dtype=np.uint64)
         self.prefix: U64 = np.empty(0, dtype=np.uint64)
@@ -164,7 +192,10 @@ class _Group:
                     self.tokens.extend(array("Q", tokens))
             except (OverflowError, TypeError):
                 return False
+        if ev.extra_keys:
+            self.extras.append(len(self.starts))
         self.starts.append(self.blocks)
+        self.sizes.append(n)
         self.blocks += n
         self.events.append(ev)
         return True
@@ -188,33 +219,87 @@ class _Group:
                 ids = tokens.array() if type(tokens) is TokenIds else np.array(tokens, dtype=np.uint64)
                 parts.append(ids)
             m = u64_block_contents(np.concatenate(parts), self.block_size)
-        for ev, start in zip(self.events, self.starts, strict=True):
-            if ev.extra_keys:
-                for i, items in _block_extras(ev, len(ev.block_hashes)):
-                    m[start + i] ^= np.uint64(extra_hash(items))
+        for e in self.extras:
+            ev = self.events[e]
+            start = self.starts[e]
+            for i, items in _block_extras(ev, len(ev.block_hashes)):
+                m[start + i] ^= np.uint64(extra_hash(items))
         n = len(m)
         powers.ensure(n + 1)
         self.m = m
         self.prefix = np.cumsum(m * powers.inv[:n], dtype=np.uint64)
-
-    def key_at(self, b: int) -> int:
-        """Key of block ``b`` of this chunk (its event's root must already be known)."""
-        e = bisect.bisect_right(self.starts, b) - 1
-        start = self.starts[e]
-        below = int(self.prefix[start - 1]) if start else 0
-        local = (int(powers.fwd[b]) * ((int(self.prefix[b]) - below) & M64)) & M64
-        return (local + int(powers.fwd[b - start + 1]) * self.roots[e]) & M64
+        self.ehs = np.frombuffer(self.hashes, dtype=np.uint64) if self.hashes else self.ehs
 
     def solve(self) -> None:
-        """All keys at once, from the prefix sums and one root per event."""
+        """All keys at once, from the prefix sums and one root per event.
+
+        With ``C^(i-start+1) = C^i * C * C^-start``, block ``i`` of an event has key
+        ``C^i * (P_i + d)``, ``d = C * C^-start * root - P_{start-1}`` one number per event. Events
+        whose parent is a block of an earlier event here get their ``d`` in stream order, from that
+        block's key.
+        """
         n = len(self.m)
-        sizes = [len(ev.block_hashes) for ev in self.events]
-        starts = np.repeat(np.array(self.starts, dtype=np.int64), sizes)
-        roots = np.repeat(np.array(self.roots, dtype=np.uint64), sizes)
-        g = np.arange(n, dtype=np.int64)
-        below = np.where(starts > 0, self.prefix[np.maximum(starts - 1, 0)], np.uint64(0))
-        keys = powers.fwd[:n] * (self.prefix - below) + powers.fwd[g - starts + 1] * roots
-        self.keys = keys  # the store takes slices of the array as they are
+        prefix = self.prefix
+        first = np.array(self.starts, dtype=np.int64)
+        below = np.zeros(len(first), dtype=np.uint64)
+        below[1:] = prefix[first[1:] - 1]
+        scale = powers.inv[first] * np.uint64(CHAIN_MUL)
+        d = scale * np.array(self.roots, dtype=np.uint64) - below
+        if self.later:
+            dl = d.tolist()
+            sl = scale.tolist()
+            bl = below.tolist()
+            at = np.array([b for _, b, _ in self.later], dtype=np.int64)
+            fwd_at = powers.fwd[at].tolist()
+            prefix_at = prefix[at].tolist()
+            for (e, _, pe), f, p in zip(self.later, fwd_at, prefix_at, strict=True):
+                key = (f * (p + dl[pe])) & M64
+                dl[e] = (sl[e] * key - bl[e]) & M64
+            d = np.array(dl, dtype=np.uint64)
+        sizes = np.array(self.sizes, dtype=np.int64)
+        self.keys = powers.fwd[:n] * (prefix + np.repeat(d, sizes))  # the store takes slices as they are
+
+
+class _Seen:
+    """Engine hash -> block of the earlier events of one (source, block size) in a chunk.
+
+    The dict is filled lazily: most parents are the last block of the latest event (one comparison),
+    and the others find every earlier event's blocks merged in first, latest occurrence winning, as
+    if each event had been added as it came.
+    """
+
+    __slots__ = ("index", "last_b", "last_e", "last_hash", "pending", "starts")
+
+    def __init__(self, starts: list[int]) -> None:
+        self.starts = starts
+        """The group's first block of each event."""
+        self.index: dict[int, int] = {}
+        self.pending: list[tuple[list[int], int]] = []
+        """(hashes, first block) of events not merged into ``index`` yet, in stream order."""
+        self.last_hash: int | None = None
+        self.last_b = -1
+        self.last_e = -1
+
+    def find(self, parent: int) -> tuple[int, int] | None:
+        """(block, event number) of the latest block with this hash, if any."""
+        if self.last_e >= 0 and parent == self.last_hash:
+            return self.last_b, self.last_e
+        if self.pending:
+            index = self.index
+            for hashes, start in self.pending:
+                index.update(zip(hashes, range(start, start + len(hashes)), strict=True))
+            self.pending.clear()
+        b = self.index.get(parent)
+        if b is None:
+            return None
+        return b, bisect.bisect_right(self.starts, b) - 1
+
+    def add(self, hashes: list[int], start: int, e: int) -> None:
+        """An event's blocks, ``start`` .. ``start + len(hashes) - 1`` of the group."""
+        self.pending.append((hashes, start))
+        self.last_hash = hashes[-1]
+        self.last_b = start + len(hashes) - 1
+        self.last_e = e
 
 
 class Ingestor:
@@ -252,23 +337,34 @@ class Ingestor:
         ``m_j * C^-j``); only each event's root (its parent's key) is resolved one by one, from the
         store or from an earlier event of the same chunk.
         """
-        # pass 1: validate BlockStored events and gather their tokens per block size
+        # pass 1, in stream order: validate BlockStored events, gather their tokens and hashes per
+        # block size, and find each event's root (its parent's key): from the store, or a reference
+        # to a block of an earlier event of this chunk, resolved once the groups are prepared
         groups: dict[int, _Group] = {}
-        plan: dict[int, tuple[_Group, int]] = {}  # id(event) -> (group, event number in the group)
+        plan: list[tuple[_Group, int, int] | None] = []  # per BlockStored: (group, first block, blocks)
+        local: dict[tuple[int, int], _Seen] = {}  # (source, block size) -> earlier blocks of the chunk
+        store = self.store
+        stats = self.stats
         for sidx, batch in items:
             if batch is None:
+                for key in [k for k in local if k[0] == sidx]:
+                    del local[key]
                 continue
-            st = self.stats[sidx]
+            st = stats[sidx]
             for ev in batch.events:
                 if type(ev) is not BlockStored:
                     continue
-                n = len(ev.block_hashes)
+                hashes: list[int] = ev.block_hashes  # type: ignore[assignment]  # ints after decode_payload
+                n = len(hashes)
                 bs = ev.block_size
-                if bs == 0 and not ev.token_ids:
+                ntokens = len(ev.token_ids)
+                if bs == 0 and not ntokens:
                     st.placeholders += 1
+                    plan.append(None)
                     continue
-                if n == 0 or bs <= 0 or len(ev.token_ids) != bs * n:
-                    self._bad_event(sidx, st, n, bs, len(ev.token_ids), "bad shape")
+                if n == 0 or bs <= 0 or ntokens != bs * n:
+                    self._bad_event(sidx, st, n, bs, ntokens, "bad shape")
+                    plan.append(None)
                     continue
                 if st.block_size != bs:
                     self._learn_block_size(sidx, st, bs)
@@ -277,79 +373,79 @@ class Ingestor:
                     g = groups[bs] = _Group(bs)
                 e = len(g.starts)
                 if not g.add(ev, n):
-                    self._bad_event(sidx, st, n, bs, len(ev.token_ids), "token ids outside 0..2^64-1")
+                    self._bad_event(sidx, st, n, bs, ntokens, "token ids outside 0..2^64-1")
+                    plan.append(None)
                     continue
-                plan[id(ev)] = (g, e)
-        for g in groups.values():
-            g.prepare()
-
-        # pass 2: each event's root, in stream order (parents may be earlier events of this chunk)
-        store = self.store
-        local: dict[tuple[int, int], dict[int, int]] = {}  # (source, block size) -> engine hash -> block
-        for sidx, batch in items:
-            if batch is None:
-                for key in [k for k in local if k[0] == sidx]:
-                    del local[key]
-                continue
-            for ev in batch.events:
-                if type(ev) is not BlockStored:
-                    continue
-                entry = plan.get(id(ev))
-                if entry is None:
-                    continue
-                g, e = entry
-                parent = cast(int | None, ev.parent_block_hash)  # ints after decode_payload
-                seen = local.get((sidx, g.block_size))
+                start = g.starts[e]
+                try:
+                    g.hashes.fromlist(hashes)  # all or nothing
+                except (OverflowError, TypeError):
+                    g.hashes.fromlist([0] * n)  # the store converts (and rejects) the list itself
+                    plan.append((g, -1 - start, n))
+                else:
+                    plan.append((g, start, n))
+                parent: int | None = ev.parent_block_hash  # type: ignore[assignment]  # as above
+                seen = local.get((sidx, bs))
                 if seen is None:
-                    seen = local[sidx, g.block_size] = {}
+                    seen = local[sidx, bs] = _Seen(g.starts)
                 if parent is None:
                     root = lora_root(_lora_of(ev))
-                elif parent in seen:
-                    root = g.key_at(seen[parent])
                 else:
-                    known = store.key_of(sidx, parent)
-                    if known is None:
-                        self.stats[sidx].unknown_parents += 1
-                        root = stable_hash(["unknown-parent", sidx, parent])
+                    found = seen.find(parent)
+                    if found is not None:
+                        g.later.append((e, found[0], found[1]))
+                        root = 0
                     else:
-                        root = known
+                        known = store.key_of(sidx, parent)
+                        if known is None:
+                            st.unknown_parents += 1
+                            root = stable_hash(["unknown-parent", sidx, parent])
+                        else:
+                            root = known
                 g.roots.append(root)
-                start = g.starts[e]
-                hashes = _ints(ev.block_hashes)
-                seen.update(zip(hashes, range(start, start + len(hashes)), strict=True))
+                seen.add(hashes, start, e)
         for g in groups.values():
+            g.prepare()
             g.solve()
 
-        # pass 3: apply in stream order
+        # pass 2: apply in stream order
         now = time.time()
+        media: dict[str, int] = {}
+        steps = iter(plan)
         for sidx, batch in items:
             if batch is None:
                 store.drop(sidx)
                 if self.on_reset is not None:
                     self.on_reset(sidx)
                 continue
-            st = self.stats[sidx]
+            st = stats[sidx]
             st.batches += 1
             for ev in batch.events:
-                kind = type(ev)
-                if kind is BlockStored:
-                    assert isinstance(ev, BlockStored)
-                    entry = plan.get(id(ev))
-                    if entry is None:
+                if type(ev) is BlockStored:
+                    step = next(steps)
+                    if step is None:
                         continue
-                    g, e = entry
-                    start = g.starts[e]
-                    n = len(ev.block_hashes)
-                    medium = store.medium_index(ev.medium or "GPU")
-                    store.store(sidx, medium, _ints(ev.block_hashes), g.keys[start : start + n])
+                    g, start, n = step
+                    medium = ev.medium or "GPU"
+                    midx = media.get(medium)
+                    if midx is None:
+                        midx = media[medium] = store.medium_index(medium)
+                    if start >= 0:
+                        store.store(sidx, midx, g.ehs[start : start + n], g.keys[start : start + n])
+                    else:
+                        start = -1 - start
+                        store.store(sidx, midx, _ints(ev.block_hashes), g.keys[start : start + n])
                     st.stored_events += 1
                     st.blocks_stored += n
-                elif kind is BlockRemoved:
-                    assert isinstance(ev, BlockRemoved)
-                    store.remove(sidx, store.medium_index(ev.medium or "GPU"), _ints(ev.block_hashes))
+                elif type(ev) is BlockRemoved:
+                    medium = ev.medium or "GPU"
+                    midx = media.get(medium)
+                    if midx is None:
+                        midx = media[medium] = store.medium_index(medium)
+                    store.remove(sidx, midx, _ints(ev.block_hashes))
                     st.removed_events += 1
                     st.blocks_removed += len(ev.block_hashes)
-                elif kind is AllBlocksCleared:
+                elif type(ev) is AllBlocksCleared:
                     store.clear(sidx, "GPU")
                     st.cleared += 1
                     if self.on_reset is not None:

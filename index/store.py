@@ -73,8 +73,13 @@ class SourceCounts(msgspec.Struct):
     evicted: int
 
 
+_UINT64 = np.dtype(np.uint64)
+
+
 def _u64(values: Sequence[int] | U64) -> U64:
     """Hashes or keys as a uint64 array (``fromiter``: the fastest conversion of a list of ints)."""
+    if type(values) is np.ndarray and values.dtype is _UINT64:
+        return values  # the common case (slices of the ingestor's arrays), without a call into numpy
     if isinstance(values, np.ndarray):
         return values.astype(np.uint64, copy=False)
     return np.fromiter(values, np.uint64, len(values))

@@ -182,6 +182,15 @@ def _int_hashes(hashes: list[int | bytes]) -> list[int | bytes]:
     return [hash_to_int(x) for x in hashes]
 
 
+def _clean_hashes(hashes: list[int | bytes]) -> bool:
+    """True when :func:`_int_hashes` would return the list itself (a non-empty list of unsigned ints)."""
+    try:
+        low = min(hashes)
+    except (TypeError, ValueError):
+        return False
+    return type(low) is int and low >= 0
+
+
 def _normalise(batch: Batch) -> Batch:
     """Int hashes and a medium on every event; raises WireError on values we cannot index."""
     for ev in batch.events:
@@ -350,12 +359,18 @@ def _stripped_batch(payload: bytes) -> Batch | None:
         legacy = True
     out: list[Event] = []
     events: list[Any] = decoded.events
+    clean = True  # every event already in normal form: _normalise would change nothing
     for ev in events:
         kind = type(ev)
         if kind is _StrippedStored or kind is _LegacyStrippedStored:
             index = ev.token_ids
             if not 0 <= index < len(ids):
                 return None  # not an index we wrote (cannot happen: every token_ids was replaced)
+            if clean:
+                clean = _clean_hashes(ev.block_hashes) and ev.medium is not None and ev.block_size >= 0
+                parent = ev.parent_block_hash
+                if parent is not None and (type(parent) is not int or parent < 0):
+                    clean = False
             out.append(
                 BlockStored(
                     ev.block_hashes,
@@ -370,12 +385,16 @@ def _stripped_batch(payload: bytes) -> Batch | None:
                 )
             )
         elif not legacy:
+            if clean and kind is BlockRemoved:
+                clean = _clean_hashes(ev.block_hashes) and ev.medium is not None
             out.append(ev)
         elif kind is _LegacyRemoved:
+            clean = False
             out.append(BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx))
         else:
             out.append(AllBlocksCleared())
-    return _normalise(Batch(decoded.ts, out, decoded.data_parallel_rank))
+    batch = Batch(decoded.ts, out, decoded.data_parallel_rank)
+    return batch if clean else _normalise(batch)
 
 
 def decode_payload(payload: bytes, *, compiled: bool = True) -> Batch:
