@@ -22,7 +22,7 @@ import zmq
 
 from index import rawtokens
 from index.ingest import Ingestor
-from index.keys import prompt_keys
+from index.keys import prompt_keys, prompt_keys_both
 from index.store import PrefixStore, SourceId, SourceMatch
 from index.subscriber import EventSubscriber, SourceConfig, SourceStatus, SubscriberConfig
 
@@ -122,9 +122,9 @@ class KVIndex:
         now = time.monotonic()
         predictions = self._predicted
         for size, sidxs in by_size.items():
-            ks = prompt_keys(tokens, size, lora_name=lora_name, extra_keys=extra)
+            ks, arr = prompt_keys_both(tokens, size, lora_name=lora_name, extra_keys=extra)
             keys[size] = ks
-            for m in self.store.lookup(ks, sidxs):  # skips a source removed meanwhile
+            for m in self.store.lookup(arr, sidxs):  # skips a source removed meanwhile
                 if predictions:
                     sidx = index_of(m.source)
                     predicted = predictions.get(sidx) if sidx is not None else None

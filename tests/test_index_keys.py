@@ -125,3 +125,18 @@ def test_short_prompt_path_rejects_bad_tokens_like_the_numpy_path() -> None:
     for bad in ([-1] * 16, [2**64] * 16, ["a"] * 16):
         with pytest.raises(ValueError):
             prompt_keys(bad, 16)  # type: ignore[arg-type]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200),
+    block_size=st.sampled_from([1, 4, 16]),
+    salted=st.booleans(),
+)
+def test_prompt_keys_both_equals_prompt_keys(tokens: list[int], block_size: int, salted: bool) -> None:
+    from index.keys import prompt_keys_both
+
+    extra = {0: ["salt"]} if salted else None
+    as_list, as_array = prompt_keys_both(tokens, block_size, lora_name="x", extra_keys=extra)
+    assert as_list == prompt_keys(tokens, block_size, lora_name="x", extra_keys=extra)
+    assert as_array.dtype.name == "uint64" and as_array.tolist() == as_list
