@@ -47,7 +47,7 @@ def free_port() -> int:
         return port
 
 
-def wait_ready(url: str, timeout: float = 30) -> None:
+def wait_ready(url: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
