@@ -29,6 +29,15 @@ COMPLETION = json.dumps(
         "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
     }
 ).encode()
+EVENT = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 1,
+        "model": "toy",
+        "choices": [{"index": 0, "text": " tok", "finish_reason": None}],
+    }
+).encode()
 MODELS = json.dumps({"object": "list", "data": [{"id": "toy", "object": "model"}]}).encode()
 HEALTH = b"{}"
 TOKENIZE = json.dumps({"count": 12, "max_model_len": 4096, "tokens": list(range(100, 112))}).encode()
@@ -52,15 +61,7 @@ def _chunk(data: bytes) -> bytes:
 async def handle(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chunks: int, pace: float
 ) -> None:
-    event = json.dumps(
-        {
-            "id": "cmpl-bench",
-            "object": "text_completion",
-            "created": 1,
-            "model": "toy",
-            "choices": [{"index": 0, "text": " tok", "finish_reason": None}],
-        }
-    ).encode()
+    event = EVENT
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -111,15 +112,7 @@ def framework_app(chunks: int, pace: float) -> object:
     from fastapi.responses import Response, StreamingResponse
 
     app = FastAPI()
-    event = json.dumps(
-        {
-            "id": "cmpl-bench",
-            "object": "text_completion",
-            "created": 1,
-            "model": "toy",
-            "choices": [{"index": 0, "text": " tok", "finish_reason": None}],
-        }
-    ).encode()
+    event = EVENT
 
     @app.get("/health")
     async def health() -> Response:

@@ -109,7 +109,7 @@ class _LegacyBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 # The stripped shapes: as above, with token_ids replaced by its index in strip_tokens' list.
-class _StrippedStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+class _StrippedFields(msgspec.Struct, gc=False):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
     token_ids: int
@@ -119,6 +119,10 @@ class _StrippedStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=Fa
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+
+
+class _StrippedStored(_StrippedFields, tag="BlockStored", tag_field="type", gc=False):
+    pass
 
 
 class _StrippedBatch(msgspec.Struct, array_like=True, gc=False):
@@ -127,16 +131,8 @@ class _StrippedBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class _LegacyStrippedStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: int
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_GPU
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
+class _LegacyStrippedStored(_StrippedFields, array_like=True, tag="BlockStored", gc=False):
+    pass
 
 
 class _LegacyStrippedBatch(msgspec.Struct, array_like=True, gc=False):
