@@ -142,6 +142,8 @@ def throughput(
     """wrk through kvrouter (and the peers) vs direct, against one kind of zero-latency upstream."""
     mport, rport, uport = free_port(), free_port(), free_port()
     flags = ["--framework"] if kind == "framework" else []
+    if kind.startswith("raw+"):  # raw+NN: the raw upstream spending NN us of CPU per request
+        flags = ["--cost-us", kind[4:]]
     mock = start([PY, "bench/zero_mock.py", str(mport), *flags], tmp / f"mock-{kind}.log")
     router = start(
         [PY, "-m", "router.cli", "serve", "--config", str(router_config(tmp, mport, rport, tok))],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 from fastapi import Request  # resolved from module globals by FastAPI (postponed annotations)
 
@@ -59,7 +60,7 @@ def _chunk(data: bytes) -> bytes:
 
 
 async def handle(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chunks: int, pace: float
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chunks: int, pace: float, cost: float = 0.0
 ) -> None:
     event = EVENT
     try:
@@ -72,6 +73,10 @@ async def handle(
                     length = int(h[15:])
             body = await reader.readexactly(length) if length else b""
             path = line.split(b" ")[1]
+            if cost:  # --cost-us: CPU spent per request, to model a heavier HTTP layer
+                end = time.perf_counter() + cost
+                while time.perf_counter() < end:
+                    pass
             if path == b"/health":
                 writer.write(_response(HEALTH))
             elif path == b"/v1/models":
@@ -98,9 +103,9 @@ async def handle(
         writer.close()
 
 
-async def main(port: int, chunks: int, pace: float) -> None:
+async def main(port: int, chunks: int, pace: float, cost: float = 0.0) -> None:
     server = await asyncio.start_server(
-        lambda r, w: handle(r, w, chunks, pace), "127.0.0.1", port, backlog=1024
+        lambda r, w: handle(r, w, chunks, pace, cost), "127.0.0.1", port, backlog=1024
     )
     async with server:
         await server.serve_forever()
@@ -149,6 +154,7 @@ if __name__ == "__main__":
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--pace-ms", type=float, default=0.0)
     ap.add_argument("--framework", action="store_true", help="FastAPI under uvicorn, as vLLM serves")
+    ap.add_argument("--cost-us", type=float, default=0.0, help="raw mode: CPU microseconds per request")
     a = ap.parse_args()
     if a.framework:
         import uvicorn
@@ -168,4 +174,4 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(main(a.port, a.chunks, a.pace_ms / 1000))
+    asyncio.run(main(a.port, a.chunks, a.pace_ms / 1000, a.cost_us / 1e6))
