@@ -136,22 +136,36 @@ def router_config(tmp: Path, mock_port: int, port: int, tok: Path) -> Path:
     return cfg
 
 
-def throughput(
-    kind: str, args: argparse.Namespace, tmp: Path, tok: Path, body: str, sse: str
-) -> list[dict[str, Any]]:
-    """wrk through kvrouter (and the peers) vs direct, against one kind of zero-latency upstream."""
-    mport, rport, uport = free_port(), free_port(), free_port()
-    flags = ["--framework"] if kind == "framework" else []
-    if kind.startswith("raw+"):  # raw+NN: the raw upstream spending NN us of CPU per request
-        flags = ["--cost-us", kind[4:]]
-    mock = start([PY, "bench/zero_mock.py", str(mport), *flags], tmp / f"mock-{kind}.log")
+def start_pair(
+    tmp: Path, tok: Path, mock_flags: list[str], tag: str
+) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], int, int]:
+    """A zero_mock upstream and `kvrouter serve` in front of it, both ready: (mock, router, ports)."""
+    mport, rport = free_port(), free_port()
+    mock = start([PY, "bench/zero_mock.py", str(mport), *mock_flags], tmp / f"mock-{tag}.log")
     router = start(
         [PY, "-m", "router.cli", "serve", "--config", str(router_config(tmp, mport, rport, tok))],
-        tmp / "router.log",
+        tmp / f"router-{tag}.log",
     )
     try:
         wait_ready(f"http://127.0.0.1:{mport}/health")
         wait_ready(f"http://127.0.0.1:{rport}/ready")
+    except BaseException:
+        stop(router)
+        stop(mock)
+        raise
+    return mock, router, mport, rport
+
+
+def throughput(
+    kind: str, args: argparse.Namespace, tmp: Path, tok: Path, body: str, sse: str
+) -> list[dict[str, Any]]:
+    """wrk through kvrouter (and the peers) vs direct, against one kind of zero-latency upstream."""
+    uport = free_port()
+    flags = ["--framework"] if kind == "framework" else []
+    if kind.startswith("raw+"):  # raw+NN: the raw upstream spending NN us of CPU per request
+        flags = ["--cost-us", kind[4:]]
+    mock, router, mport, rport = start_pair(tmp, tok, flags, kind)
+    try:
         direct = f"http://127.0.0.1:{mport}/v1/completions"
         routed = f"http://127.0.0.1:{rport}/v1/completions"
         wrk(routed, body, 8, 2)  # warm-up
@@ -257,17 +271,8 @@ def main() -> None:
         ]
 
         # added TTFT with paced tokens
-        mport, rport = free_port(), free_port()
-        mock = start(
-            [PY, "bench/zero_mock.py", str(mport), "--chunks", "5", "--pace-ms", "20"], tmp / "mock2.log"
-        )
-        router = start(
-            [PY, "-m", "router.cli", "serve", "--config", str(router_config(tmp, mport, rport, tok))],
-            tmp / "router2.log",
-        )
+        mock, router, mport, rport = start_pair(tmp, tok, ["--chunks", "5", "--pace-ms", "20"], "paced")
         try:
-            wait_ready(f"http://127.0.0.1:{mport}/health")
-            wait_ready(f"http://127.0.0.1:{rport}/ready")
             ttft(f"http://127.0.0.1:{rport}/v1/completions", 20)
             d = ttft(f"http://127.0.0.1:{mport}/v1/completions", args.ttft_requests)
             r = ttft(f"http://127.0.0.1:{rport}/v1/completions", args.ttft_requests)

@@ -233,11 +233,7 @@ def prompt_keys(
     ``extra_keys`` maps a block index to that block's extra key items (e.g. ``{0: [cache_salt]}``).
     Raises ValueError for token ids outside 0..2^64-1.
     """
-    n = len(tokens) // block_size if block_size > 0 else 0
-    if 0 < n <= _SCALAR_MAX_BLOCKS and block_size <= _MAX_BLOCK_SIZE:
-        return _prompt_keys_scalar(tokens, block_size, n, lora_name, extra_keys)
-    keys: list[int] = _prompt_keys_vec(tokens, block_size, lora_name, extra_keys).tolist()
-    return keys
+    return prompt_keys_both(tokens, block_size, lora_name=lora_name, extra_keys=extra_keys)[0]
 
 
 def _prompt_keys_scalar(

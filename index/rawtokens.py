@@ -20,6 +20,7 @@ caller decodes the payload the generic way, which raises the same errors as alwa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -416,8 +417,10 @@ def strip_tokens(payload: bytes) -> tuple[memoryview, list[TokenIds]] | None:
     return memoryview(buf)[:n], ids
 
 
+@functools.cache
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernels now rather than on the first message.
+    """Compile (or load from numba's cache) the kernels now rather than on the first message
+    (once per process).
 
     The first call compiles (~3.5 s with an empty cache, holding the GIL; ~0.2 s when loading
     from numba's cache in ``__pycache__``); call it at start-up, off any latency-sensitive path.

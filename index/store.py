@@ -31,6 +31,7 @@ registered by the writer (ingest does). See :mod:`index.table`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import msgspec
@@ -132,8 +133,10 @@ class _Source:
             self.log = new_log
 
 
+@functools.cache
 def _warm_up() -> None:
-    """Every kernel once, with the argument types of real calls (see :class:`PrefixStore`)."""
+    """Every kernel once, with the argument types of real calls (see :class:`PrefixStore`); once
+    per process, as the dispatchers keep what they compiled or loaded."""
     st = PrefixStore(2, warm=False)
     a, b = st.add_source(("a", 0)), st.add_source(("b", 0))
     cpu = st.medium_index("CPU")
@@ -156,7 +159,7 @@ class PrefixStore:
     def __init__(self, max_residencies: int = 20_000_000, *, warm: bool = True) -> None:
         """``warm``: run every kernel once on a throwaway store, so that numba compiles (first run
         without a cache, ~10 s) or loads (~0.2 s) them here, at startup, not on the first event or
-        the first request (compiling holds the GIL); ~50 us once they are loaded."""
+        the first request (compiling holds the GIL); once per process."""
         if max_residencies < 1:
             raise ValueError("max_residencies must be positive")
         self._g: I64 = np.zeros(tb.G_SIZE, dtype=np.int64)

@@ -49,6 +49,16 @@ def too_large(limit: int) -> ApiError:
     )
 
 
+def head_too_large(limit: int) -> ApiError:
+    """431: request line and headers over the server's limit."""
+    return ApiError(431, f"request head larger than {limit} bytes", "invalid_request_error", "head_too_large")
+
+
+def internal_error() -> ApiError:
+    """500: a bug in kvrouter (logged with its traceback)."""
+    return ApiError(500, "internal error in kvrouter", "internal_error", "internal_error")
+
+
 def unavailable(message: str) -> ApiError:
     """503: no healthy backend for the model."""
     return ApiError(503, message, "service_unavailable", "no_healthy_backend")

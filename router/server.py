@@ -39,9 +39,9 @@ from urllib.parse import unquote
 
 import httptools
 
-from router.errors import ApiError, bad_request, too_large
-from router.http import Headers, Message, write_json
-from router.proxy import PATHS
+from router.errors import ApiError, bad_request, head_too_large, internal_error, too_large
+from router.http import Headers, Message
+from router.proxy import PATHS, send_error
 
 if TYPE_CHECKING:
     from router.app import KVRouter
@@ -53,12 +53,6 @@ _MAX_HEAD = 64 * 1024
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 _NO_BODY = frozenset({204, 304})
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-
-
-def _head_too_large() -> ApiError:
-    return ApiError(
-        431, f"request head larger than {_MAX_HEAD} bytes", "invalid_request_error", "head_too_large"
-    )
 
 
 class _Request:
@@ -232,7 +226,7 @@ class _Connection(asyncio.Protocol):
             end = data.find(b"\r\n\r\n")
             self._head_seen += len(data) if end < 0 else end
             if self._head_seen > _MAX_HEAD:
-                self._refuse(_head_too_large())
+                self._refuse(head_too_large(_MAX_HEAD))
                 return
         try:
             self.parser.feed_data(data)
@@ -286,7 +280,7 @@ class _Connection(asyncio.Protocol):
         if self._reject is not None:
             return
         if self._head_size > _MAX_HEAD:
-            self._reject = _head_too_large()
+            self._reject = head_too_large(_MAX_HEAD)
             return
         limit = self.server.max_body_bytes
         expect = False
@@ -357,9 +351,8 @@ class _Connection(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error in %s %s", req.method, req.path)
             if not writer.committed:
-                err = ApiError(500, "internal error in kvrouter", "internal_error", "internal_error")
                 writer = _Writer(self, req)
-                await write_json(writer, 500, err.body())
+                await send_error(writer, internal_error())
         finally:
             if self.server.access_log:
                 access.info(

@@ -33,7 +33,7 @@ import math
 import random
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -450,15 +450,9 @@ def simulate(
                 truncated += 1
             keys = prompt_keys(tokens, bs)
             cap = (len(tokens) - 1) // bs
-            k = 0
-            while k < cap and keys[k] in seen_keys:
-                k += 1
-            bound_hit += k * bs
+            bound_hit += _cached_prefix(keys, cap, seen_keys) * bs
             seen_keys.update(keys)
-            k = 0
-            while k < cap and keys[k] in pool:
-                k += 1
-            pool_hit += k * bs
+            pool_hit += _cached_prefix(keys, cap, pool) * bs
             for key in keys:
                 pool[key] = None
                 pool.move_to_end(key)
@@ -569,17 +563,22 @@ def simulate(
     )
 
 
+def _cached_prefix(keys: Sequence[int], cap: int, held: Container[int]) -> int:
+    """Leading blocks of ``keys`` found in ``held``, at most ``cap`` (vLLM never serves a prompt's
+    last token from cache, so a prompt of n tokens can hit at most (n - 1) // block_size blocks)."""
+    k = 0
+    while k < cap and keys[k] in held:
+        k += 1
+    return k
+
+
 def token_bound(prompts: Sequence[Sequence[int]], block_size: int) -> float:
     """Infinite-cache hit ratio of prompts in this order, in the engines' units (see the module doc)."""
     seen: set[int] = set()
     hit = total = 0
     for tokens in prompts:
         keys = prompt_keys(tokens, block_size)
-        cap = (len(tokens) - 1) // block_size
-        k = 0
-        while k < cap and keys[k] in seen:
-            k += 1
-        hit += k * block_size
+        hit += _cached_prefix(keys, (len(tokens) - 1) // block_size, seen) * block_size
         total += len(tokens)
         seen.update(keys)
     return hit / total if total else 0.0

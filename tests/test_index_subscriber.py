@@ -42,13 +42,6 @@ class Chain:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    c: zmq.Context[Any] = zmq.Context()
-    yield c
-    c.term()
-
-
-@pytest.fixture
 def make_index(ctx: zmq.Context[Any]) -> Iterator[Callable[..., KVIndex]]:
     made: list[KVIndex] = []
 

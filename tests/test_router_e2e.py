@@ -15,27 +15,14 @@ import zmq
 from harness import FakeEngine, RouterRunner, wait_for
 
 from router.tokenizer import ChatTokenizer
-from sim.toy_tokenizer import build_toy_tokenizer
 
 BS = 4
 SYSTEM = "You are a careful assistant. Answer in plain words and keep to the facts you are given."
 
 
 @pytest.fixture(scope="module")
-def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_toy_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
 def tok(tokdir: Path) -> ChatTokenizer:
     return ChatTokenizer.from_path(tokdir)
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    c: zmq.Context[Any] = zmq.Context()
-    yield c
-    c.term()
 
 
 Fleet = Callable[..., tuple[RouterRunner, dict[str, FakeEngine]]]

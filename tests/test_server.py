@@ -18,19 +18,6 @@ import zmq
 from harness import TIMEOUT, FakeEngine, NativeServer, RouterRunner, wait_for
 
 from router.server import _Connection
-from sim.toy_tokenizer import build_toy_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_toy_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    c: zmq.Context[Any] = zmq.Context()
-    yield c
-    c.term()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -41,13 +40,6 @@ def _stored(hashes: list[ExternalBlockHash], parent: int | None = None) -> Block
         group_idx=0,
         kv_cache_spec_kind="full_attention",
     )
-
-
-@pytest.fixture()
-def ctx() -> Iterator[zmq.Context]:  # type: ignore[type-arg]
-    c: zmq.Context = zmq.Context()  # type: ignore[type-arg]
-    yield c
-    c.term()
 
 
 def _sub(ctx: zmq.Context, endpoint: str, topic: bytes = b"") -> zmq.Socket:  # type: ignore[type-arg]
