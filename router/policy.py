@@ -160,7 +160,7 @@ class Policy:
                     c.backend,
                     c.dp_rank,
                     c.matched_blocks,
-                    dict(c.blocks_by_medium),
+                    c.blocks_by_medium,  # shared, not copied: neither side changes it
                     round(credit, 3),
                     round(prefill, 3),
                     round(queued, 3),

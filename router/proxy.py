@@ -213,16 +213,14 @@ class ProxyHandler:
         route: Route,
     ) -> None:
         registry = self.service.registry
-        ranked = route.ranked()
-        targets = ranked[:1]
+        targets = [(route.backend, route.dp_rank)]
         last_error: ApiError | None = None
-        for attempt, target in enumerate(targets):
+        attempt = 0
+        while attempt < len(targets):
+            target = targets[attempt]
+            attempt += 1
             backend = registry.get(target[0])
-            if attempt == 0:
-                # the one retry goes to the best candidate on *another* healthy backend: a dead
-                # engine's other DP ranks are dead too
-                targets += [t for t in ranked[1:] if t[0] != target[0] and registry.get(t[0]).healthy][:1]
-            if attempt and route.report is not None:
+            if attempt > 1 and route.report is not None:
                 self.service.index.predict(target, route.report)  # the prefix will be computed here now
             uncached = self.service.uncached_tokens(route, target)
             ticket = self.loads.start(target, uncached)
@@ -249,9 +247,10 @@ class ProxyHandler:
                         backend.name, "connect" if isinstance(exc, UpstreamConnectError) else "protocol"
                     )
                     last_error = bad_gateway(f"backend {backend.name} failed: {exc}")
+                    self._add_retry(route, targets, attempt)
                     continue
                 status = resp.status
-                if status >= 500 and attempt + 1 < len(targets):
+                if status >= 500 and self._add_retry(route, targets, attempt):
                     await resp.aclose()
                     self.metrics.error(backend.name, "upstream_5xx")
                     self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
@@ -265,6 +264,16 @@ class ProxyHandler:
             finally:
                 self.loads.finish(ticket)
         await send_error(writer, last_error or bad_gateway("no backend could be reached"))
+
+    def _add_retry(self, route: Route, targets: list[tuple[str, int]], attempt: int) -> bool:
+        """After the first target failed, queue the one retry: the best candidate on *another* healthy
+        backend (a dead engine's other DP ranks are dead too). Ranked only on failure, so a request
+        that succeeds at once never sorts the candidates. True if another target is queued."""
+        if attempt == 1 and len(targets) == 1:
+            registry = self.service.registry
+            first = targets[0][0]
+            targets += [t for t in route.ranked()[1:] if t[0] != first and registry.get(t[0]).healthy][:1]
+        return attempt < len(targets)
 
     async def _stream(
         self,

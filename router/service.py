@@ -48,6 +48,9 @@ class Route(msgspec.Struct):
         """The JSON body of ``/route`` (and of the dashboard's recent decisions)."""
         out: dict[str, Any] = msgspec.to_builtins(self)
         out.pop("report", None)
+        out["timings_us"] = {
+            k: round(v, 1) for k, v in self.timings_us.items()
+        }  # rounded here, off the hot path
         return out
 
     def ranked(self) -> list[tuple[str, int]]:
@@ -157,17 +160,14 @@ class RouterService:
         block_size = report.block_size if report is not None else (self.index.config.block_size or 16)
         prompt_blocks = report.prompt_blocks if report is not None else 0
         cands = []
+        get_load = self.loads.get
         for target in targets:
             m = matches.get(target)
-            cands.append(
-                Candidate(
-                    target[0],
-                    target[1],
-                    m.blocks if m else 0,
-                    dict(m.by_medium) if m else {},
-                    self.loads.get(target),
-                )
-            )
+            # the report's per-medium dicts are built for this request and never changed: shared
+            if m is None:
+                cands.append(Candidate(target[0], target[1], 0, {}, get_load(target)))
+            else:
+                cands.append(Candidate(target[0], target[1], m.blocks, m.by_medium, get_load(target)))
         decision: Decision = self.policy.choose(
             prompt_blocks, block_size, cands, have_prompt=tokens is not None
         )
@@ -186,10 +186,10 @@ class RouterService:
             candidates=decision.candidates,
             tokenize_error=tok_error,
             timings_us={
-                "tokenize": round((t1 - t0) * 1e6, 1),
-                "match": round((t2 - t1) * 1e6, 1),
-                "policy": round((t3 - t2) * 1e6, 1),
-                "total": round((t3 - t0) * 1e6, 1),
+                "tokenize": (t1 - t0) * 1e6,
+                "match": (t2 - t1) * 1e6,
+                "policy": (t3 - t2) * 1e6,
+                "total": (t3 - t0) * 1e6,
             },
             time=time.time(),
             report=report,
