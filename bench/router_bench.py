@@ -10,7 +10,8 @@ route-decision latency for 1k/8k/32k-token prompts.
 - req/s: wrk, POST /v1/completions (a short text prompt, tokenized by the router with the toy
   tokenizer, so the kv policy does its full work), non-stream and SSE (16 chunks), c=1 and c=32;
   ratio = through the router / direct, measured in the same run; the same app under uvicorn is
-  measured in the same run too (the A/B behind kvrouter's own server; ``--no-uvicorn`` skips it).
+  measured in the same run too (the A/B behind kvrouter's own server; ``--no-uvicorn`` skips it),
+  and so is ``kvrouter serve --workers 2`` (``--workers N``; 1 skips it).
 - added TTFT: 300 sequential streaming requests with paced tokens (20 ms apart), first chunk time
   through the router minus direct, p50.
 - decision latency: ``POST /route`` with text prompts of ~1k/8k/32k tokens, the router's own
@@ -182,6 +183,22 @@ def throughput(
             wait_ready(f"http://127.0.0.1:{uport}/ready")
             peers["kvrouter on uvicorn"] = f"http://127.0.0.1:{uport}/v1/completions"
             wrk(peers["kvrouter on uvicorn"], body, 8, 2)
+        if args.workers > 1:
+            # the same router as several processes on one port (server.workers)
+            wport = free_port()
+            procs.append(
+                start(
+                    [
+                        *(PY, "-m", "router.cli", "serve", "--workers", str(args.workers)),
+                        *("--config", str(router_config(tmp, mport, wport, tok))),
+                    ],
+                    tmp / "router-workers.log",
+                )
+            )
+            wait_ready(f"http://127.0.0.1:{wport}/ready")
+            name = f"kvrouter, {args.workers} workers"
+            peers[name] = f"http://127.0.0.1:{wport}/v1/completions"
+            wrk(peers[name], body, 8, 2)
         if args.vllm_router:
             for i, policy in enumerate(("round_robin", "kv_aware")):
                 port, prom = free_port(), free_port()
@@ -245,6 +262,12 @@ def main() -> None:
         dest="uvicorn",
         action="store_false",
         help="skip the A/B run of the same app under uvicorn",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="also measure `kvrouter serve --workers N` (server.workers); 1 skips it",
     )
     ap.add_argument(
         "--upstreams",

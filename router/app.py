@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import importlib.resources
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
@@ -38,6 +39,8 @@ from router.proxy import PATHS, ProxyHandler, read_body
 from router.service import Endpoint, RouterService
 from router.tokenizer import ChatTokenizer, RequestTokenizer
 from router.upstream import UpstreamPool
+from router.workers import WorkerContext
+from router.workerstats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
 
 log = logging.getLogger("kvrouter")
 
@@ -65,8 +68,15 @@ def event_sources(cfg: RouterConfig) -> list[SourceConfig]:
 class KVRouter:
     """The router's objects and its ASGI entry point."""
 
-    def __init__(self, config: RouterConfig, zmq_context: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        zmq_context: zmq.Context[Any] | None = None,
+        worker: WorkerContext | None = None,
+    ) -> None:
         self.config = config
+        self.worker = worker
+        """Set when this router is one of several worker processes (:mod:`router.workers`)."""
         index_cfg = msgspec.structs.replace(config.index, block_size=config.block_size)
         self.index = KVIndex(index_cfg, ctx=zmq_context)
         for source in event_sources(config):
@@ -79,7 +89,7 @@ class KVRouter:
             ),
             timeout=httpx.Timeout(srv.read_timeout_s, connect=srv.connect_timeout_s),
         )
-        self.loads = LoadTracker()
+        self.loads = LoadTracker(worker.board(config), worker.index) if worker else LoadTracker()
         self.registry = BackendRegistry(list(config.backends), config.health, self.client, self.loads)
         self.policy = Policy(config.policy)
         local = {model: ChatTokenizer.from_path(path) for model, path in config.tokenizers.items()}
@@ -141,6 +151,12 @@ class KVRouter:
         self._tasks.append(
             asyncio.get_running_loop().create_task(self._housekeeping(), name="kvrouter-housekeeping")
         )
+        if self.worker is not None:
+            self._tasks.append(
+                asyncio.get_running_loop().create_task(
+                    self._publish_stats(self.worker), name="kvrouter-stats"
+                )
+            )
         healthy = [b.name for b in self.registry.backends.values() if b.healthy]
         log.info(
             "kvrouter ready: policy=%s, %d/%d backends healthy (%s), %d event sources",
@@ -163,6 +179,26 @@ class KVRouter:
         self.tokenizer.close()
         self.pool.close()
         await self.client.aclose()
+
+    async def _publish_stats(self, worker: WorkerContext) -> None:
+        """Publish this worker's figures for the merged /metrics and dashboard (:mod:`router.workerstats`)."""
+        writer = SnapshotWriter(worker.run_dir, worker.index)
+        while True:
+            try:
+                writer.write(families_of(self.metrics.registry), self._dashboard_live())
+            except OSError as exc:
+                log.warning("cannot publish worker figures: %s", exc)
+            await asyncio.sleep(worker.stats_interval_s)
+
+    def _dashboard_live(self) -> dict[str, Any]:
+        return dashboard_data(
+            self.metrics,
+            self.index,
+            self.registry,
+            self.loads,
+            self.config.policy.name,
+            [r.explain() for r in list(self.service.recent)[-20:]],
+        )
 
     async def _housekeeping(self) -> None:
         while True:
@@ -205,7 +241,9 @@ class KVRouter:
             return response
 
         @api.get("/health")
-        async def health() -> dict[str, str]:
+        async def health() -> dict[str, Any]:
+            if self.worker is not None:
+                return {"status": "ok", "worker": self.worker.index, "pid": os.getpid()}
             return {"status": "ok"}
 
         @api.get("/ready")
@@ -248,6 +286,7 @@ class KVRouter:
         @api.get("/debug/index")
         async def debug_index() -> Response:
             out = {
+                "worker": self.worker.index if self.worker is not None else None,
                 "block_size": self.config.block_size,
                 "residencies": self.index.store.total,
                 "max_residencies": self.index.config.max_residencies,
@@ -272,7 +311,11 @@ class KVRouter:
 
         @api.get("/metrics")
         async def metrics() -> Response:
-            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+            if self.worker is not None:
+                text = render_merged(read_snapshots(self.worker.run_dir))
+            else:
+                text = self.metrics.render()
+            return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
         page = _dashboard_page()
 
@@ -282,14 +325,9 @@ class KVRouter:
 
         @api.get("/dashboard/data")
         async def dashboard_json() -> Response:
-            data = dashboard_data(
-                self.metrics,
-                self.index,
-                self.registry,
-                self.loads,
-                self.config.policy.name,
-                [r.explain() for r in list(self.service.recent)[-20:]],
-            )
+            data = self._dashboard_live()
+            if self.worker is not None:
+                data = merge_dashboard(data, read_snapshots(self.worker.run_dir))
             return Response(msgspec.json.encode(data), media_type="application/json")
 
         return api

@@ -49,6 +49,12 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expiry (httpx and the openai client: 5 s) so that the client, not the router, closes first."""
     log_level: str = "info"
     access_log: bool = False
+    workers: int = 1
+    """Router processes sharing the port (SO_REUSEPORT). Each runs the whole router with its own
+    index copy (every process subscribes to every engine); in-flight load is shared between them and
+    /metrics and the dashboard sum them, but predict-on-route stays per process. One process
+    saturates near 7k proxied req/s on the reference box; 2 processes gave +25-35% there
+    (BENCHMARKS.md). Needs connect-mode KV events (kv_bind = false): only one process can bind."""
 
 
 class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -180,6 +186,15 @@ def validate(cfg: RouterConfig) -> None:
     for key in ("connect_timeout_s", "read_timeout_s", "keepalive_expiry_s"):
         if getattr(cfg.server, key) <= 0:
             raise ConfigError(f"server.{key}: must be positive")
+    if not 1 <= cfg.server.workers <= 64:
+        raise ConfigError("server.workers: must be between 1 and 64")
+    if cfg.server.workers > 1:
+        for i, b in enumerate(cfg.backends):
+            if b.kv_bind:
+                raise ConfigError(
+                    f"backends[{i}].kv_bind: bind-mode KV events need server.workers = 1 "
+                    "(only one process can bind the address); use connect mode with several workers"
+                )
     if cfg.server.drain_timeout_s < 0:
         raise ConfigError("server.drain_timeout_s: must not be negative")
     if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:
@@ -220,6 +235,12 @@ def with_overrides(cfg: RouterConfig, **values: Any) -> RouterConfig:
         server = msgspec.structs.replace(server, port=port)
     if values.get("log_level") is not None:
         server = msgspec.structs.replace(server, log_level=values["log_level"])
+    if values.get("workers") is not None:
+        try:
+            workers = int(values["workers"])
+        except ValueError:
+            raise ConfigError(f"server.workers: {values['workers']!r} is not a number") from None
+        server = msgspec.structs.replace(server, workers=workers)
     policy = cfg.policy
     if values.get("policy") is not None:
         policy = msgspec.structs.replace(policy, name=values["policy"])
@@ -232,13 +253,15 @@ def with_overrides(cfg: RouterConfig, **values: Any) -> RouterConfig:
 
 
 def env_overrides() -> dict[str, Any]:
-    """KVROUTER_HOST, KVROUTER_PORT, KVROUTER_POLICY, KVROUTER_API_KEYS, KVROUTER_LOG_LEVEL."""
+    """KVROUTER_HOST, KVROUTER_PORT, KVROUTER_POLICY, KVROUTER_API_KEYS, KVROUTER_LOG_LEVEL,
+    KVROUTER_WORKERS."""
     return {
         "host": os.environ.get("KVROUTER_HOST"),
         "port": os.environ.get("KVROUTER_PORT"),
         "policy": os.environ.get("KVROUTER_POLICY"),
         "api_keys": os.environ.get("KVROUTER_API_KEYS"),
         "log_level": os.environ.get("KVROUTER_LOG_LEVEL"),
+        "workers": os.environ.get("KVROUTER_WORKERS"),
     }
 
 

@@ -20,8 +20,8 @@ def register(sub: Any) -> None:
         help="run the router",
         description=(
             "Run kvrouter in front of a vLLM fleet. Flags override the config file; the environment "
-            "variables KVROUTER_HOST, KVROUTER_PORT, KVROUTER_POLICY, KVROUTER_API_KEYS (comma-separated) "
-            "and KVROUTER_LOG_LEVEL override the file too, and flags override them."
+            "variables KVROUTER_HOST, KVROUTER_PORT, KVROUTER_POLICY, KVROUTER_API_KEYS (comma-separated), "
+            "KVROUTER_LOG_LEVEL and KVROUTER_WORKERS override the file too, and flags override them."
         ),
     )
     p.add_argument("--config", required=True, help="fleet TOML file (see deploy/fleet.example.toml)")
@@ -30,6 +30,11 @@ def register(sub: Any) -> None:
     p.add_argument("--policy", choices=POLICIES, help="routing policy (policy.name)")
     p.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="log level (server.log_level)"
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="router processes sharing the port (server.workers; see router/workers.py)",
     )
     p.set_defaults(func=run)
 
@@ -40,7 +45,12 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         cfg = with_overrides(cfg, **env_overrides())
         cfg = with_overrides(
-            cfg, host=args.host, port=args.port, policy=args.policy, log_level=args.log_level
+            cfg,
+            host=args.host,
+            port=args.port,
+            policy=args.policy,
+            log_level=args.log_level,
+            workers=args.workers,
         )
     except ConfigError as exc:
         print(f"kvrouter: config error: {exc}", file=sys.stderr)
@@ -48,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    if cfg.server.workers > 1:
+        from router.workers import Supervisor
+
+        return Supervisor(cfg).run()
     from router.app import KVRouter
     from router.server import HttpServer, loop_factory
 

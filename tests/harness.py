@@ -169,6 +169,8 @@ class FakeEngine:
             if engine.mode == "stall":  # no headers for up to 30 s, like vLLM generating a non-stream reply
                 for _ in range(600):
                     await asyncio.sleep(0.05)
+                    if engine.mode != "stall":
+                        break  # released by the test
                     if await request.is_disconnected():
                         engine.disconnected += 1
                         return Response(status_code=499)

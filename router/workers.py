@@ -1,0 +1,204 @@
+"""Several router processes on one port (``server.workers > 1``): a supervisor and its workers.
+
+Why processes: one Python process proxies at most ~7k requests/s on the reference box (tokenizing,
+hashing, scoring and two socket round trips per request, all under one GIL), while the machine has
+cores to spare; two processes measured +25-35% there (BENCHMARKS.md). Threads would not help: the
+per-request work is Python.
+
+How:
+
+- The supervisor reserves the port (a socket bound with SO_REUSEPORT but not listening, so it takes
+  no connections) and spawns the workers (``multiprocessing`` spawn: fresh interpreters, no forked
+  threads or ZeroMQ contexts). Each worker binds its own listening socket to the same port with
+  SO_REUSEPORT and the kernel spreads new connections over them.
+- Each worker is a whole router: its own event subscriptions (ZeroMQ PUB fans every event out to
+  every subscriber) and so its own copy of the index, its own health checks and tokenizer.
+- In-flight load is shared through a :class:`router.load.LoadBoard` in the run directory, so every
+  worker scores candidates against the whole router's load.
+- /metrics and the dashboard merge every worker's published figures (:mod:`router.workerstats`).
+- Not shared: predict-on-route. A burst of one new prefix spread over N workers can land on up to
+  N engines until the engines' events arrive (milliseconds), after which every worker sees the real
+  residencies. Bind-mode KV events need one process (config validation says so).
+- A worker that dies is restarted (backoff 1 s doubling to 30 s); if workers keep dying within 10 s
+  of their start, the supervisor gives up after 5 such deaths in a row and exits 1 (a broken
+  config or port must not spin forever). SIGTERM/SIGINT: every worker drains (``drain_timeout_s``)
+  and exits, then the supervisor removes the run directory and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+from typing import cast
+
+import msgspec
+
+from router.config import RouterConfig
+from router.load import LoadBoard, Target
+
+log = logging.getLogger("kvrouter.workers")
+
+_QUICK_DEATH_S = 10.0
+_MAX_QUICK_DEATHS = 5
+
+
+class WorkerContext(msgspec.Struct, frozen=True):
+    """What a worker process needs to know about its siblings."""
+
+    index: int
+    workers: int
+    run_dir: str
+    stats_interval_s: float = 1.0
+    """How often the worker publishes its figures for the merged /metrics and dashboard."""
+
+    def board(self, config: RouterConfig) -> LoadBoard:
+        """The shared load board of this router's workers."""
+        return LoadBoard(str(Path(self.run_dir) / "load.board"), self.workers, fleet_targets(config))
+
+
+def fleet_targets(config: RouterConfig) -> list[Target]:
+    """Every (backend, DP rank) of the configuration, in a fixed order (the board's layout)."""
+    return [(b.name, r) for b in config.backends for r in range(b.dp_size)]
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEADDR and SO_REUSEPORT, not yet listening."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def worker_main(config: RouterConfig, ctx: WorkerContext) -> None:
+    """Entry point of one worker process: the whole router on a SO_REUSEPORT socket."""
+    level = config.server.log_level.upper()
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s %(levelname)s worker-{ctx.index} %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    logging.getLogger("kvrouter.access").setLevel(
+        logging.INFO if config.server.access_log else logging.WARNING
+    )
+    from router.app import KVRouter
+    from router.server import HttpServer, loop_factory
+
+    app = KVRouter(config, worker=ctx)
+    sock = reuseport_socket(config.server.host, config.server.port)
+    sock.listen(2048)
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(HttpServer(app, sock=sock).run())
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops the worker processes."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.workers = config.server.workers
+        self.stopping = False
+        self._mp = multiprocessing.get_context("spawn")
+        self._procs: dict[int, BaseProcess] = {}
+        self._started: dict[int, float] = {}
+        self._quick_deaths = 0
+
+    def _spawn(self, index: int, run_dir: str) -> None:
+        ctx = WorkerContext(index, self.workers, run_dir)
+        proc = self._mp.Process(
+            target=worker_main, args=(self.config, ctx), name=f"kvrouter-worker-{index}", daemon=False
+        )
+        proc.start()
+        self._procs[index] = proc
+        self._started[index] = time.monotonic()
+        log.info("worker %d started (pid %s)", index, proc.pid)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; 0 after a clean stop, 1 if the port or the workers fail."""
+        srv = self.config.server
+        try:
+            reserve = reuseport_socket(srv.host, srv.port)
+        except OSError as exc:
+            log.error("cannot serve on %s:%d: %s", srv.host, srv.port, exc)
+            return 1
+        run_dir = tempfile.mkdtemp(prefix="kvrouter-")
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        code = 0
+        try:
+            WorkerContext(0, self.workers, run_dir).board(self.config).close()  # created, zeroed
+            for i in range(self.workers):
+                self._spawn(i, run_dir)
+            log.info("kvrouter supervising %d workers on http://%s:%d", self.workers, srv.host, srv.port)
+            code = self._watch(run_dir)
+        finally:
+            self._stop_all()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            reserve.close()
+            shutil.rmtree(run_dir, ignore_errors=True)
+        return code
+
+    def _watch(self, run_dir: str) -> int:
+        backoff = 1.0
+        while not self.stopping:
+            sentinels = {p.sentinel: i for i, p in self._procs.items()}
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
+            for sentinel in ready:
+                if self.stopping:
+                    break
+                i = sentinels[cast(int, sentinel)]
+                proc = self._procs[i]
+                proc.join()
+                lived = time.monotonic() - self._started[i]
+                log.error(
+                    "worker %d (pid %s) exited with code %s after %.1f s", i, proc.pid, proc.exitcode, lived
+                )
+                if lived < _QUICK_DEATH_S:
+                    self._quick_deaths += 1
+                    if self._quick_deaths >= _MAX_QUICK_DEATHS:
+                        log.error("workers keep dying at start; giving up (see the errors above)")
+                        return 1
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+                else:
+                    self._quick_deaths = 0
+                    backoff = 1.0
+                if not self.stopping:
+                    self._spawn(i, run_dir)
+        return 0
+
+    def _stop_all(self) -> None:
+        """SIGTERM every worker (each drains), wait ``drain_timeout_s`` + 10 s, then SIGKILL."""
+        for proc in self._procs.values():
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.server.drain_timeout_s + 10.0
+        for proc in self._procs.values():
+            proc.join(max(deadline - time.monotonic(), 0.1))
+            if proc.is_alive():
+                log.warning("worker pid %s did not stop in time: killed", proc.pid)
+                proc.kill()
+                proc.join(5)
+
+
+__all__ = ["Supervisor", "WorkerContext", "fleet_targets", "reuseport_socket", "worker_main"]

@@ -1,0 +1,210 @@
+"""One view of the figures of several worker processes: /metrics and the dashboard, merged.
+
+With ``server.workers > 1`` a scrape lands on whichever process the kernel picked, so each process
+writes a snapshot of its figures to the supervisor's run directory every ``interval`` seconds, and
+whichever process answers merges the snapshots:
+
+- request-path series (requests, errors, decisions, tokens, latencies: :data:`SUMMED`) are summed
+  over the workers;
+- everything else (index and event-stream figures, health, in-flight load) is taken from the lowest
+  worker: every worker indexes the same events and reads the same shared load board, so one copy is
+  the right answer, and taking the same copy each time keeps counters monotonic between scrapes.
+
+The merge reads snapshots only, never the answering process's live state, so that two scrapes
+answered by different processes cannot see a counter go backwards. Figures are at most
+``interval`` seconds old; a restarted worker's counters restart from zero, which Prometheus handles
+as the counter reset it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("kvrouter.workers")
+
+SUMMED = frozenset(
+    {
+        "kvrouter_requests",
+        "kvrouter_request_errors",
+        "kvrouter_route_decision_seconds",
+        "kvrouter_route_decisions",
+        "kvrouter_matched_prefix_ratio",
+        "kvrouter_prompt_tokens",
+        "kvrouter_matched_tokens",
+        "kvrouter_upstream_latency_seconds",
+        "kvrouter_ttft_seconds",
+    }
+)
+"""Families summed over workers; the rest comes from the lowest worker."""
+
+_DASH_COUNTERS = ("requests", "errors", "prompt_tokens", "matched_tokens")
+
+
+class Family(msgspec.Struct, array_like=True):
+    """One metric family as collected: name, type, help and samples (name, labels, value)."""
+
+    name: str
+    type: str
+    doc: str
+    samples: list[tuple[str, dict[str, str], float]]
+
+
+class Snapshot(msgspec.Struct):
+    """What one worker publishes."""
+
+    worker: int
+    pid: int
+    time: float
+    families: list[Family]
+    dashboard: dict[str, Any]
+
+
+def families_of(registry: CollectorRegistry) -> list[Family]:
+    """A registry's families in a serialisable form."""
+    return [
+        Family(m.name, m.type, m.documentation, [(s.name, dict(s.labels), float(s.value)) for s in m.samples])
+        for m in registry.collect()
+    ]
+
+
+class SnapshotWriter:
+    """Writes this worker's snapshot file (atomically: a reader never sees half a file)."""
+
+    def __init__(self, run_dir: str, worker: int) -> None:
+        self.path = Path(run_dir) / f"stats-{worker}.msgpack"
+        self.worker = worker
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def write(self, families: list[Family], dashboard: dict[str, Any]) -> None:
+        """Replace the snapshot file."""
+        snap = Snapshot(self.worker, os.getpid(), time.time(), families, dashboard)
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(self._encoder.encode(snap))
+        os.replace(tmp, self.path)
+
+
+def read_snapshots(run_dir: str) -> list[Snapshot]:
+    """Every worker's latest snapshot, lowest worker first; unreadable files are skipped and logged."""
+    decoder = msgspec.msgpack.Decoder(Snapshot)
+    out = []
+    for path in Path(run_dir).glob("stats-*.msgpack"):
+        try:
+            out.append(decoder.decode(path.read_bytes()))
+        except (OSError, msgspec.DecodeError) as exc:
+            log.warning("skipping worker snapshot %s: %s", path, exc)
+    out.sort(key=lambda s: s.worker)
+    return out
+
+
+def merge_families(snaps: list[Snapshot]) -> list[Family]:
+    """:data:`SUMMED` families summed over the snapshots, the others from the first one."""
+    if not snaps:
+        return []
+    merged: dict[str, Family] = {}
+    sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, dict[str, str], float]]] = {}
+    for snap in snaps:
+        for fam in snap.families:
+            if fam.name not in SUMMED:
+                if snap is snaps[0]:
+                    merged[fam.name] = fam
+                continue
+            if fam.name not in merged:
+                merged[fam.name] = Family(fam.name, fam.type, fam.doc, [])
+                sums[fam.name] = {}
+            acc = sums[fam.name]
+            for name, labels, value in fam.samples:
+                key = (name, tuple(sorted(labels.items())))
+                prev = acc.get(key)
+                acc[key] = (name, labels, value + (prev[2] if prev else 0.0))
+    for name, acc in sums.items():
+        merged[name].samples = list(acc.values())
+    return list(merged.values())
+
+
+class _Families(Collector):
+    def __init__(self, families: Iterable[Family], extra: Iterable[Metric]) -> None:
+        self.families = families
+        self.extra = extra
+
+    def collect(self) -> Iterable[Metric]:
+        for fam in self.families:
+            m = Metric(fam.name, fam.doc, fam.type)
+            for name, labels, value in fam.samples:
+                m.add_sample(name, labels, value)
+            yield m
+        yield from self.extra
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+def render_merged(snaps: list[Snapshot]) -> bytes:
+    """Prometheus text of the merged snapshots, plus ``kvrouter_worker_snapshot_age_seconds``."""
+    age = GaugeMetricFamily(
+        "kvrouter_worker_snapshot_age_seconds",
+        "Age of each worker's published figures; one that keeps growing is a stuck or dead worker",
+        labels=["worker"],
+    )
+    now = time.time()
+    for s in snaps:
+        age.add_metric([str(s.worker)], max(now - s.time, 0.0))
+    reg = CollectorRegistry()
+    reg.register(_Families(merge_families(snaps), [age]))
+    return generate_latest(reg)
+
+
+def merge_dashboard(live: dict[str, Any], snaps: list[Snapshot], recent: int = 20) -> dict[str, Any]:
+    """The dashboard JSON with the cumulative counters and recent decisions of every worker.
+
+    Health, in-flight load and the event streams stay the answering worker's live view (the load is
+    already fleet-wide through the shared board)."""
+    if not snaps:
+        return live
+    out = dict(live)
+    totals = {k: 0 for k in live.get("totals", {})}
+    per_backend: dict[str, dict[str, int]] = {}
+    decisions: list[dict[str, Any]] = []
+    for snap in snaps:
+        d = snap.dashboard
+        for k, v in d.get("totals", {}).items():
+            totals[k] = totals.get(k, 0) + v
+        for b in d.get("backends", []):
+            acc = per_backend.setdefault(b["name"], dict.fromkeys(_DASH_COUNTERS, 0))
+            for k in _DASH_COUNTERS:
+                acc[k] += b.get(k, 0)
+        decisions.extend(d.get("recent_decisions", []))
+    out["totals"] = totals
+    backends = []
+    for b in live.get("backends", []):
+        b = dict(b)
+        b.update(per_backend.get(b["name"], {}))
+        backends.append(b)
+    out["backends"] = backends
+    decisions.sort(key=lambda r: r.get("time", 0.0))
+    out["recent_decisions"] = decisions[-recent:]
+    out["workers"] = len(snaps)
+    return out
+
+
+__all__ = [
+    "SUMMED",
+    "Family",
+    "Snapshot",
+    "SnapshotWriter",
+    "families_of",
+    "merge_dashboard",
+    "merge_families",
+    "read_snapshots",
+    "render_merged",
+]

@@ -1,0 +1,257 @@
+"""Several router processes on one port: shared load, merged metrics, restarts, clean stop."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+from harness import FakeEngine, wait_for
+from prometheus_client import CollectorRegistry, Gauge
+
+from router.load import LoadBoard, LoadTracker
+from router.metrics import LeanCounter, LeanHistogram
+from router.workerstats import Snapshot, families_of, merge_dashboard, render_merged
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 16
+
+
+# --- the load board ---------------------------------------------------------------------------------
+
+
+def test_load_board_sums_the_other_workers(tmp_path: Path) -> None:
+    targets = [("a", 0), ("a", 1), ("b", 0)]
+    path = str(tmp_path / "board")
+    w0 = LoadTracker(LoadBoard(path, 2, targets), worker=0)
+    w1 = LoadTracker(LoadBoard(path, 2, targets), worker=1)
+    t = w0.start(("a", 1), uncached_tokens=64)
+    seen = w1.get(("a", 1))
+    assert (seen.active, seen.prefilling, seen.pending_prefill_tokens) == (1, 1, 64)
+    assert w1.get(("a", 0)).active == 0 and w1.get(("b", 0)).active == 0
+    t1 = w1.start(("a", 1), uncached_tokens=16)
+    both = w0.get(("a", 1))
+    assert (both.active, both.pending_prefill_tokens) == (2, 80)
+    w0.first_byte(t)
+    assert w1.get(("a", 1)).pending_prefill_tokens == 16 and w1.get(("a", 1)).active == 2
+    w0.finish(t)
+    w1.finish(t1)
+    assert w0.get(("a", 1)).active == 0 and w1.get(("a", 1)).active == 0
+    # every fleet target is listed (the inflight gauge), with the other worker's load in it
+    t2 = w1.start(("b", 0), 0)
+    assert {k: v.active for k, v in w0.all().items()} == {("a", 0): 0, ("a", 1): 0, ("b", 0): 1}
+    w1.finish(t2)
+
+
+def test_a_restarted_worker_does_not_inherit_its_predecessors_load(tmp_path: Path) -> None:
+    targets = [("a", 0)]
+    path = str(tmp_path / "board")
+    w0 = LoadTracker(LoadBoard(path, 2, targets), worker=0)
+    dead = LoadTracker(LoadBoard(path, 2, targets), worker=1)
+    dead.start(("a", 0), 100)  # never finished: the process died
+    assert w0.get(("a", 0)).active == 1
+    LoadTracker(LoadBoard(path, 2, targets), worker=1)  # its replacement
+    assert w0.get(("a", 0)).active == 0
+
+
+# --- merged figures ---------------------------------------------------------------------------------
+
+
+def _snapshot(worker: int, requests: float, lag: float, recent_time: float) -> Snapshot:
+    reg = CollectorRegistry()
+    req = LeanCounter("kvrouter_requests", "Requests", ["backend", "model", "status"])
+    req.inc(("a", "toy", "2xx"), requests)
+    ttft = LeanHistogram("kvrouter_ttft_seconds", "TTFT", ["backend"], (0.1, 1.0))
+    ttft.observe(("a",), 0.05 * (worker + 1))
+
+    class _C:
+        def collect(self) -> Any:
+            yield req.family()
+            yield ttft.family()
+
+        def describe(self) -> Any:
+            return []
+
+    reg.register(_C())
+    Gauge("kvrouter_index_blocks", "Indexed blocks", ["source"], registry=reg).labels("a/0").set(lag)
+    dash = {
+        "totals": {"requests": int(requests), "errors": worker},
+        "backends": [
+            {"name": "a", "requests": int(requests), "errors": 0, "prompt_tokens": 10, "matched_tokens": 5}
+        ],
+        "recent_decisions": [{"time": recent_time, "backend": "a", "worker": worker}],
+    }
+    return Snapshot(worker, 1000 + worker, time.time(), families_of(reg), dash)
+
+
+def test_request_series_are_summed_and_state_comes_from_the_first_worker() -> None:
+    text = render_merged([_snapshot(0, 3, 111, 1.0), _snapshot(1, 4, 222, 2.0)]).decode()
+    assert 'kvrouter_requests_total{backend="a",model="toy",status="2xx"} 7.0' in text
+    assert 'kvrouter_ttft_seconds_count{backend="a"} 2.0' in text
+    assert 'kvrouter_ttft_seconds_bucket{backend="a",le="0.1"} 2.0' in text
+    assert 'kvrouter_index_blocks{source="a/0"} 111.0' in text  # not 333: every worker indexes the same
+    assert text.count('kvrouter_worker_snapshot_age_seconds{worker="') == 2
+
+
+def test_dashboard_counters_are_summed_and_decisions_interleaved() -> None:
+    live = {
+        "totals": {"requests": 99, "errors": 99},
+        "backends": [{"name": "a", "healthy": True, "requests": 99, "inflight": 2}],
+        "recent_decisions": [],
+    }
+    out = merge_dashboard(live, [_snapshot(0, 3, 0, 5.0), _snapshot(1, 4, 0, 2.0)])
+    assert out["totals"] == {"requests": 7, "errors": 1}
+    assert out["backends"][0]["requests"] == 7 and out["backends"][0]["inflight"] == 2
+    assert [d["worker"] for d in out["recent_decisions"]] == [1, 0]
+    assert out["workers"] == 2
+
+
+# --- the real thing: `kvrouter serve --workers 2` ------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _fresh(method: str, url: str, **kw: Any) -> httpx.Response:
+    """One request on its own connection, so that the kernel picks a worker for it."""
+    with httpx.Client(timeout=30) as c:
+        return c.request(method, url, **kw)
+
+
+def _workers_seen(url: str, tries: int) -> dict[int, int]:
+    seen: dict[int, int] = {}
+    for _ in range(tries):
+        h = _fresh("GET", f"{url}/health").json()
+        seen[h["worker"]] = h["pid"]
+    return seen
+
+
+@pytest.fixture
+def engine(ctx: zmq.Context[Any]) -> Any:
+    e = FakeEngine("alpha", ctx)
+    yield e
+    e.close()
+
+
+def test_two_workers_share_the_port_the_load_and_the_figures(engine: FakeEngine, tmp_path: Path) -> None:
+    port = _free_port()
+    cfg = tmp_path / "fleet.toml"
+    cfg.write_text(
+        f'block_size = {BS}\n[server]\nport = {port}\nworkers = 2\nlog_level = "warning"\n'
+        "drain_timeout_s = 5\n"
+        f'[[backends]]\nname = "alpha"\nurl = "{engine.url}"\nkv_events = "{engine.kv_events}"\n'
+        f'kv_replay = "{engine.kv_replay}"\nmodels = ["toy"]\n'
+    )
+    log = (tmp_path / "router.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    stalled: list[httpx.Response] = []
+    try:
+
+        def ready() -> bool:
+            try:
+                return _fresh("GET", f"{url}/ready").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, "router ready", timeout=180)  # a first start may compile the index kernels
+        # both processes answer on the one port
+        wait_for(lambda: len(_workers_seen(url, 8)) == 2, "both workers answering", timeout=60)
+
+        # each worker subscribes to the engine itself: both index what it announces
+        tokens = list(range(1, 8 * BS + 1))
+        wait_for(
+            lambda: (
+                engine.announce(tokens, BS) > 0
+                and all(_fresh("GET", f"{url}/debug/index").json()["residencies"] >= 8 for _ in range(6))
+            ),
+            "both workers indexing the engine's blocks",
+        )
+
+        # a request in flight on one worker is load every worker sees
+        engine.mode = "stall"
+        body = {"model": "toy", "prompt": tokens, "max_tokens": 1}
+        uncached = {"model": "toy", "prompt": list(range(1000, 1000 + 4 * BS)), "max_tokens": 1}
+        t = threading.Thread(
+            target=lambda: stalled.append(_fresh("POST", f"{url}/v1/completions", json=uncached))
+        )
+        t.start()
+        wait_for(lambda: len(engine.requests) == 1, "the stalled request reaching the engine")
+        for _ in range(10):
+            cand = _fresh("POST", f"{url}/route", json=body).json()["candidates"][0]
+            # its 4 uncached blocks are prefill every worker's score waits behind
+            assert cand["inflight"] == 1 and cand["queued_blocks"] == 4, cand
+        engine.mode = "ok"
+        t.join(30)
+        assert stalled and stalled[0].status_code == 200
+
+        # requests handled by both workers add up in one /metrics
+        for _ in range(20):
+            assert _fresh("POST", f"{url}/v1/completions", json=body).status_code == 200
+        pattern = re.compile(
+            r'^kvrouter_requests_total\{backend="alpha",model="toy",status="2xx"\} (\S+)$', re.M
+        )
+
+        def total() -> float:
+            m = pattern.search(_fresh("GET", f"{url}/metrics").text)
+            return float(m.group(1)) if m else -1.0
+
+        wait_for(lambda: total() == 21.0, "/metrics summing both workers")
+        data = _fresh("GET", f"{url}/dashboard/data").json()
+        assert data["workers"] == 2 and data["totals"]["requests"] == 21
+
+        # a worker that dies is replaced
+        pids = _workers_seen(url, 16)
+        os.kill(pids[1], signal.SIGKILL)
+        wait_for(lambda: _workers_seen(url, 8).get(1, pids[1]) != pids[1], "worker 1 restarted", timeout=180)
+    finally:
+        engine.mode = "ok"
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            raise
+        finally:
+            log.close()
+    assert code == 0, (tmp_path / "router.log").read_text()[-3000:]
+    with pytest.raises(httpx.ConnectError):
+        _fresh("GET", f"{url}/health")
+
+
+def test_bind_mode_events_need_one_worker(tmp_path: Path) -> None:
+    cfg = tmp_path / "fleet.toml"
+    cfg.write_text(
+        '[server]\nworkers = 2\n[[backends]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+        'kv_events = "tcp://127.0.0.1:5557"\nkv_bind = true\n'
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "backends[0].kv_bind" in out.stderr and "server.workers" in out.stderr
