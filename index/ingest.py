@@ -3,9 +3,10 @@
 The subscriber hands over chunks of ``(source index, batch)`` in stream order; all BlockStored token
 ids of a chunk are hashed in one call per block size (decoded events: the compiled
 :func:`index.keys.u64_block_contents` over their payloads' uint64 buffers; token lists built in
-Python: :func:`index.keys.block_contents`), then events are
-applied one by one, because a block's key depends on its parent's, which may have arrived earlier in
-the same chunk.
+Python: :func:`index.keys.block_contents`); each event's root (its parent's key) is resolved one by
+one, because a block's key depends on its parent's, which may have arrived earlier in the same
+chunk, and then the store applies each run of one source's events in one compiled call
+(:meth:`index.store.PrefixStore.apply_ops`, one row per event: no Python per event there).
 
 Decisions (each counted per source, see :class:`SourceStats`):
 
@@ -37,6 +38,7 @@ from typing import Any, cast
 import numpy as np
 
 from index.keys import (
+    BASE_ROOT,
     CHAIN_MUL,
     M64,
     U64,
@@ -48,10 +50,18 @@ from index.keys import (
     u64_block_contents,
 )
 from index.rawtokens import TokenIds
-from index.store import PrefixStore, SourceId
+from index.store import OP_REMOVE, OP_STORE, PrefixStore, SourceId
 from index.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
 
 log = logging.getLogger("kvrouter.index")
+
+_OP_STORE = OP_STORE
+_OP_REMOVE = OP_REMOVE
+_OP_CLEAR = 2  # an AllBlocksCleared: a row that marks where the store clears (never given to the store)
+_ROW = 5  # op row: kind, medium, first, count, group number (the store reads the first four)
+_NO_ROWS = np.empty((0, _ROW), dtype=np.int64)
+_NO_U64: U64 = np.empty(0, dtype=np.uint64)
+_NO_COUNTS = (0, 0, 0, 0)
 
 
 class SourceStats:
@@ -141,6 +151,7 @@ class _Group:
         "keys",
         "later",
         "m",
+        "number",
         "prefix",
         "roots",
         "runs",
@@ -149,8 +160,10 @@ class _Group:
         "tokens",
     )
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, number: int) -> None:
         self.block_size = block_size
+        self.number = number
+        """Groups of a chunk are numbered in creation order."""
         self.tokens = array("Q")
         """Ids of the events whose token_ids are Python sequences."""
         self.runs: list[list[Any]] = []
@@ -313,6 +326,9 @@ class Ingestor:
         """Called with now - batch.ts for every applied batch (metrics)."""
         self.on_reset: Callable[[int], None] | None = None
         """Called with the source index when a source's GPU blocks are cleared or the source restarted."""
+        self.batched = callable(getattr(store, "apply_ops", None))
+        """Apply runs of events with one store call (:meth:`PrefixStore.apply_ops`); False: one call per
+        event (the dict store has no batch call; tests compare both)."""
 
     def add_source(self, source: SourceId) -> int:
         """Register a source with the store and give it counters."""
@@ -336,28 +352,66 @@ class Ingestor:
         together (``S_i = C^i * (P_i - P_{start-1}) + C^(i-start+1) * root``, P a prefix sum of
         ``m_j * C^-j``); only each event's root (its parent's key) is resolved one by one, from the
         store or from an earlier event of the same chunk.
+
+        Then the store applies each run of one source's events between resets in one call
+        (:meth:`PrefixStore.apply_ops`): one row per event, no Python per event. A store without it
+        (the dict store), or a chunk with engine hashes that do not fit a uint64 array (events built
+        in Python), goes event by event (:meth:`_apply_events`), with the same result.
         """
         # pass 1, in stream order: validate BlockStored events, gather their tokens and hashes per
         # block size, and find each event's root (its parent's key): from the store, or a reference
-        # to a block of an earlier event of this chunk, resolved once the groups are prepared
+        # to a block of an earlier event of this chunk, resolved once the groups are prepared; and
+        # one op row per event for the store
         groups: dict[int, _Group] = {}
         plan: list[tuple[_Group, int, int] | None] = []  # per BlockStored: (group, first block, blocks)
         local: dict[tuple[int, int], _Seen] = {}  # (source, block size) -> earlier blocks of the chunk
         store = self.store
         stats = self.stats
+        batched = self.batched
+        ops = array("q")  # rows of _ROW: kind, medium (chunk-local number), first, count, group number
+        rems = array("Q")  # engine hashes of the BlockRemoved events
+        media: dict[str, int] = {}  # medium name -> chunk-local number, in first-use order
+        ends: list[int] = []  # per item: its op rows end here
+        counts: list[tuple[int, int, int, int]] = []  # per item: events and blocks, stored and removed
+        clears = False  # some batch holds an AllBlocksCleared (a row of its own, applied apart)
         for sidx, batch in items:
             if batch is None:
                 for key in [k for k in local if k[0] == sidx]:
                     del local[key]
+                ends.append(len(ops) // _ROW)
+                counts.append(_NO_COUNTS)
                 continue
             st = stats[sidx]
+            se = sb = re = rb = 0
             for ev in batch.events:
-                if type(ev) is not BlockStored:
+                kind = type(ev)
+                if kind is not BlockStored:
+                    if kind is BlockRemoved:
+                        hashes: list[int] = ev.block_hashes  # type: ignore[union-attr,assignment]  # (kind)
+                        medium = ev.medium or "GPU"  # type: ignore[union-attr]
+                        mi = media.get(medium)
+                        if mi is None:
+                            mi = media[medium] = len(media)
+                        first = len(rems)
+                        if batched:
+                            try:
+                                rems.fromlist(hashes)  # all or nothing
+                            except (OverflowError, TypeError):
+                                batched = False  # the store converts (and rejects) the list itself
+                        ops.extend((_OP_REMOVE, mi, first, len(hashes), 0))
+                        re += 1
+                        rb += len(hashes)
+                    elif kind is AllBlocksCleared:
+                        ops.extend((_OP_CLEAR, 0, 0, 0, 0))
+                        clears = True
                     continue
-                hashes: list[int] = ev.block_hashes  # type: ignore[assignment]  # ints after decode_payload
+                stored: BlockStored = ev  # type: ignore[assignment]  # (kind)
+                hashes = stored.block_hashes  # type: ignore[assignment]  # ints after decode_payload
                 n = len(hashes)
-                bs = ev.block_size
-                ntokens = len(ev.token_ids)
+                bs = stored.block_size
+                tokens: TokenIds = stored.token_ids  # type: ignore[assignment]  # (tested next)
+                raw = type(tokens) is TokenIds
+                ntokens = tokens.size if raw else len(tokens)
                 if bs == 0 and not ntokens:
                     st.placeholders += 1
                     plan.append(None)
@@ -370,26 +424,47 @@ class Ingestor:
                     self._learn_block_size(sidx, st, bs)
                 g = groups.get(bs)
                 if g is None:
-                    g = groups[bs] = _Group(bs)
+                    g = groups[bs] = _Group(bs, len(groups))
                 e = len(g.starts)
-                if not g.add(ev, n):
+                if raw and not tokens.negative and not stored.extra_keys:
+                    # _Group.add, inlined for the usual event (payloads have a buffer each: a new run)
+                    start = g.blocks
+                    g.runs.append([tokens.buf, tokens.off, tokens.off + ntokens])
+                    g.starts.append(start)
+                    g.sizes.append(n)
+                    g.blocks = start + n
+                    g.events.append(stored)
+                elif g.add(stored, n):
+                    start = g.starts[e]
+                else:
                     self._bad_event(sidx, st, n, bs, ntokens, "token ids outside 0..2^64-1")
                     plan.append(None)
                     continue
-                start = g.starts[e]
                 try:
                     g.hashes.fromlist(hashes)  # all or nothing
                 except (OverflowError, TypeError):
                     g.hashes.fromlist([0] * n)  # the store converts (and rejects) the list itself
                     plan.append((g, -1 - start, n))
+                    batched = False
                 else:
                     plan.append((g, start, n))
-                parent: int | None = ev.parent_block_hash  # type: ignore[assignment]  # as above
+                medium = stored.medium or "GPU"
+                mi = media.get(medium)
+                if mi is None:
+                    mi = media[medium] = len(media)
+                ops.extend((_OP_STORE, mi, start, n, g.number))
+                se += 1
+                sb += n
+                parent: int | None = stored.parent_block_hash  # type: ignore[assignment]  # as above
                 seen = local.get((sidx, bs))
                 if seen is None:
                     seen = local[sidx, bs] = _Seen(g.starts)
                 if parent is None:
-                    root = lora_root(_lora_of(ev))
+                    lora = stored.lora_name or stored.lora_id is not None
+                    root = lora_root(_lora_of(stored)) if lora else BASE_ROOT
+                elif seen.last_e >= 0 and parent == seen.last_hash:  # (_Seen.find's first test)
+                    g.later.append((e, seen.last_b, seen.last_e))
+                    root = 0
                 else:
                     found = seen.find(parent)
                     if found is not None:
@@ -403,12 +478,87 @@ class Ingestor:
                         else:
                             root = known
                 g.roots.append(root)
-                seen.add(hashes, start, e)
+                seen.pending.append((hashes, start))  # _Seen.add, inlined
+                seen.last_hash = hashes[-1]
+                seen.last_b = start + n - 1
+                seen.last_e = e
+            ends.append(len(ops) // _ROW)
+            counts.append((se, sb, re, rb))
         for g in groups.values():
             g.prepare()
             g.solve()
+        if not batched:
+            self._apply_events(items, plan)
+            return
 
-        # pass 2: apply in stream order
+        # pass 2: runs of one source's events, one store call each, in stream order
+        rows = np.frombuffer(ops, dtype=np.int64).reshape(-1, _ROW) if ops else _NO_ROWS
+        if media:
+            mids = [store.medium_index(name) for name in media]  # registered in first-use order
+            if mids != list(range(len(mids))):
+                rows[:, 1] = np.array(mids, dtype=np.int64)[rows[:, 1]]
+        if len(groups) == 1:
+            (g,) = groups.values()
+            ehs, keys = g.ehs, g.keys
+        elif groups:  # several block sizes in one chunk: one array, each group's rows moved on
+            ehs = np.concatenate([g.ehs for g in groups.values()])
+            keys = np.concatenate([g.keys for g in groups.values()])
+            offsets = np.cumsum([0] + [g.blocks for g in groups.values()], dtype=np.int64)
+            is_store = rows[:, 0] == _OP_STORE
+            rows[is_store, 2] += offsets[rows[is_store, 4]]
+        else:
+            ehs = keys = _NO_U64
+        removed = np.frombuffer(rems, dtype=np.uint64) if rems else _NO_U64
+        now = time.time()
+        lag = self.lag_observer
+        run = -1  # the source of the op rows not applied yet, ``lo`` to ``upto``
+        lo = upto = 0
+        for (sidx, batch), hi, (se, sb, re, rb) in zip(items, ends, counts, strict=True):
+            if batch is None:
+                if upto > lo:
+                    store.apply_ops(run, rows[lo:upto], ehs, keys, removed)
+                lo = upto
+                run = -1
+                store.drop(sidx)
+                if self.on_reset is not None:
+                    self.on_reset(sidx)
+                continue
+            if sidx != run:
+                if upto > lo:
+                    store.apply_ops(run, rows[lo:upto], ehs, keys, removed)
+                lo = upto
+                run = sidx
+            st = stats[sidx]
+            if clears:  # (rare) each AllBlocksCleared after the rows before it
+                for c in np.flatnonzero(rows[upto:hi, 0] == _OP_CLEAR).tolist():
+                    c += upto
+                    if c > lo:
+                        store.apply_ops(sidx, rows[lo:c], ehs, keys, removed)
+                    lo = c + 1
+                    store.clear(sidx, "GPU")
+                    st.cleared += 1
+                    if self.on_reset is not None:
+                        self.on_reset(sidx)
+            upto = hi
+            st.batches += 1
+            st.stored_events += se
+            st.blocks_stored += sb
+            st.removed_events += re
+            st.blocks_removed += rb
+            st.last_ts = batch.ts
+            st.last_applied = now
+            if lag is not None:
+                lag(max(0.0, now - batch.ts))
+        if upto > lo:
+            store.apply_ops(run, rows[lo:upto], ehs, keys, removed)
+
+    def _apply_events(
+        self, items: Sequence[tuple[int, Batch | None]], plan: list[tuple[_Group, int, int] | None]
+    ) -> None:
+        """Pass 2 event by event: one store call per event (stores without :meth:`PrefixStore.apply_ops`,
+        and chunks holding engine hashes that do not fit a uint64 array)."""
+        store = self.store
+        stats = self.stats
         now = time.time()
         media: dict[str, int] = {}
         steps = iter(plan)

@@ -5,11 +5,14 @@ the largest cost of ingest (BENCHMARKS.md, issue 2). Even ``msgspec.Raw`` costs 
 here, as msgspec still walks the array to find its end. So one compiled pass per payload
 (:func:`strip_tokens`) walks the msgpack structure itself: it parses every BlockStored's
 ``token_ids`` array (map events, vLLM >= 0.24, and tagged arrays, <= 0.23) into one uint64 buffer,
-and rewrites a copy of the payload in place, each of those arrays replaced by its index. msgspec
-decodes that small copy into structs as before, and each event gets a :class:`TokenIds`, a
-read-only sequence over its slice of the buffer, equal to the list msgspec would have decoded. The
-ingestor hashes the buffer slices (:func:`index.keys.u64_block_contents`) with no Python object
-per token.
+and rewrites a copy of the payload in place, each of those arrays replaced by an empty array
+(:func:`strip_events`, the decoder's) or by its index (:func:`strip_tokens`). msgspec decodes that
+small copy into the usual structs, and each event gets a :class:`TokenIds`, a read-only sequence
+over its slice of the buffer, equal to the list msgspec would have decoded. The ingestor hashes the
+buffer slices (:func:`index.keys.u64_block_contents`) with no Python object per token. The same
+walk notes whether the hashes, parents, block sizes and media are already in the form the decoder
+normalises to (most payloads), so that it can skip normalising. The buffer is the caller's, and
+only ints come back: boxing a returned array cost ~0.5 us per call.
 
 msgpack ints accepted as token ids: positive fixint, uint8/16/32/64, and int8/16/32/64 holding a
 non-negative value (msgspec decodes all of them into ``list[int]``). Negative values mark the array
@@ -81,7 +84,12 @@ def _fixed_sizes() -> I64:
 _FIXED = _fixed_sizes()
 _TOKEN_IDS = np.frombuffer(b"token_ids", dtype=np.uint8).copy()
 _BLOCK_STORED = np.frombuffer(b"BlockStored", dtype=np.uint8).copy()
-_NO_TOKENS = np.empty(0, dtype=np.uint64)
+_BLOCK_HASHES = np.frombuffer(b"block_hashes", dtype=np.uint8).copy()
+_PARENT = np.frombuffer(b"parent_block_hash", dtype=np.uint8).copy()
+_BLOCK_SIZE = np.frombuffer(b"block_size", dtype=np.uint8).copy()
+_MEDIUM = np.frombuffer(b"medium", dtype=np.uint8).copy()
+ROW = 6
+"""Words per token array in :func:`_strip`'s table."""
 
 # Token positions are unsigned: numba then skips the negative-index wraparound on every byte load,
 # which halved the cost per token (~5.0 -> ~2.7 ns). Parsing is one chain of dependent loads (each
@@ -90,6 +98,7 @@ _NO_TOKENS = np.empty(0, dtype=np.uint64)
 # cost ~4 ns.
 _ONE = np.uint64(1)
 _NEG_BIT = np.uint64(1 << 18)
+_U64 = np.dtype(np.uint64)
 
 
 @numba.njit(cache=True, inline="always")
@@ -188,35 +197,105 @@ def _str_is(buf: bytearray, pos: int, end: int, text: U8) -> bool:  # pragma: no
     return True
 
 
-@numba.njit(cache=True)
-def _strip(buf: bytearray) -> tuple[int, int, U64]:  # pragma: no cover - compiled
-    """Strip the token arrays of ``payload + _PAD``, in place: (length of the stripped payload,
-    number of token arrays k, table); length -1 when giving up (``buf`` is then garbage).
+@numba.njit(cache=True, inline="always")
+def _is_uint(b: int) -> bool:  # pragma: no cover - compiled
+    """Whether a type byte is a msgpack unsigned int (positive fixint, uint8..64)."""
+    return b <= 0x7F or 0xCC <= b <= 0xCF
 
-    The table holds k rows of (first token, count, negative, start and end of the array in the
-    payload), then the tokens. In the stripped payload each array is replaced by its row number,
-    which never takes more room than the array did (else this gives up).
+
+@numba.njit(cache=True)
+def _uint_array(buf: bytearray, pos: int, end: int) -> bool:  # pragma: no cover - compiled
+    """Whether the value at ``pos`` is an array of unsigned ints only."""
+    count, p = _container(buf, pos, end, False)
+    if count < 0:
+        return False
+    for _ in range(count):
+        if p >= end:
+            return False
+        b = int(buf[p])
+        if b <= 0x7F:
+            p += 1
+        elif 0xCC <= b <= 0xCF:
+            p += 1 + (1 << (b - 0xCC))
+        else:
+            return False
+    return p <= end
+
+
+_FIELD_OTHER = 0
+_FIELD_HASHES = 1
+_FIELD_PARENT = 2
+_FIELD_SIZE = 3
+_FIELD_MEDIUM = 4
+
+
+@numba.njit(cache=True)
+def _field(buf: bytearray, pos: int, end: int) -> int:  # pragma: no cover - compiled
+    """Which of the fields :func:`index.wire` normalises the map key at ``pos`` names, if any."""
+    if _str_is(buf, pos, end, _BLOCK_HASHES):
+        return _FIELD_HASHES
+    if _str_is(buf, pos, end, _PARENT):
+        return _FIELD_PARENT
+    if _str_is(buf, pos, end, _BLOCK_SIZE):
+        return _FIELD_SIZE
+    if _str_is(buf, pos, end, _MEDIUM):
+        return _FIELD_MEDIUM
+    return _FIELD_OTHER
+
+
+@numba.njit(cache=True)
+def _normal(buf: bytearray, pos: int, end: int, field: int) -> bool:  # pragma: no cover - compiled
+    """Whether the value at ``pos`` of a map event's ``field`` is already in the form the decoder
+    normalises to: hashes and parents unsigned ints (or no parent), a block size that is not
+    negative, a medium that is not nil."""
+    if field == _FIELD_OTHER or pos >= end:
+        return True
+    b = int(buf[pos])
+    if field == _FIELD_HASHES:
+        return _uint_array(buf, pos, end)
+    if field == _FIELD_PARENT:
+        return b == 0xC0 or _is_uint(b)
+    if field == _FIELD_SIZE:
+        return _is_uint(b)
+    return b != 0xC0  # medium
+
+
+@numba.njit(cache=True)
+def _strip(buf: bytearray, table: U64, cap: int, empty: bool) -> tuple[int, int, bool]:  # pragma: no cover
+    """Strip the token arrays of ``payload + _PAD``, in place: (length of the stripped payload,
+    number of token arrays k, clean); length -1 when giving up (``buf`` is then garbage).
+
+    ``table`` (the caller's: no array to box on return, which costs ~0.5 us a call) gets k rows of
+    :data:`ROW` words (first token, count, negative, start and end of the array in the payload,
+    number of its event), at most ``cap`` rows (more: give up), then from word ``ROW * cap`` the
+    tokens; it needs room for one token per payload byte. In the stripped payload each array is
+    replaced by its row number, or by an empty array when ``empty`` (the copy then decodes with the
+    ordinary decoders, token ids ``[]``); neither takes more room than the array did (else this
+    gives up). ``clean``: every map event's block hashes, parent, block size and medium are already
+    in normal form (see :func:`index.wire.decode_payload`; False for the legacy array shape).
     """
     end = len(buf) - 8
-    fail = (-1, 0, _NO_TOKENS)
+    fail = (-1, 0, False)
     n_top, pos = _container(buf, 0, end, False)
     if n_top < 2:
         return fail
     pos = _skip(buf, pos, end)  # ts
     n_events, pos = _container(buf, pos if pos >= 0 else end, end, False)
-    if n_events < 0 or n_events > end - pos:  # (each event takes a byte: no huge table for a lie)
+    if n_events < 0 or n_events > end - pos:  # (each event takes a byte)
         return fail
-    rows = n_events  # room for one token array per event (more: give up)
-    table = np.empty(5 * rows + max(end, 1), dtype=np.uint64)  # a token takes at least one byte
+    if len(table) < ROW * cap + end:
+        return fail
+    clean = True
     o = 0  # bytes of the stripped payload written (never ahead of `copied`)
     copied = 0  # payload bytes already moved
     k = 0  # token arrays found
-    t = np.uint64(5 * rows)  # next token's slot
-    for _ in range(n_events):
+    t = np.uint64(ROW * cap)  # next token's slot
+    for ev in range(n_events):
         # where this event's token_ids is: a map key, or item 3 of a ["BlockStored", ...] array
         n_items, first = _container(buf, pos, end, True)
         is_map = n_items >= 0
         if not is_map:
+            clean = False
             n_items, first = _container(buf, pos, end, False)
             if n_items < 1 or not _str_is(buf, first, end, _BLOCK_STORED):
                 pos = _skip(buf, pos, end)
@@ -225,20 +304,25 @@ def _strip(buf: bytearray) -> tuple[int, int, U64]:  # pragma: no cover - compil
                 continue
         pos = first
         for i in range(n_items):
+            field = _FIELD_OTHER
             if is_map:
                 is_tokens = _str_is(buf, pos, end, _TOKEN_IDS)
+                if clean and not is_tokens:
+                    field = _field(buf, pos, end)
                 pos = _skip(buf, pos, end)  # the key
                 if pos < 0:
                     return fail
             else:
                 is_tokens = i == 3
             if not is_tokens:
+                if field != _FIELD_OTHER and not _normal(buf, pos, end, field):
+                    clean = False
                 pos = _skip(buf, pos, end)
                 if pos < 0:
                     return fail
                 continue
             count, p = _container(buf, pos, end, False)
-            if count < 0 or k >= rows:
+            if count < 0 or k >= cap:
                 return fail
             start = pos
             t0 = t
@@ -267,19 +351,22 @@ def _strip(buf: bytearray) -> tuple[int, int, U64]:  # pragma: no cover - compil
             if flags & np.uint64(1 << 17) or up > uend:
                 return fail
             pos = int(np.int64(up))
-            placeholder = 1 if k < 0x80 else 2 if k < 0x100 else 3  # fixint, uint8, uint16
+            placeholder = 1 if empty or k < 0x80 else 2 if k < 0x100 else 3  # [], fixint, uint8, uint16
             if pos - start < placeholder:  # (an empty array, row 128 or later)
                 return fail
-            row = 5 * k
+            row = ROW * k
             table[row] = t0
             table[row + 1] = count
             table[row + 2] = 1 if flags & _NEG_BIT else 0
             table[row + 3] = start
             table[row + 4] = pos
+            table[row + 5] = ev
             for j in range(start - copied):  # move left (o <= copied): a forward copy is safe
                 buf[o + j] = buf[copied + j]
             o += start - copied
-            if k < 0x80:
+            if empty:
+                buf[o] = 0x90
+            elif k < 0x80:
                 buf[o] = k
             elif k < 0x100:
                 buf[o] = 0xCC
@@ -300,7 +387,7 @@ def _strip(buf: bytearray) -> tuple[int, int, U64]:  # pragma: no cover - compil
     for j in range(end - copied):
         buf[o + j] = buf[copied + j]
     o += end - copied
-    return o, k, table[: np.int64(t)]
+    return o, k, clean
 
 
 @numba.njit(cache=True)
@@ -397,24 +484,65 @@ class TokenIds(Sequence[int]):
         return repr(self._items())
 
 
+def _run(payload: bytes, empty: bool) -> tuple[bytearray, U64, int, int, bool] | None:
+    """:func:`_strip` on a copy of ``payload``: (buffer, table, stripped length, arrays, clean)."""
+    size = len(payload)
+    buf = bytearray(payload)
+    buf += _PAD
+    cap = size // 12 + 1  # each token array takes 12 bytes or more ({"token_ids": []}): room enough
+    table = np.empty(ROW * cap + size, dtype=np.uint64)
+    n, k, clean = _strip(buf, table, cap, empty)
+    if n < 0:
+        return None
+    return buf, table, n, k, clean
+
+
+def _token_ids(payload: bytes, table: U64, k: int) -> list[tuple[int, TokenIds]]:
+    """(event number, ids) of each of the k token arrays :func:`_strip` found."""
+    out = []
+    rows = table[: ROW * k].tolist()
+    for r in range(0, ROW * k, ROW):
+        first, count, negative, start, stop, ev = rows[r : r + ROW]
+        if negative:
+            out.append((ev, TokenIds(table, first, count, True, payload[start:stop])))
+        else:
+            out.append((ev, TokenIds(table, first, count)))
+    return out
+
+
 def strip_tokens(payload: bytes) -> tuple[memoryview, list[TokenIds]] | None:
     """(payload with each token_ids array replaced by its index, the arrays), or None when the
     payload is not plain enough for this path (the caller then decodes it the generic way)."""
+    run = _run(payload, False)
+    if run is None:
+        return None
+    buf, table, n, k, _ = run
+    return memoryview(buf)[:n], [ids for _, ids in _token_ids(payload, table, k)]
+
+
+def strip_events(payload: bytes) -> tuple[memoryview, list[tuple[int, TokenIds]], bool] | None:
+    """(payload with each token_ids array replaced by an empty array, (event number, ids) of each
+    array in order, clean), or None as :func:`strip_tokens`.
+
+    The copy decodes with the ordinary decoders (token ids ``[]``), into the events the ids then go
+    to. ``clean``: every map event's block hashes and parent are unsigned ints (or no parent), its
+    block size is not negative and its medium is not nil, so normalising the batch would change
+    nothing (False for the legacy array shape: normalising decides). The ingest path: one call per
+    message, so :func:`_run` and :func:`_token_ids` are inlined for the usual single array.
+    """
+    size = len(payload)
     buf = bytearray(payload)
     buf += _PAD
-    n, k, table = _strip(buf)
+    cap = size // 12 + 1
+    table = np.empty(ROW * cap + size, _U64)
+    n, k, clean = _strip(buf, table, cap, True)
     if n < 0:
         return None
-    ids = []
-    if k:
-        rows = table[: 5 * k].tolist()
-        for r in range(0, 5 * k, 5):
-            first, count, negative, start, stop = rows[r : r + 5]
-            if negative:
-                ids.append(TokenIds(table, first, count, True, payload[start:stop]))
-            else:
-                ids.append(TokenIds(table, first, count))
-    return memoryview(buf)[:n], ids
+    if k == 1:
+        first, count, negative, _, _, ev = table[:ROW].tolist()
+        if not negative:
+            return memoryview(buf)[:n], [(ev, TokenIds(table, first, count))], clean
+    return memoryview(buf)[:n], _token_ids(payload, table, k) if k else [], clean
 
 
 @functools.cache
@@ -426,4 +554,5 @@ def warm_up() -> None:
     from numba's cache in ``__pycache__``); call it at start-up, off any latency-sensitive path.
     """
     strip_tokens(msgspec.msgpack.encode([0.0, [{"token_ids": [1]}], 0]))
+    strip_events(msgspec.msgpack.encode([0.0, [{"token_ids": [1], "medium": "GPU"}], 0]))
     contents(np.ones(1, dtype=np.uint64), 1, np.ones(1, dtype=np.uint64))

@@ -6,7 +6,8 @@ re-announces shared hashes once per chunk and removes them the same way, so a re
 when its count reaches zero.
 
 Layout: compact open-addressing tables over numpy arrays, every per-block loop a compiled kernel of
-:mod:`index.table` (numba), one kernel call per event, per lookup, per eviction:
+:mod:`index.table` (numba), one kernel call per lookup, per eviction, per event or per run of
+events (:meth:`PrefixStore.apply_ops`, the ingest path):
 
 - key table: our 64-bit key -> one uint64 source bitmask per (medium, 64-source word) in use (a
   GPU-only fleet of up to 64 sources: 16 bytes per slot). A count above one lives in the refs table
@@ -25,8 +26,9 @@ kernels that change the key table, and the lookup, hold the GIL, so each runs wh
 the other thread, as one dict operation did: a lookup sees the tables between two events and never
 a row mid-move. A rebuild fills new arrays without the GIL (nothing changes the published ones
 meanwhile) and publishes them with one attribute store of a tuple (table, shift, column layout),
-which a lookup reads once; clearing or dropping a source holds the GIL in slices. Media are
-registered by the writer (ingest does). See :mod:`index.table`.
+which a lookup reads once; clearing or dropping a source holds the GIL in slices, and a run of
+events in calls of at most 4,096 blocks (~1 ms). Media are registered by the writer (ingest does).
+See :mod:`index.table`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ I64 = npt.NDArray[np.int64]
 _MIN_CAP = 64
 _REBUILD_LOAD = 0.625  # a rebuilt table is the smallest power of two at or below this load
 _SLICE = 1 << 16  # engine-hash rows per kernel call when clearing or dropping a source (~10 ms)
+_OPS_BUDGET = 4096  # blocks per apply_ops kernel call (~1 ms holding the GIL)
+OP_STORE = tb.OP_STORE
+OP_REMOVE = tb.OP_REMOVE
 
 
 class SourceMatch(msgspec.Struct, gc=False):
@@ -145,6 +150,9 @@ def _warm_up() -> None:
     st.store(a, 0, [1], [12])  # remap, then the cap evicts
     st.store(b, cpu, np.array([4], dtype=np.uint64), np.array([10], dtype=np.uint64))
     st.store(b, 0, list(range(100, 400)), list(range(300)))  # rebuilds, log compaction
+    ops = np.array([[OP_STORE, cpu, 0, 2], [OP_REMOVE, 0, 0, 1], [OP_STORE, 0, 2, 1]], dtype=np.int64)
+    hashes = np.array([7, 8, 9], dtype=np.uint64)
+    st.apply_ops(a, ops, hashes, np.array([20, 21, 22], dtype=np.uint64), hashes[:1])
     st.lookup([10, 11], [a, b])
     st.lookup(np.array([10], dtype=np.uint64), [a])
     st.key_of(a, 1)
@@ -312,6 +320,30 @@ class PrefixStore:
             self._room(sidx, midx, n)
         if over:
             self._evict()
+
+    def apply_ops(self, sidx: int, ops: I64, ehs: U64, keys: U64, rems: U64) -> None:
+        """A run of one source's events, in order, as :meth:`store` and :meth:`remove` one by one
+        would apply them (the same kernels, called from one compiled loop: no Python per event).
+
+        ``ops`` is ``int64[n, 4]``, one row per event: (:data:`OP_STORE`, medium index, first, count)
+        stores ``ehs[first:first+count]`` with ``keys[first:first+count]``, (:data:`OP_REMOVE`,
+        medium index, first, count) removes ``rems[first:first+count]``. The arrays must be
+        C-contiguous (one compiled version of the kernel).
+        """
+        j = 0
+        n = len(ops)
+        while j < n:
+            src = self._srcs[sidx]  # (re-read: making room replaces its arrays)
+            kt, kshift, col_of = self._kts
+            rt, rshift = self._rts
+            j, status = tb.apply_ops(
+                kt, kshift, col_of, self._g, rt, rshift, src.em, src.eshift, src.log, src.ss, src.cnt,
+                sidx, ops, ehs, keys, rems, j, _OPS_BUDGET,
+            )  # fmt: skip
+            if status < 0:
+                self._room(sidx, int(ops[j, 1]), int(ops[j, 3]))
+            elif status > 0:
+                self._evict()
 
     def remove(self, sidx: int, midx: int, engine_hashes: Sequence[int] | U64) -> int:
         """Drop one reference per engine hash; returns how many residencies ended."""

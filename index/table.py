@@ -1,8 +1,9 @@
 """Compiled kernels (numba) of the compact prefix store: open-addressing tables over numpy arrays.
 
 :class:`index.store.PrefixStore` owns the arrays; every operation on them is one call of a kernel
-here (one per event, per lookup, per eviction), so the per-block work runs as machine code with no
-Python objects. The kernels know nothing of sources' names or media names: only dense indices.
+here (one per event or run of events, per lookup, per eviction), so the per-block work runs as
+machine code with no Python objects. The kernels know nothing of sources' names or media names:
+only dense indices.
 
 Tables (all power-of-two sized, linear probing, Fibonacci hashing of the 64-bit key; the load is
 kept at or below 3/4: the store kernel refuses an event that would cross it and the caller
@@ -67,6 +68,7 @@ S_TAIL = 3
 S_REFS = 4  # references above one held by the source (the sum of its rt counts)
 S_UNKNOWN = 5
 S_EVICTED = 6
+S_TOUCH = 7  # as G_TOUCH, for the writer-only kernels that run without the GIL
 S_SIZE = 8
 
 _jit = numba.njit(cache=True)
@@ -220,19 +222,35 @@ def em_rebuild(old: np.ndarray, new: np.ndarray) -> int:
     return n
 
 
+_AHEAD = 64
+"""Entries whose home slots :func:`log_compact` and the rebuilds read ahead of processing them."""
+
+
 @_jit_nogil
 def log_compact(em: np.ndarray, log: np.ndarray, ss: np.ndarray, new: np.ndarray) -> None:
-    """Copy the current entries of a source's log to the start of ``new`` and renumber their rows."""
+    """Copy the current entries of a source's log to the start of ``new`` and renumber their rows.
+
+    Every entry costs a probe of the engine-hash table at a random place; the home slots of the next
+    :data:`_AHEAD` entries are read first, so their cache misses overlap (~3x faster at 200k rows).
+    """
     shift = shift_of(em.shape[0])
+    mask = em.shape[0] - 1
     q = 0
-    for p in range(ss[S_HEAD], ss[S_TAIL]):
-        i = em_find(em, shift, log[p])
-        if i >= 0 and em[i, 2] == np.uint64(p + 2):
-            new[q] = log[p]
-            em[i, 2] = np.uint64(q + 2)
-            q += 1
+    tail = ss[S_TAIL]
+    acc = U0
+    for base in range(ss[S_HEAD], tail, _AHEAD):
+        stop = min(base + _AHEAD, tail)
+        for p in range(base, stop):
+            acc ^= em[_home(log[p], shift) & mask, 2]
+        for p in range(base, stop):
+            i = em_find(em, shift, log[p])
+            if i >= 0 and em[i, 2] == np.uint64(p + 2):
+                new[q] = log[p]
+                em[i, 2] = np.uint64(q + 2)
+                q += 1
     ss[S_HEAD] = 0
     ss[S_TAIL] = q
+    ss[S_TOUCH] = np.int64(acc)
 
 
 # --- refs table ----------------------------------------------------------------------------------
@@ -526,6 +544,66 @@ def remove_event(
     cnt[m] -= ended
     g[G_TOTAL] -= ended
     return ended
+
+
+OP_STORE = 0
+OP_REMOVE = 1
+
+
+@_jit
+def apply_ops(
+    kt: np.ndarray,
+    kshift: np.uint64,
+    col_of: np.ndarray,
+    g: np.ndarray,
+    rt: np.ndarray,
+    rshift: np.uint64,
+    em: np.ndarray,
+    eshift: np.uint64,
+    log: np.ndarray,
+    ss: np.ndarray,
+    cnt: np.ndarray,
+    s: int,
+    ops: np.ndarray,
+    ehs: np.ndarray,
+    keys: np.ndarray,
+    rems: np.ndarray,
+    j: int,
+    budget: int,
+) -> tuple[int, int]:
+    """A run of one source's events in one call, from op ``j`` on: :func:`store_event` and
+    :func:`remove_event` in turn, exactly as separate calls would apply them.
+
+    ``ops[j]`` is (kind, medium, first, count): a store of ``ehs``/``keys[first:first+count]``
+    (:data:`OP_STORE`) or a removal of ``rems[first:first+count]`` (:data:`OP_REMOVE`). One call
+    instead of one per event: a kernel call with this many array arguments costs ~1.5 us to dispatch.
+    Returns (next op, status): status -1 when op ``next`` needs room (the caller makes it, as after
+    :func:`store_event`'s -1, and calls again), 1 when the store just before ``next`` went over the
+    cap (the caller evicts and calls again), 0 when done or when ``budget`` blocks were applied (the
+    caller calls again: the interpreter may switch threads in between).
+    """
+    done = 0
+    while j < ops.shape[0]:
+        m = ops[j, 1]
+        a = ops[j, 2]
+        n = ops[j, 3]
+        if ops[j, 0] == OP_STORE:
+            over = store_event(
+                kt, kshift, col_of, g, rt, rshift, em, eshift, log, ss, cnt, s, m,
+                ehs[a : a + n], keys[a : a + n],
+            )  # fmt: skip
+            if over < 0:
+                return j, -1
+            j += 1
+            if over > 0:
+                return j, 1
+        else:  # OP_REMOVE
+            remove_event(kt, kshift, col_of, g, rt, rshift, em, eshift, ss, cnt, s, m, rems[a : a + n])
+            j += 1
+        done += n
+        if done >= budget:
+            break
+    return j, 0
 
 
 @_jit

@@ -5,13 +5,15 @@ msgpack array ``[ts, events, data_parallel_rank?]``. Events are maps tagged by `
 0.24 on, and tagged arrays ``["BlockStored", field, ...]`` up to 0.23. Block hashes are unsigned
 64-bit ints by default or raw digest bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 
-Decoding takes the fast typed path first: one compiled pass (:func:`index.rawtokens.strip_tokens`)
+Decoding takes the fast typed path first: one compiled pass (:func:`index.rawtokens.strip_events`)
 parses every ``token_ids`` array into a uint64 buffer and leaves a copy of the payload with each
-array replaced by its index, which msgspec decodes straight into structs (map shape, then the
-legacy array shape); events get :class:`index.rawtokens.TokenIds` (no Python int per token). If
-that fails for any reason, the same structs with ``token_ids: list[int]`` are tried on the payload
-itself, and only then a tolerant positional parse of the untyped value, which accepts unknown
-trailing fields and items; so any payload decodes (or fails) exactly as it did before.
+array replaced by an empty one, which the ordinary typed decoders turn into the final structs (map
+shape, then the legacy array shape); each BlockStored then gets its
+:class:`index.rawtokens.TokenIds` (no Python int per token), and normalising is skipped when the
+pass saw that it would change nothing. If that fails for any reason, the same structs with
+``token_ids: list[int]`` are tried on the payload itself, and only then a tolerant positional parse
+of the untyped value, which accepts unknown trailing fields and items; so any payload decodes (or
+fails) exactly as it did before.
 Everything downstream sees one normalised shape: :class:`Batch` holding :class:`BlockStored`,
 :class:`BlockRemoved` and :class:`AllBlocksCleared` with int hashes and a non-empty ``medium``.
 """
@@ -23,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from index.rawtokens import strip_tokens
+from index.rawtokens import strip_events
 
 END_SEQ = 0xFFFF_FFFF_FFFF_FFFF
 """Seq of the replay end marker (``-1`` as a signed 64-bit big-endian int)."""
@@ -108,44 +110,9 @@ class _LegacyBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-# The stripped shapes: as above, with token_ids replaced by its index in strip_tokens' list.
-class _StrippedFields(msgspec.Struct, gc=False):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: int
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_GPU
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-
-
-class _StrippedStored(_StrippedFields, tag="BlockStored", tag_field="type", gc=False):
-    pass
-
-
-class _StrippedBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_StrippedStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-class _LegacyStrippedStored(_StrippedFields, array_like=True, tag="BlockStored", gc=False):
-    pass
-
-
-class _LegacyStrippedBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_LegacyStrippedStored | _LegacyRemoved | _LegacyCleared]
-    data_parallel_rank: int | None = None
-
-
 _map_decoder = msgspec.msgpack.Decoder(Batch)
 _legacy_decoder = msgspec.msgpack.Decoder(_LegacyBatch)
 _any_decoder = msgspec.msgpack.Decoder()
-_stripped_map_decoder = msgspec.msgpack.Decoder(_StrippedBatch)
-_stripped_legacy_decoder = msgspec.msgpack.Decoder(_LegacyStrippedBatch)
 
 
 def hash_to_int(value: int | bytes) -> int:
@@ -176,15 +143,6 @@ def _int_hashes(hashes: list[int | bytes]) -> list[int | bytes]:
     if type(low) is int and low >= 0:
         return hashes
     return [hash_to_int(x) for x in hashes]
-
-
-def _clean_hashes(hashes: list[int | bytes]) -> bool:
-    """True when :func:`_int_hashes` would return the list itself (a non-empty list of unsigned ints)."""
-    try:
-        low = min(hashes)
-    except (TypeError, ValueError):
-        return False
-    return type(low) is int and low >= 0
 
 
 def _normalise(batch: Batch) -> Batch:
@@ -335,61 +293,30 @@ def _tolerant_batch(payload: bytes) -> Batch:
 def _stripped_batch(payload: bytes) -> Batch | None:
     """The compiled-token decode, or None when the payload needs the generic path (which decides).
 
-    Equivalent to the typed decoders below whenever it returns a batch: the copy differs from the
-    payload only where a token_ids array was, and the compiled pass gives up on any array that
-    ``list[int]`` would not accept (and on anything else it does not fully understand).
+    The copy :func:`index.rawtokens.strip_events` leaves differs from the payload only where a
+    token_ids array was (now an empty one), and the compiled pass gives up on any array that
+    ``list[int]`` would not accept (and on anything else it does not fully understand), so the
+    ordinary decoders accept the copy exactly when they accept the payload, with the same events;
+    each BlockStored then gets its :class:`TokenIds`. Normalising is skipped when the pass saw that
+    it would change nothing.
     """
-    stripped = strip_tokens(payload)
+    stripped = strip_events(payload)
     if stripped is None:
         return None
-    copy, ids = stripped
-    legacy = False
-    decoded: _StrippedBatch | _LegacyStrippedBatch
+    copy, ids, clean = stripped
     try:
-        decoded = _stripped_map_decoder.decode(copy)
+        batch = _map_decoder.decode(copy)
     except (msgspec.ValidationError, msgspec.DecodeError):
         try:
-            decoded = _stripped_legacy_decoder.decode(copy)
+            batch = _from_legacy(_legacy_decoder.decode(copy))
         except (msgspec.ValidationError, msgspec.DecodeError):
             return None
-        legacy = True
-    out: list[Event] = []
-    events: list[Any] = decoded.events
-    clean = True  # every event already in normal form: _normalise would change nothing
-    for ev in events:
-        kind = type(ev)
-        if kind is _StrippedStored or kind is _LegacyStrippedStored:
-            index = ev.token_ids
-            if not 0 <= index < len(ids):
-                return None  # not an index we wrote (cannot happen: every token_ids was replaced)
-            if clean:
-                clean = _clean_hashes(ev.block_hashes) and ev.medium is not None and ev.block_size >= 0
-                parent = ev.parent_block_hash
-                if parent is not None and (type(parent) is not int or parent < 0):
-                    clean = False
-            out.append(
-                BlockStored(
-                    ev.block_hashes,
-                    ev.parent_block_hash,
-                    ids[index],
-                    ev.block_size,
-                    ev.lora_id,
-                    ev.medium,
-                    ev.lora_name,
-                    ev.extra_keys,
-                    ev.group_idx,
-                )
-            )
-        elif not legacy:
-            if clean and kind is BlockRemoved:
-                clean = _clean_hashes(ev.block_hashes) and ev.medium is not None
-            out.append(ev)
-        elif kind is _LegacyRemoved:
-            clean = False
-            out.append(BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx))
-        else:
-            out.append(AllBlocksCleared())
-    batch = Batch(decoded.ts, out, decoded.data_parallel_rank)
+        clean = False
+    events = batch.events
+    for e, tokens in ids:
+        ev = events[e]
+        if type(ev) is BlockStored:  # (other events ignore a token_ids field)
+            ev.token_ids = tokens
     return batch if clean else _normalise(batch)
 
 
