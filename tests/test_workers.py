@@ -133,9 +133,14 @@ def _fresh(method: str, url: str, **kw: Any) -> httpx.Response:
 
 
 def _workers_seen(url: str, tries: int) -> dict[int, int]:
+    """worker index -> pid of the workers that answered ``tries`` fresh connections. A connection
+    refused or reset (a worker dying with connections in its accept queue) just counts for nobody."""
     seen: dict[int, int] = {}
     for _ in range(tries):
-        h = _fresh("GET", f"{url}/health").json()
+        try:
+            h = _fresh("GET", f"{url}/health").json()
+        except httpx.TransportError:
+            continue
         seen[h["worker"]] = h["pid"]
     return seen
 
