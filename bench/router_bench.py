@@ -5,8 +5,9 @@ route-decision latency for 1k/8k/32k-token prompts.
 (Debian package). Everything runs on 127.0.0.1; every load run is bounded in time.
 
 - upstreams: ``raw`` (bench/zero_mock.py: raw asyncio, tens of thousands of req/s, so the router's
-  own cost dominates) and ``framework`` (the same answers from FastAPI on uvicorn, vLLM's server
-  stack, so the upstream costs what vLLM's HTTP layer costs without a model).
+  own cost dominates), ``raw+25`` (the same spending 25 us of CPU per request: vllm-router lands near
+  the issue's reference ratios on it) and ``framework`` (the same answers from FastAPI on uvicorn,
+  vLLM's server stack, so the upstream costs what vLLM's HTTP layer costs without a model).
 - req/s: wrk, POST /v1/completions (a short text prompt, tokenized by the router with the toy
   tokenizer, so the kv policy does its full work), non-stream and SSE (16 chunks), c=1 and c=32;
   ratio = through the router / direct, measured in the same run; the same app under uvicorn is
@@ -271,8 +272,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--upstreams",
-        default="raw,framework",
-        help="zero-latency upstreams: raw (asyncio) and/or framework (FastAPI on uvicorn, as vLLM)",
+        default="raw+25,raw,framework",
+        help="zero-latency upstreams: raw (asyncio), raw+N (raw spending N us of CPU per request; "
+        "raw+25 is calibrated to the issue's mock) and/or framework (FastAPI on uvicorn, as vLLM)",
     )
     args = ap.parse_args()
     if shutil.which("wrk") is None:

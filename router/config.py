@@ -225,22 +225,14 @@ def load_config(path: str | Path) -> RouterConfig:
 def with_overrides(cfg: RouterConfig, **values: Any) -> RouterConfig:
     """Apply command-line / environment overrides (None values are ignored)."""
     server = cfg.server
-    if values.get("host") is not None:
-        server = msgspec.structs.replace(server, host=values["host"])
-    if values.get("port") is not None:
+    for key, kind in (("host", str), ("port", int), ("log_level", str), ("workers", int)):
+        value = values.get(key)
+        if value is None:
+            continue
         try:
-            port = int(values["port"])
+            server = msgspec.structs.replace(server, **{key: kind(value)})
         except ValueError:
-            raise ConfigError(f"server.port: {values['port']!r} is not a port number") from None
-        server = msgspec.structs.replace(server, port=port)
-    if values.get("log_level") is not None:
-        server = msgspec.structs.replace(server, log_level=values["log_level"])
-    if values.get("workers") is not None:
-        try:
-            workers = int(values["workers"])
-        except ValueError:
-            raise ConfigError(f"server.workers: {values['workers']!r} is not a number") from None
-        server = msgspec.structs.replace(server, workers=workers)
+            raise ConfigError(f"server.{key}: {value!r} is not a whole number") from None
     policy = cfg.policy
     if values.get("policy") is not None:
         policy = msgspec.structs.replace(policy, name=values["policy"])
