@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Any
 
-from router.config import ConfigError, env_overrides, load_config, with_overrides
+from router.config import ConfigError, RouterConfig, env_overrides, load_config, with_overrides
 from router.policy import POLICIES
 
 
@@ -39,6 +39,11 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def config_tokenizers(cfg: RouterConfig) -> list[str]:
+    """Every tokenizer path the configuration names."""
+    return [*cfg.tokenizers.values(), *([cfg.tokenizer] if cfg.tokenizer else [])]
+
+
 def run(args: argparse.Namespace) -> int:
     """Load, validate, serve; a config error exits with status 2 and names the key."""
     try:
@@ -59,8 +64,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
     if cfg.server.workers > 1:
+        from router.tokenizer import ChatTokenizer
         from router.workers import Supervisor
 
+        try:  # what a worker would fail on at start, reported once here instead of by every worker
+            for path in config_tokenizers(cfg):
+                ChatTokenizer.from_path(path)
+        except (OSError, ValueError) as exc:
+            print(f"kvrouter: cannot start: {exc}", file=sys.stderr)
+            return 2
         return Supervisor(cfg).run()
     from router.app import KVRouter
     from router.server import HttpServer, loop_factory

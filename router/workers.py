@@ -178,7 +178,7 @@ class Supervisor:
                     if self._quick_deaths >= _MAX_QUICK_DEATHS:
                         log.error("workers keep dying at start; giving up (see the errors above)")
                         return 1
-                    time.sleep(backoff)
+                    self._pause(backoff)
                     backoff = min(backoff * 2, 30.0)
                 else:
                     self._quick_deaths = 0
@@ -186,6 +186,12 @@ class Supervisor:
                 if not self.stopping:
                     self._spawn(i, run_dir)
         return 0
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep, but return at once when asked to stop (a signal does not cut ``time.sleep`` short)."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _stop_all(self) -> None:
         """SIGTERM every worker (each drains), wait ``drain_timeout_s`` + 10 s, then SIGKILL."""

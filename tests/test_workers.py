@@ -260,3 +260,43 @@ def test_bind_mode_events_need_one_worker(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "backends[0].kv_bind" in out.stderr and "server.workers" in out.stderr
+
+
+def test_a_broken_tokenizer_stops_start_up_before_any_worker(tmp_path: Path) -> None:
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text("this is not a tokenizer")
+    cfg = tmp_path / "fleet.toml"
+    cfg.write_text(
+        f'tokenizer = "{broken}"\n[server]\nworkers = 2\n'
+        '[[backends]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "cannot start" in out.stderr, out.stderr
+    assert "worker" not in out.stderr
+
+
+def test_the_supervisor_gives_up_on_workers_that_keep_dying(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router import workers
+    from router.config import parse_config
+
+    cfg = parse_config(
+        {
+            "server": {"port": _free_port(), "workers": 2, "drain_timeout_s": 1},
+            "backends": [{"name": "a", "url": "http://127.0.0.1:9"}],
+        }
+    )
+    # a worker whose entry point fails at once: sys.exit called with two arguments raises TypeError,
+    # so the spawned process exits 1 right after starting
+    monkeypatch.setattr(workers, "worker_main", sys.exit)
+    monkeypatch.setattr(workers.Supervisor, "_pause", lambda self, seconds: None)
+    sup = workers.Supervisor(cfg)
+    assert sup.run() == 1
+    assert all(not p.is_alive() for p in sup._procs.values())
