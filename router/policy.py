@@ -180,7 +180,6 @@ class Policy:
             outcome = "prefix"
         else:
             outcome = "load"
-        self._explain(scores, best, outcome)
         return Decision(best.backend, best.dp_rank, outcome, scores)
 
     def _pick(
@@ -205,27 +204,32 @@ class Policy:
             return self.rng.choices(range(n), weights=weights)[0]
         return self.rng.choice([i for i in range(n) if costs[i] == lo])
 
-    def _explain(self, scores: list[CandidateScore], best: CandidateScore, outcome: str) -> None:
-        cfg = self.config
-        for s in scores:
-            if cfg.name != "kv":
-                s.reason = f"{cfg.name}: chosen" if s.chosen else f"{cfg.name}: not chosen"
-                continue
-            if s.chosen:
-                if outcome == "prefix":
-                    s.reason = f"lowest cost; cached prefix saves {s.credit_blocks:g} of the prompt's blocks"
-                else:
-                    s.reason = "lowest cost; placed by load"
-                continue
-            if s.matched_blocks and s.credit_blocks == 0:
-                why = f"its {s.matched_blocks}-block match is below the minimum-match threshold"
-            elif s.credit_blocks >= best.credit_blocks and s.score > best.score:
-                why = (
-                    f"more cached ({s.credit_blocks:g} blocks) but busier "
-                    f"(queued {s.queued_blocks:g} blocks, {s.inflight} in flight)"
-                )
-            elif s.score == best.score:
-                why = "tied on cost; lost the random tie-break"
+
+def explain(policy: str, scores: list[CandidateScore], outcome: str) -> None:
+    """Fill in each candidate's ``reason`` (why it won or lost). Called when a decision is shown
+    (``/route``, the dashboard), not when it is made: the proxy never reads the reasons."""
+    best = next((s for s in scores if s.chosen), None)
+    if best is None:
+        return
+    for s in scores:
+        if policy != "kv":
+            s.reason = f"{policy}: chosen" if s.chosen else f"{policy}: not chosen"
+            continue
+        if s.chosen:
+            if outcome == "prefix":
+                s.reason = f"lowest cost; cached prefix saves {s.credit_blocks:g} of the prompt's blocks"
             else:
-                why = f"cost {s.score:g} vs {best.score:g}"
-            s.reason = why
+                s.reason = "lowest cost; placed by load"
+            continue
+        if s.matched_blocks and s.credit_blocks == 0:
+            why = f"its {s.matched_blocks}-block match is below the minimum-match threshold"
+        elif s.credit_blocks >= best.credit_blocks and s.score > best.score:
+            why = (
+                f"more cached ({s.credit_blocks:g} blocks) but busier "
+                f"(queued {s.queued_blocks:g} blocks, {s.inflight} in flight)"
+            )
+        elif s.score == best.score:
+            why = "tied on cost; lost the random tie-break"
+        else:
+            why = f"cost {s.score:g} vs {best.score:g}"
+        s.reason = why

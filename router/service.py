@@ -18,7 +18,7 @@ from index.store import SourceMatch
 from router.backends import Backend, BackendRegistry
 from router.errors import ApiError, bad_request, not_found_model, unavailable
 from router.load import LoadTracker
-from router.policy import Candidate, CandidateScore, Decision, Policy
+from router.policy import Candidate, CandidateScore, Decision, Policy, explain
 from router.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
 
 log = logging.getLogger("kvrouter.route")
@@ -43,9 +43,13 @@ class Route(msgspec.Struct):
     timings_us: dict[str, float] = {}
     time: float = 0.0
     report: MatchReport | None = None
+    policy: str = "kv"
 
     def explain(self) -> dict[str, Any]:
-        """The JSON body of ``/route`` (and of the dashboard's recent decisions)."""
+        """The JSON body of ``/route`` (and of the dashboard's recent decisions); the candidates'
+        reasons are written here, the first time the decision is shown."""
+        if self.candidates and not any(c.reason for c in self.candidates):
+            explain(self.policy, self.candidates, self.outcome)
         out: dict[str, Any] = msgspec.to_builtins(self)
         out.pop("report", None)
         out["timings_us"] = {
@@ -193,6 +197,7 @@ class RouterService:
             },
             time=time.time(),
             report=report,
+            policy=self.policy.config.name,
         )
         if not dry_run:
             if report is not None:

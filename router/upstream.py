@@ -268,8 +268,7 @@ class UpstreamPool:
         if len(stack) >= self.max_idle_per_host:
             conn.close()
             return
-        conn._reset()
-        conn.parser = httptools.HttpResponseParser(conn)
+        conn._reset()  # the parser carries on: a complete response leaves it ready for the next one
         conn.idle_since = time.monotonic()
         stack.append(conn)
 
