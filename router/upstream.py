@@ -95,6 +95,12 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # another response starts in the bytes after this one's end (a server that answered
+            # something we did not ask): the connection is out of step, never reuse it
+            self.keep_alive = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 

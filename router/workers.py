@@ -19,15 +19,22 @@ How:
 - Not shared: predict-on-route. A burst of one new prefix spread over N workers can land on up to
   N engines until the engines' events arrive (milliseconds), after which every worker sees the real
   residencies. Bind-mode KV events need one process (config validation says so).
-- A worker that dies is restarted (backoff 1 s doubling to 30 s); if workers keep dying within 10 s
-  of their start, the supervisor gives up after 5 such deaths in a row and exits 1 (a broken
-  config or port must not spin forever). SIGTERM/SIGINT: every worker drains (``drain_timeout_s``)
-  and exits, then the supervisor removes the run directory and exits 0.
+- A worker that dies is restarted (backoff 1 s doubling to 30 s). Before that, its rows of the load
+  board are zeroed (its requests died with it) and its last published figures are folded into the
+  retired ones (sums never drop). If workers keep dying within 10 s of their start, the supervisor
+  gives up after 5 such deaths in a row and exits 1 (a broken config or port must not spin
+  forever); once every worker has run 10 s, the count starts afresh. SIGTERM/SIGINT: every worker
+  drains (``drain_timeout_s``) and exits, then the supervisor removes the run directory and exits 0.
+- The port is checked with a plain bind first: SO_REUSEPORT alone would let a second router on the
+  same port start and silently split the traffic. Workers ask the kernel for SIGTERM when the
+  supervisor dies (Linux), so a killed supervisor leaves no orphan serving the port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -46,6 +53,7 @@ import msgspec
 
 from router.config import RouterConfig
 from router.load import LoadBoard, Target
+from router.workerstats import retire
 
 log = logging.getLogger("kvrouter.workers")
 
@@ -72,20 +80,36 @@ def fleet_targets(config: RouterConfig) -> list[Target]:
     return [(b.name, r) for b in config.backends for r in range(b.dp_size)]
 
 
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port) with SO_REUSEADDR and SO_REUSEPORT, not yet listening."""
+def reuseport_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEADDR (and SO_REUSEPORT), not listening.
+    ``host`` "" means every interface, as for asyncio."""
     family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio does
         sock.bind(addr)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent (the supervisor) dies; elsewhere, nothing."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
 
 
 def worker_main(config: RouterConfig, ctx: WorkerContext) -> None:
@@ -101,9 +125,11 @@ def worker_main(config: RouterConfig, ctx: WorkerContext) -> None:
     from router.app import KVRouter
     from router.server import HttpServer, loop_factory
 
+    _die_with_parent()
     app = KVRouter(config, worker=ctx)
+    # not listening yet: the server listens once the router has started, so the kernel sends this
+    # worker no connection before it can answer
     sock = reuseport_socket(config.server.host, config.server.port)
-    sock.listen(2048)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(HttpServer(app, sock=sock).run())
 
@@ -137,6 +163,7 @@ class Supervisor:
         """Serve until SIGTERM/SIGINT; 0 after a clean stop, 1 if the port or the workers fail."""
         srv = self.config.server
         try:
+            reuseport_socket(srv.host, srv.port, reuse_port=False).close()  # taken by anyone else?
             reserve = reuseport_socket(srv.host, srv.port)
         except OSError as exc:
             log.error("cannot serve on %s:%d: %s", srv.host, srv.port, exc)
@@ -161,6 +188,11 @@ class Supervisor:
     def _watch(self, run_dir: str) -> int:
         backoff = 1.0
         while not self.stopping:
+            if self._quick_deaths and all(
+                time.monotonic() - self._started[i] > _QUICK_DEATH_S for i in self._procs
+            ):
+                self._quick_deaths = 0  # every worker has run a while since: start counting afresh
+                backoff = 1.0
             sentinels = {p.sentinel: i for i, p in self._procs.items()}
             ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
             for sentinel in ready:
@@ -173,6 +205,7 @@ class Supervisor:
                 log.error(
                     "worker %d (pid %s) exited with code %s after %.1f s", i, proc.pid, proc.exitcode, lived
                 )
+                self._retire(i, run_dir)
                 if lived < _QUICK_DEATH_S:
                     self._quick_deaths += 1
                     if self._quick_deaths >= _MAX_QUICK_DEATHS:
@@ -186,6 +219,16 @@ class Supervisor:
                 if not self.stopping:
                     self._spawn(i, run_dir)
         return 0
+
+    def _retire(self, index: int, run_dir: str) -> None:
+        """A worker died: its in-flight requests died with it (zero its board rows now, not when its
+        replacement starts), and its last published figures join the retired ones."""
+        board = WorkerContext(index, self.workers, run_dir).board(self.config)
+        try:
+            board.clear(index)
+        finally:
+            board.close()
+        retire(run_dir, index)
 
     def _pause(self, seconds: float) -> None:
         """Sleep, but return at once when asked to stop (a signal does not cut ``time.sleep`` short)."""

@@ -12,8 +12,10 @@ whichever process answers merges the snapshots:
 
 The merge reads snapshots only, never the answering process's live state, so that two scrapes
 answered by different processes cannot see a counter go backwards. Figures are at most
-``interval`` seconds old; a restarted worker's counters restart from zero, which Prometheus handles
-as the counter reset it is.
+``interval`` seconds old. When a worker dies, the supervisor folds its last snapshot into
+``retired.msgpack`` (:func:`retire`) before starting its replacement, whose counters start from
+zero: the sums carry on from where they were instead of dropping, which Prometheus would read as a
+reset of every series and turn into a false spike in ``rate()``.
 """
 
 from __future__ import annotations
@@ -70,6 +72,22 @@ class Snapshot(msgspec.Struct):
     dashboard: dict[str, Any]
 
 
+class Retired(msgspec.Struct):
+    """The summed figures of workers that died (their last snapshots), and their pids, whose own
+    snapshot files the merge then skips."""
+
+    pids: list[int] = []
+    families: list[Family] = []
+    dashboard: dict[str, Any] = {}
+
+    def as_snapshot(self) -> Snapshot:
+        """The retired figures in the shape of one more worker's snapshot (summed families only)."""
+        return Snapshot(-1, 0, 0.0, self.families, self.dashboard)
+
+
+_RETIRED = "retired.msgpack"
+
+
 def families_of(registry: CollectorRegistry) -> list[Family]:
     """A registry's families in a serialisable form."""
     return [
@@ -94,17 +112,59 @@ class SnapshotWriter:
         os.replace(tmp, self.path)
 
 
+def read_retired(run_dir: str) -> Retired:
+    """The figures of the workers that died so far (none: empty)."""
+    path = Path(run_dir) / _RETIRED
+    try:
+        return msgspec.msgpack.decode(path.read_bytes(), type=Retired)
+    except FileNotFoundError:
+        return Retired()
+    except (OSError, msgspec.DecodeError) as exc:
+        log.warning("unreadable %s: %s", path, exc)
+        return Retired()
+
+
 def read_snapshots(run_dir: str) -> list[Snapshot]:
-    """Every worker's latest snapshot, lowest worker first; unreadable files are skipped and logged."""
+    """Every live worker's latest snapshot, lowest worker first, then the retired workers' figures
+    (as one more snapshot, if any). Unreadable files are skipped and logged."""
+    retired = read_retired(run_dir)
+    gone = set(retired.pids)
     decoder = msgspec.msgpack.Decoder(Snapshot)
     out = []
     for path in Path(run_dir).glob("stats-*.msgpack"):
         try:
-            out.append(decoder.decode(path.read_bytes()))
+            snap = decoder.decode(path.read_bytes())
         except (OSError, msgspec.DecodeError) as exc:
             log.warning("skipping worker snapshot %s: %s", path, exc)
+            continue
+        if snap.pid not in gone:
+            out.append(snap)
     out.sort(key=lambda s: s.worker)
+    if retired.pids:
+        out.append(retired.as_snapshot())
     return out
+
+
+def retire(run_dir: str, worker: int) -> None:
+    """Fold a dead worker's last snapshot into the retired figures (the supervisor calls this after
+    the worker exited and before its replacement starts; it is the only writer of the file)."""
+    path = Path(run_dir) / f"stats-{worker}.msgpack"
+    try:
+        snap = msgspec.msgpack.decode(path.read_bytes(), type=Snapshot)
+    except FileNotFoundError:
+        return  # it died before publishing anything
+    except (OSError, msgspec.DecodeError) as exc:
+        log.warning("cannot retire worker %d's figures: %s", worker, exc)
+        return
+    retired = read_retired(run_dir)
+    if snap.pid in retired.pids:
+        return
+    both = [retired.as_snapshot(), snap]
+    families = [f for f in merge_families(both) if f.name in SUMMED]
+    out = Retired([*retired.pids, snap.pid], families, _sum_dashboards(both))
+    tmp = Path(run_dir) / f"{_RETIRED}.tmp"
+    tmp.write_bytes(msgspec.msgpack.encode(out))
+    os.replace(tmp, Path(run_dir) / _RETIRED)
 
 
 def merge_families(snaps: list[Snapshot]) -> list[Family]:
@@ -158,53 +218,77 @@ def render_merged(snaps: list[Snapshot]) -> bytes:
     )
     now = time.time()
     for s in snaps:
-        age.add_metric([str(s.worker)], max(now - s.time, 0.0))
+        if s.worker >= 0:  # not the retired workers' figures
+            age.add_metric([str(s.worker)], max(now - s.time, 0.0))
     reg = CollectorRegistry()
     reg.register(_Families(merge_families(snaps), [age]))
     return generate_latest(reg)
 
 
-def merge_dashboard(live: dict[str, Any], snaps: list[Snapshot], recent: int = 20) -> dict[str, Any]:
-    """The dashboard JSON with the cumulative counters and recent decisions of every worker.
-
-    Health, in-flight load and the event streams stay the answering worker's live view (the load is
-    already fleet-wide through the shared board)."""
-    if not snaps:
-        return live
-    out = dict(live)
-    totals = {k: 0 for k in live.get("totals", {})}
-    per_backend: dict[str, dict[str, int]] = {}
-    decisions: list[dict[str, Any]] = []
+def _sum_dashboards(snaps: list[Snapshot]) -> dict[str, Any]:
+    """The cumulative dashboard counters summed over snapshots: totals, per backend, per rank."""
+    totals: dict[str, int] = {}
+    backends: dict[str, dict[str, Any]] = {}
     for snap in snaps:
         d = snap.dashboard
         for k, v in d.get("totals", {}).items():
             totals[k] = totals.get(k, 0) + v
         for b in d.get("backends", []):
-            acc = per_backend.setdefault(b["name"], dict.fromkeys(_DASH_COUNTERS, 0))
+            acc = backends.setdefault(b["name"], {"name": b["name"], **dict.fromkeys(_DASH_COUNTERS, 0)})
             for k in _DASH_COUNTERS:
                 acc[k] += b.get(k, 0)
-        decisions.extend(d.get("recent_decisions", []))
-    out["totals"] = totals
+            ranks = acc.setdefault("ranks", {})
+            for r in b.get("ranks", []):
+                ranks[r["dp_rank"]] = ranks.get(r["dp_rank"], 0) + r.get("requests", 0)
+    for acc in backends.values():  # the input's shape, so that sums can be summed again
+        acc["ranks"] = [{"dp_rank": r, "requests": n} for r, n in sorted(acc.get("ranks", {}).items())]
+    return {"totals": totals, "backends": list(backends.values())}
+
+
+def merge_dashboard(live: dict[str, Any], snaps: list[Snapshot], recent: int = 20) -> dict[str, Any]:
+    """The dashboard JSON with the cumulative counters and recent decisions of every worker.
+
+    Counters (totals, per backend, per rank) are summed over the snapshots and the event streams
+    come from the lowest worker's snapshot, like /metrics, so that polls answered by different
+    workers agree; health and in-flight load are the answering worker's live view (the load is
+    fleet-wide through the shared board)."""
+    if not snaps:
+        return live
+    out = dict(live)
+    summed = _sum_dashboards(snaps)
+    out["totals"] = {**dict.fromkeys(live.get("totals", {}), 0), **summed["totals"]}
+    per_backend = {b["name"]: b for b in summed["backends"]}
     backends = []
     for b in live.get("backends", []):
         b = dict(b)
-        b.update(per_backend.get(b["name"], {}))
+        acc = per_backend.get(b["name"], {})
+        b.update({k: acc[k] for k in _DASH_COUNTERS if k in acc})
+        rank_requests = {r["dp_rank"]: r["requests"] for r in acc.get("ranks", [])}
+        b["ranks"] = [{**r, "requests": rank_requests.get(r["dp_rank"], 0)} for r in b.get("ranks", [])]
         backends.append(b)
     out["backends"] = backends
+    first = snaps[0].dashboard
+    if "sources" in first:
+        out["sources"] = first["sources"]
+    out["uptime_s"] = max([live.get("uptime_s", 0.0), *(s.dashboard.get("uptime_s", 0.0) for s in snaps)])
+    decisions = [d for s in snaps for d in s.dashboard.get("recent_decisions", [])]
     decisions.sort(key=lambda r: r.get("time", 0.0))
     out["recent_decisions"] = decisions[-recent:]
-    out["workers"] = len(snaps)
+    out["workers"] = sum(1 for s in snaps if s.worker >= 0)
     return out
 
 
 __all__ = [
     "SUMMED",
     "Family",
+    "Retired",
     "Snapshot",
     "SnapshotWriter",
     "families_of",
     "merge_dashboard",
     "merge_families",
+    "read_retired",
     "read_snapshots",
     "render_merged",
+    "retire",
 ]

@@ -261,3 +261,25 @@ def test_an_idle_connection_that_received_bytes_is_not_reused() -> None:
             pool.close()
 
     asyncio.run(main())
+
+
+def test_bytes_of_another_response_after_the_end_are_not_reused() -> None:
+    """The start of a response nobody asked for, in the same segment as the end of the answer: the
+    connection is out of step and must not go back to the pool (the next request would read it)."""
+
+    async def answer_plus_stray(body: bytes, w: asyncio.StreamWriter) -> bool:
+        answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body) + 3, b"ok:" + body)
+        w.write(answer + b"HTTP/1.1 2")
+        await w.drain()
+        return True
+
+    async def main() -> None:
+        srv = Server(answer_plus_stray)
+        async with srv as key:
+            pool = UpstreamPool(read_timeout=5)
+            assert await body_of(pool, key, b"one") == (200, b"ok:one")
+            assert await body_of(pool, key, b"two") == (200, b"ok:two")
+            assert srv.connections == 2
+            pool.close()
+
+    asyncio.run(main())

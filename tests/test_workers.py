@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import zmq
 from harness import FakeEngine, wait_for
@@ -21,7 +22,14 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from router.load import LoadBoard, LoadTracker
 from router.metrics import LeanCounter, LeanHistogram
-from router.workerstats import Snapshot, families_of, merge_dashboard, render_merged
+from router.workerstats import (
+    Snapshot,
+    SnapshotWriter,
+    families_of,
+    merge_dashboard,
+    read_snapshots,
+    render_merged,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BS = 16
@@ -87,8 +95,17 @@ def _snapshot(worker: int, requests: float, lag: float, recent_time: float) -> S
     dash = {
         "totals": {"requests": int(requests), "errors": worker},
         "backends": [
-            {"name": "a", "requests": int(requests), "errors": 0, "prompt_tokens": 10, "matched_tokens": 5}
+            {
+                "name": "a",
+                "requests": int(requests),
+                "errors": 0,
+                "prompt_tokens": 10,
+                "matched_tokens": 5,
+                "ranks": [{"dp_rank": 0, "inflight": 9, "requests": int(requests)}],
+            }
         ],
+        "sources": [{"source": "a/0", "batches": 100 + worker}],
+        "uptime_s": 50.0 - worker,
         "recent_decisions": [{"time": recent_time, "backend": "a", "worker": worker}],
     }
     return Snapshot(worker, 1000 + worker, time.time(), families_of(reg), dash)
@@ -109,11 +126,51 @@ def test_dashboard_counters_are_summed_and_decisions_interleaved() -> None:
         "backends": [{"name": "a", "healthy": True, "requests": 99, "inflight": 2}],
         "recent_decisions": [],
     }
+    live["backends"][0]["ranks"] = [{"dp_rank": 0, "inflight": 2, "requests": 99}]
+    live["sources"] = [{"source": "a/0", "batches": 999}]
+    live["uptime_s"] = 1.0
     out = merge_dashboard(live, [_snapshot(0, 3, 0, 5.0), _snapshot(1, 4, 0, 2.0)])
     assert out["totals"] == {"requests": 7, "errors": 1}
     assert out["backends"][0]["requests"] == 7 and out["backends"][0]["inflight"] == 2
+    assert out["backends"][0]["ranks"] == [{"dp_rank": 0, "inflight": 2, "requests": 7}]
+    assert out["sources"] == [{"source": "a/0", "batches": 100}]  # worker 0's, whoever answers
+    assert out["uptime_s"] == 50.0
     assert [d["worker"] for d in out["recent_decisions"]] == [1, 0]
     assert out["workers"] == 2
+
+
+def test_a_dead_workers_figures_are_retired_and_its_load_cleared(tmp_path: Path) -> None:
+    from router import workers
+    from router.config import parse_config
+
+    cfg = parse_config({"server": {"workers": 2}, "backends": [{"name": "a", "url": "http://127.0.0.1:9"}]})
+    run_dir = str(tmp_path)
+    board_of = workers.WorkerContext(0, 2, run_dir).board
+    w0 = LoadTracker(board_of(cfg), worker=0)
+    w1 = LoadTracker(board_of(cfg), worker=1)
+    w1.start(("a", 0), 32)  # in flight when worker 1 dies
+    for snap in (_snapshot(0, 3, 0, 1.0), _snapshot(1, 4, 0, 2.0)):
+        SnapshotWriter(run_dir, snap.worker).path.write_bytes(msgspec.msgpack.encode(snap))
+
+    def requests() -> str:
+        text = render_merged(read_snapshots(run_dir)).decode()
+        m = re.search(r"^kvrouter_requests_total\{[^}]*\} (\S+)$", text, re.M)
+        assert m, text
+        return m.group(1)
+
+    assert requests() == "7.0" and w0.get(("a", 0)).active == 1
+    sup = workers.Supervisor(cfg)
+    sup._retire(1, run_dir)
+    assert w0.get(("a", 0)).active == 0  # cleared at once, not when a replacement starts
+    assert requests() == "7.0"  # the dead worker's 4 are kept
+    sup._retire(1, run_dir)  # twice for one pid: counted once
+    assert requests() == "7.0"
+    # its replacement publishes from zero under a new pid: the sum carries on
+    fresh = _snapshot(1, 2, 0, 3.0)
+    fresh.pid = 4242
+    SnapshotWriter(run_dir, 1).path.write_bytes(msgspec.msgpack.encode(fresh))
+    assert requests() == "9.0"
+    assert merge_dashboard({"totals": {}, "backends": []}, read_snapshots(run_dir))["totals"]["requests"] == 9
 
 
 # --- the real thing: `kvrouter serve --workers 2` ------------------------------------------------------
@@ -180,6 +237,15 @@ def test_two_workers_share_the_port_the_load_and_the_figures(engine: FakeEngine,
                 return False
 
         wait_for(ready, "router ready", timeout=180)  # a first start may compile the index kernels
+        # a second router on the same port is refused, not silently given half the connections
+        second = subprocess.run(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 1 and "cannot serve" in second.stderr, second.stderr
         # both processes answer on the one port
         wait_for(lambda: len(_workers_seen(url, 8)) == 2, "both workers answering", timeout=60)
 
@@ -225,10 +291,14 @@ def test_two_workers_share_the_port_the_load_and_the_figures(engine: FakeEngine,
         data = _fresh("GET", f"{url}/dashboard/data").json()
         assert data["workers"] == 2 and data["totals"]["requests"] == 21
 
-        # a worker that dies is replaced
+        # a worker that dies is replaced, and the sums carry on (Prometheus would read a drop as a
+        # reset of every series)
         pids = _workers_seen(url, 16)
         os.kill(pids[1], signal.SIGKILL)
         wait_for(lambda: _workers_seen(url, 8).get(1, pids[1]) != pids[1], "worker 1 restarted", timeout=180)
+        for _ in range(10):
+            assert _fresh("POST", f"{url}/v1/completions", json=body).status_code == 200
+        wait_for(lambda: total() == 31.0, "/metrics carrying on after the restart")
     finally:
         engine.mode = "ok"
         proc.send_signal(signal.SIGTERM)
