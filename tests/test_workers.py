@@ -176,6 +176,17 @@ def test_a_dead_workers_figures_are_retired_and_its_load_cleared(tmp_path: Path)
 # --- the real thing: `kvrouter serve --workers 2` ------------------------------------------------------
 
 
+def _serve_once(cfg: Path) -> subprocess.CompletedProcess[str]:
+    """`kvrouter serve` expected to stop at start-up (its exit code and output)."""
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -238,13 +249,7 @@ def test_two_workers_share_the_port_the_load_and_the_figures(engine: FakeEngine,
 
         wait_for(ready, "router ready", timeout=180)  # a first start may compile the index kernels
         # a second router on the same port is refused, not silently given half the connections
-        second = subprocess.run(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        second = _serve_once(cfg)
         assert second.returncode == 1 and "cannot serve" in second.stderr, second.stderr
         # both processes answer on the one port
         wait_for(lambda: len(_workers_seen(url, 8)) == 2, "both workers answering", timeout=60)
@@ -321,13 +326,7 @@ def test_bind_mode_events_need_one_worker(tmp_path: Path) -> None:
         '[server]\nworkers = 2\n[[backends]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
         'kv_events = "tcp://127.0.0.1:5557"\nkv_bind = true\n'
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _serve_once(cfg)
     assert out.returncode == 2
     assert "backends[0].kv_bind" in out.stderr and "server.workers" in out.stderr
 
@@ -340,13 +339,7 @@ def test_a_broken_tokenizer_stops_start_up_before_any_worker(tmp_path: Path) -> 
         f'tokenizer = "{broken}"\n[server]\nworkers = 2\n'
         '[[backends]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _serve_once(cfg)
     assert out.returncode == 2 and "cannot start" in out.stderr, out.stderr
     assert "worker" not in out.stderr
 
