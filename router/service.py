@@ -74,11 +74,13 @@ def validate_body(endpoint: Endpoint, body: Any) -> str:
         if "prompt" not in body:
             raise bad_request("`prompt` is required", "missing_prompt")
         p = body["prompt"]
+        # a list of token ids is checked id by id once, by the tokenizer step (400 on a bad id):
+        # a second pass here cost ~60 ns per id, 2 ms for a 32k-token prompt
         ok = isinstance(p, str) or (
             isinstance(p, list)
             and bool(p)
             and (
-                all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+                (type(p[0]) is int)
                 or all(isinstance(x, str) for x in p)
                 or all(isinstance(x, list) for x in p)
             )
