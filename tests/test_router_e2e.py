@@ -292,10 +292,11 @@ def test_error_statuses(fleet: Fleet, ctx: zmq.Context[Any], tmp_path: Path, tok
         _error(
             httpx.post(f"{router.url}/v1/completions", json={"model": "toy", "prompt": 5}, timeout=30), 400
         )
-        _error(
-            httpx.post(f"{router.url}/v1/completions", json={"model": "toy", "prompt": [-1, 2]}, timeout=30),
-            400,
-        )
+        for bad in ([-1, 2], [1, True], [1, "a"], [1, [2]], [True, 1]):
+            _error(
+                httpx.post(f"{router.url}/v1/completions", json={"model": "toy", "prompt": bad}, timeout=30),
+                400,
+            )
         assert _error(post({"model": "nope", "messages": messages("hi")}), 404)["code"] == "model_not_found"
         _error(post({"model": "toy", "messages": messages("x" * 5000)}), 413)
         _error(post({"model": "other", "messages": messages("hi")}), 503)
