@@ -173,33 +173,24 @@ def throughput(
         wrk(routed, body, 8, 2)  # warm-up
         peers: dict[str, str] = {}
         procs: list[subprocess.Popen[bytes]] = []
+
+        def add_router(name: str, port: int, cmd: list[str], log: str) -> None:
+            """Start another router in front of the same upstream, wait for it, warm it up."""
+            procs.append(start(cmd, tmp / log))
+            wait_ready(f"http://127.0.0.1:{port}/ready")
+            peers[name] = f"http://127.0.0.1:{port}/v1/completions"
+            wrk(peers[name], body, 8, 2)
+
         if args.uvicorn:
             # the same app and proxy code under uvicorn: the A/B for kvrouter's own server
-            procs.append(
-                start(
-                    [PY, "-c", UVICORN, str(router_config(tmp, mport, uport, tok)), str(uport)],
-                    tmp / "router-uvicorn.log",
-                )
-            )
-            wait_ready(f"http://127.0.0.1:{uport}/ready")
-            peers["kvrouter on uvicorn"] = f"http://127.0.0.1:{uport}/v1/completions"
-            wrk(peers["kvrouter on uvicorn"], body, 8, 2)
+            cmd = [PY, "-c", UVICORN, str(router_config(tmp, mport, uport, tok)), str(uport)]
+            add_router("kvrouter on uvicorn", uport, cmd, "router-uvicorn.log")
         if args.workers > 1:
             # the same router as several processes on one port (server.workers)
             wport = free_port()
-            procs.append(
-                start(
-                    [
-                        *(PY, "-m", "router.cli", "serve", "--workers", str(args.workers)),
-                        *("--config", str(router_config(tmp, mport, wport, tok))),
-                    ],
-                    tmp / "router-workers.log",
-                )
-            )
-            wait_ready(f"http://127.0.0.1:{wport}/ready")
-            name = f"kvrouter, {args.workers} workers"
-            peers[name] = f"http://127.0.0.1:{wport}/v1/completions"
-            wrk(peers[name], body, 8, 2)
+            cmd = [PY, "-m", "router.cli", "serve", "--workers", str(args.workers)]
+            cmd += ["--config", str(router_config(tmp, mport, wport, tok))]
+            add_router(f"kvrouter, {args.workers} workers", wport, cmd, "router-workers.log")
         if args.vllm_router:
             for i, policy in enumerate(("round_robin", "kv_aware")):
                 port, prom = free_port(), free_port()

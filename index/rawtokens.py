@@ -490,7 +490,7 @@ def _run(payload: bytes, empty: bool) -> tuple[bytearray, U64, int, int, bool] |
     buf = bytearray(payload)
     buf += _PAD
     cap = size // 12 + 1  # each token array takes 12 bytes or more ({"token_ids": []}): room enough
-    table = np.empty(ROW * cap + size, dtype=np.uint64)
+    table = np.empty(ROW * cap + size, _U64)
     n, k, clean = _strip(buf, table, cap, empty)
     if n < 0:
         return None
@@ -528,16 +528,12 @@ def strip_events(payload: bytes) -> tuple[memoryview, list[tuple[int, TokenIds]]
     to. ``clean``: every map event's block hashes and parent are unsigned ints (or no parent), its
     block size is not negative and its medium is not nil, so normalising the batch would change
     nothing (False for the legacy array shape: normalising decides). The ingest path: one call per
-    message, so :func:`_run` and :func:`_token_ids` are inlined for the usual single array.
+    message, so the usual single array skips :func:`_token_ids`.
     """
-    size = len(payload)
-    buf = bytearray(payload)
-    buf += _PAD
-    cap = size // 12 + 1
-    table = np.empty(ROW * cap + size, _U64)
-    n, k, clean = _strip(buf, table, cap, True)
-    if n < 0:
+    run = _run(payload, True)
+    if run is None:
         return None
+    buf, table, n, k, clean = run
     if k == 1:
         first, count, negative, _, _, ev = table[:ROW].tolist()
         if not negative:
@@ -553,6 +549,5 @@ def warm_up() -> None:
     The first call compiles (~3.5 s with an empty cache, holding the GIL; ~0.2 s when loading
     from numba's cache in ``__pycache__``); call it at start-up, off any latency-sensitive path.
     """
-    strip_tokens(msgspec.msgpack.encode([0.0, [{"token_ids": [1]}], 0]))
     strip_events(msgspec.msgpack.encode([0.0, [{"token_ids": [1], "medium": "GPU"}], 0]))
     contents(np.ones(1, dtype=np.uint64), 1, np.ones(1, dtype=np.uint64))

@@ -80,7 +80,7 @@ def fleet_targets(config: RouterConfig) -> list[Target]:
     return [(b.name, r) for b in config.backends for r in range(b.dp_size)]
 
 
-def reuseport_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
+def bound_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
     """A TCP socket bound to (host, port) with SO_REUSEADDR (and SO_REUSEPORT), not listening.
     ``host`` "" means every interface, as for asyncio."""
     family, kind, proto, _, addr = socket.getaddrinfo(
@@ -129,7 +129,7 @@ def worker_main(config: RouterConfig, ctx: WorkerContext) -> None:
     app = KVRouter(config, worker=ctx)
     # not listening yet: the server listens once the router has started, so the kernel sends this
     # worker no connection before it can answer
-    sock = reuseport_socket(config.server.host, config.server.port)
+    sock = bound_socket(config.server.host, config.server.port)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(HttpServer(app, sock=sock).run())
 
@@ -163,8 +163,8 @@ class Supervisor:
         """Serve until SIGTERM/SIGINT; 0 after a clean stop, 1 if the port or the workers fail."""
         srv = self.config.server
         try:
-            reuseport_socket(srv.host, srv.port, reuse_port=False).close()  # taken by anyone else?
-            reserve = reuseport_socket(srv.host, srv.port)
+            bound_socket(srv.host, srv.port, reuse_port=False).close()  # taken by anyone else?
+            reserve = bound_socket(srv.host, srv.port)
         except OSError as exc:
             log.error("cannot serve on %s:%d: %s", srv.host, srv.port, exc)
             return 1
@@ -250,4 +250,4 @@ class Supervisor:
                 proc.join(5)
 
 
-__all__ = ["Supervisor", "WorkerContext", "fleet_targets", "reuseport_socket", "worker_main"]
+__all__ = ["Supervisor", "WorkerContext", "bound_socket", "fleet_targets", "worker_main"]
