@@ -92,8 +92,9 @@ class KVRouter:
         self.loads = LoadTracker(worker.board(config), worker.index) if worker else LoadTracker()
         self.registry = BackendRegistry(list(config.backends), config.health, self.client, self.loads)
         self.policy = Policy(config.policy)
-        local = {model: ChatTokenizer.from_path(path) for model, path in config.tokenizers.items()}
-        default = ChatTokenizer.from_path(config.tokenizer) if config.tokenizer else None
+        cache = int(config.tokenizer_cache_mib * (1 << 20))
+        local = {m: ChatTokenizer.from_path(p, cache_bytes=cache) for m, p in config.tokenizers.items()}
+        default = ChatTokenizer.from_path(config.tokenizer, cache_bytes=cache) if config.tokenizer else None
         self.tokenizer = RequestTokenizer(
             local,
             default=default,
@@ -103,7 +104,8 @@ class KVRouter:
         self.service = RouterService(
             self.index, self.registry, self.loads, self.policy, self.tokenizer, config.recent_decisions
         )
-        self.metrics = RouterMetrics(self.index, self.registry, self.loads)
+        caches = {id(t.segments): t.segments for t in [*local.values(), *([default] if default else [])]}
+        self.metrics = RouterMetrics(self.index, self.registry, self.loads, list(caches.values()))
         self.pool = UpstreamPool(
             srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
         )

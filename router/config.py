@@ -102,6 +102,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """HF tokenizer.json or model directory used for every model (chat template read from it)."""
     tokenizers: dict[str, str] = {}
     """Per-model tokenizer paths, overriding ``tokenizer``."""
+    tokenizer_cache_mib: float = 32.0
+    """Memory for the token ids of prompt text segments (between added tokens), per tokenizer and
+    worker, so that resent messages are not tokenized again (router.segments); 0: off."""
     remote_tokenize: bool = True
     """Without a local tokenizer, ask the backend's POST /tokenize (one call per request)."""
     kv_topic: str = ""
@@ -199,6 +202,8 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("server.drain_timeout_s: must not be negative")
     if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:
         raise ConfigError("health: interval_s must be >= 0.1, timeout_s > 0 and unhealthy_after >= 1")
+    if not 0 <= cfg.tokenizer_cache_mib <= 65536:
+        raise ConfigError("tokenizer_cache_mib: must be between 0 (off) and 65536")
     for key in ("tokenizer",):
         path = getattr(cfg, key)
         if path is not None and not Path(path).exists():

@@ -28,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 from index.kvindex import PREDICTED, KVIndex
 from router.backends import BackendRegistry
 from router.load import LoadTracker
+from router.segments import SegmentCache
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25)
@@ -116,7 +117,13 @@ class BackendCounters:
 class RouterMetrics:
     """Request-path metrics (recorded by the proxy) plus a collector for index/stream state."""
 
-    def __init__(self, index: KVIndex, registry: BackendRegistry, loads: LoadTracker) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        registry: BackendRegistry,
+        loads: LoadTracker,
+        segment_caches: Sequence[SegmentCache] = (),
+    ) -> None:
         disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide; *_created add nothing
         self.registry = CollectorRegistry()
         r = self.registry
@@ -184,6 +191,7 @@ class RouterMetrics:
         index.ingestor.lag_observer = self.event_lag.observe
         r.register(_LeanCollector(self._lean))
         r.register(_StateCollector(index, registry, loads))
+        r.register(_TokenizerCollector(segment_caches))
         self.per_backend: dict[str, BackendCounters] = {}
         self.total_requests = 0
         self.total_errors = 0
@@ -335,6 +343,37 @@ class _StateCollector(Collector):
         for b in self.backends.backends.values():
             healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
         yield healthy
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+class _TokenizerCollector(Collector):
+    """The segment token caches' counters, read at scrape time."""
+
+    def __init__(self, caches: Sequence[SegmentCache]) -> None:
+        self.caches = list(caches)
+
+    def collect(self) -> Iterable[Metric]:
+        tokens = CounterMetricFamily(
+            "kvrouter_tokenizer_cache_tokens",
+            "Prompt tokens taken from the segment cache (hit) or tokenized and stored (miss)",
+            labels=["result"],
+        )
+        tokens.add_metric(["hit"], sum(c.hit_tokens for c in self.caches))
+        tokens.add_metric(["miss"], sum(c.miss_tokens for c in self.caches))
+        yield tokens
+        resident = GaugeMetricFamily(
+            "kvrouter_tokenizer_cache_bytes", "Estimated memory held by the segment caches"
+        )
+        resident.add_metric([], sum(c.bytes for c in self.caches))
+        yield resident
+        off = GaugeMetricFamily(
+            "kvrouter_tokenizer_cache_disabled",
+            "Segment caches switched off after a sampled check found a difference (should be 0)",
+        )
+        off.add_metric([], sum(1 for c in self.caches if c.max_bytes > 0 and not c.enabled))
+        yield off
 
     def describe(self) -> Iterable[Metric]:
         return []

@@ -17,6 +17,8 @@ so this module reproduces the engine's path step by step rather than approximati
 Encoding uses `tokenizers.Tokenizer.encode_batch_fast`, which releases the GIL (plain `encode`
 holds it: a 1.4 MB prompt froze the event loop for 1.3 s even from a worker thread; with
 `encode_batch_fast` the longest loop stall was 9 ms) and skips offset tracking (3x faster, same ids).
+Text between added tokens that was tokenized before is not tokenized again: `router.segments`
+keeps its ids (exactly the whole-text result; why that holds is in its docstring).
 
 Known limits: multimodal content parts are not tokenized locally (`TokenizerUnavailable`, so the
 router routes on load); `strftime_now` uses the router's clock, so templates that print today's
@@ -47,6 +49,8 @@ import jinja2.parser
 import jinja2.sandbox
 import msgspec
 from tokenizers import Tokenizer, processors
+
+from router.segments import SegmentCache
 
 __all__ = [
     "ChatTokenizer",
@@ -399,9 +403,10 @@ def _templates_from_config(config: Mapping[str, Any], source: Path) -> dict[str,
 class ChatTokenizer:
     """A HF `tokenizer.json` plus its chat template, producing the engine's token ids. Thread-safe.
 
-    Everything mutable is set up in the constructor; afterwards the Rust tokenizer is only read
-    (`encode_batch_fast` takes a shared borrow and releases the GIL) and compiled Jinja templates are
-    reentrant, so one instance serves the router's worker threads and the mock engine concurrently.
+    Everything mutable is set up in the constructor, except the segment cache (lock-guarded);
+    afterwards the Rust tokenizer is only read (`encode_batch_fast` takes a shared borrow and
+    releases the GIL) and compiled Jinja templates are reentrant, so one instance serves the
+    router's worker threads and the mock engine concurrently.
     """
 
     def __init__(
@@ -412,11 +417,13 @@ class ChatTokenizer:
         special_tokens: Mapping[str, Any] | None = None,
         content_format: ContentFormat = "auto",
         name: str = "",
+        cache_bytes: int = 32 << 20,
     ) -> None:
         """`chat_templates` maps template names to sources ("default" is used; "tool_use" when tools
         are given and it exists). `special_tokens` holds bos_token, eos_token, ... as template
-        variables."""
+        variables. `cache_bytes` bounds the segment cache (:mod:`router.segments`; 0: off)."""
         self._tok = tokenizer
+        self.segments = SegmentCache(tokenizer, cache_bytes)
         self.name = name
         self._env = _make_environment()
         self._special: dict[str, Any] = dict(special_tokens or {})
@@ -440,7 +447,9 @@ class ChatTokenizer:
     # --- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_path(cls, path: str | Path, *, content_format: ContentFormat = "auto") -> ChatTokenizer:
+    def from_path(
+        cls, path: str | Path, *, content_format: ContentFormat = "auto", cache_bytes: int = 32 << 20
+    ) -> ChatTokenizer:
         """Load a `tokenizer.json` file, or a model directory in the HF layout.
 
         A directory needs `tokenizer.json`; `tokenizer_config.json` adds special tokens,
@@ -493,7 +502,12 @@ class ChatTokenizer:
         if config.get("split_special_tokens") is True:
             tok.encode_special_tokens = True
         return cls(
-            tok, chat_templates=templates, special_tokens=special, content_format=content_format, name=str(p)
+            tok,
+            chat_templates=templates,
+            special_tokens=special,
+            content_format=content_format,
+            name=str(p),
+            cache_bytes=cache_bytes,
         )
 
     def _compile(
@@ -558,11 +572,11 @@ class ChatTokenizer:
     # --- encoding -------------------------------------------------------------------------------
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Ids for a completions prompt; `add_special_tokens` runs the post-processor (usually BOS)."""
+        """Ids for a prompt text; `add_special_tokens` runs the post-processor (usually BOS). Text
+        between added tokens seen before comes from the segment cache (exact, see its module)."""
         if not isinstance(text, str):
             raise TokenizerError("prompt must be a string")
-        ids: list[int] = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-        return ids
+        return self.segments.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -783,8 +797,8 @@ class RequestTokenizer:
 
     Local tokenizers are preferred (no network hop, no dependency on a healthy backend). Models
     without one fall back to the backend returned by `backend_for(model)`, in vLLM's `/tokenize`
-    API shape. No result cache: real traffic rarely repeats an exact prompt text (each chat turn
-    appends to it), and the key would need the whole text hashed anyway.
+    API shape. Local results are reused per text segment between added tokens
+    (:mod:`router.segments`): a chat turn resends earlier messages, and only new text is tokenized.
     """
 
     def __init__(
@@ -873,6 +887,9 @@ class RequestTokenizer:
             raise TokenizerError("prompt must be a string, a list of token ids, or a batch of them")
         if local is not None:
             self.local_requests += 1
+            ids = local.segments.cached(prompt, add_special)  # seen before: no tokenizer call at all
+            if ids is not None:
+                return ids
             return await self._run(len(prompt), local.encode_prompt, prompt, add_special)
         payload: dict[str, Any] = {"model": model, "prompt": prompt}
         if "add_special_tokens" in body:

@@ -46,6 +46,9 @@ SUMMED = frozenset(
         "kvrouter_matched_tokens",
         "kvrouter_upstream_latency_seconds",
         "kvrouter_ttft_seconds",
+        "kvrouter_tokenizer_cache_tokens",
+        "kvrouter_tokenizer_cache_bytes",
+        "kvrouter_tokenizer_cache_disabled",
     }
 )
 """Families summed over workers; the rest comes from the lowest worker."""

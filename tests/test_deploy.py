@@ -51,6 +51,9 @@ EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_upstream_latency_seconds": ("histogram", frozenset({"backend"})),
     "kvrouter_ttft_seconds": ("histogram", frozenset({"backend"})),
     "kvrouter_index_evictions_total": ("counter", frozenset()),
+    "kvrouter_tokenizer_cache_tokens_total": ("counter", frozenset({"result"})),
+    "kvrouter_tokenizer_cache_bytes": ("gauge", frozenset()),
+    "kvrouter_tokenizer_cache_disabled": ("gauge", frozenset()),
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Labels Prometheus attaches at scrape time, usable in any query.
