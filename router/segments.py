@@ -14,9 +14,11 @@ and then normalises, pre-tokenizes and encodes every piece between them on its o
 concatenation of per-piece encodings *is* the whole encoding, provided that
 
 - the cut points are the ones the tokenizer itself would choose: every added token matched on raw
-  text takes part in the leftmost-longest match here, but the text is only cut at tokens that
-  cannot reach outside their own characters (no ``lstrip``/``rstrip``/``single_word``, not
-  ``normalized``); others stay inside a segment, where the tokenizer handles them itself;
+  text takes part in the leftmost-longest match here (special ones too when the tokenizer encodes
+  them as text: their match still hides overlapping tokens), but the text is only cut at tokens
+  that cannot reach outside their own characters (no ``lstrip``/``rstrip``/``single_word``, not
+  ``normalized``, not special under ``encode_special_tokens``); others stay inside a segment,
+  where the tokenizer handles them itself;
 - position-dependent rules see the right position: a Metaspace pre-tokenizer with
   ``prepend_scheme="first"`` treats the piece at offset 0 differently, so a segment that does not
   start the text is encoded after its added token (``"<|im_start|>" + segment``) and that token's
@@ -27,8 +29,13 @@ concatenation of per-piece encodings *is* the whole encoding, provided that
 
 Tokenizers with ``single_word`` added tokens (whose matching depends on the surrounding text) are
 not cut at all: their whole text is one segment. Because this relies on how HF ``tokenizers``
-works inside, a sample of assembled results (one in ``verify_every``) is checked against a plain
-whole-text encode; on any difference the cache logs it, counts it and switches itself off.
+works inside, a sample of assembled results (one in ``verify_every`` texts of more than one
+segment) is checked against a plain whole-text encode; on any difference the cache logs it, counts
+it and switches itself off. (A text of one segment needs no check: its ids are the tokenizer's own
+for that very text. ``cached`` does not check either, so that it never tokenizes.) The tests, and
+an adversarial suite of real-model layouts (Llama-3 and Qwen2 regexes with hundreds of special
+tokens, Metaspace, Llama-2 legacy, WordPiece, Unigram; every added-token flag), compare it with
+whole-text encodes on thousands of random texts.
 """
 
 from __future__ import annotations
@@ -96,9 +103,16 @@ class SegmentCache:
         # tokens the tokenizer extracts from raw text, and the subset the text may be cut at
         added = tok.get_added_tokens_decoder()
         skip_special = bool(getattr(tok, "encode_special_tokens", False))
-        raw = [t for t in added.values() if not t.normalized and not (skip_special and t.special)]
+        # with encode_special_tokens the tokenizer still *matches* special tokens (a match hides
+        # any token overlapping it) and only then encodes them as text: they stay in the match,
+        # never as cut points
+        raw = [t for t in added.values() if not t.normalized]
         self._ids = {t.content: int(i) for i, t in added.items()}
-        self._cut = frozenset(t.content for t in raw if not (t.lstrip or t.rstrip or t.single_word))
+        self._cut = frozenset(
+            t.content
+            for t in raw
+            if not (t.lstrip or t.rstrip or t.single_word or (skip_special and t.special))
+        )
         if any(t.single_word for t in added.values()) or not self._cut:
             self._split: re.Pattern[str] | None = None
         else:
@@ -159,7 +173,7 @@ class SegmentCache:
                 out[where : where + 1] = ids_i  # back to front: earlier slots keep their place
         out.extend(wrap[1])
         self._store(fresh, hits, sum(len(ids_i) for _, ids_i in fresh))
-        return self._checked(text, add_special_tokens, out) if hits else out
+        return self._checked(text, add_special_tokens, out)
 
     def cached(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
         """The ids if every segment of ``text`` is cached (no tokenizer call, so cheap enough for
