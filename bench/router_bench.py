@@ -15,8 +15,11 @@ route-decision latency for 1k/8k/32k-token prompts.
   and so is ``kvrouter serve --workers 2`` (``--workers N``; 1 skips it).
 - added TTFT: 300 sequential streaming requests with paced tokens (20 ms apart), first chunk time
   through the router minus direct, p50.
-- decision latency: ``POST /route`` with text prompts of ~1k/8k/32k tokens, the router's own
-  ``timings_us.total`` (tokenize + keys + lookup + policy), p50/p99.
+- unique prompts: the non-stream c=32 row again with every prompt new (wrk numbers each request),
+  so the router's segment token cache never hits: the cost of a prompt seen for the first time.
+- decision latency: ``POST /route`` with prompts of ~1k/8k/32k tokens, the router's own
+  ``timings_us.total`` (tokenize + keys + lookup + policy), p50/p99: text seen for the first time,
+  the same text again, and the next turn of a chat of that size (see ``decision_latency``).
 """
 
 from __future__ import annotations
@@ -61,12 +64,28 @@ def wait_ready(url: str, timeout: float = 120) -> None:
     raise RuntimeError(f"{url} not ready")
 
 
-def wrk(url: str, body: str, conns: int, seconds: int) -> float:
+def wrk(url: str, body: str, conns: int, seconds: int, unique: bool = False) -> float:
+    """req/s of a fixed POST body; ``unique``: every request's prompt starts with a number no other
+    request has (start time, wrk thread id, counter), so nothing the router caches about the text
+    helps."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write(
-            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-            f"wrk.body = {json.dumps(body)}\n"
-        )
+        script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n')
+        if unique:
+            marker = '"prompt": "'
+            cut = body.index(marker) + len(marker)
+            script.write(
+                "local n = 0\n"
+                'function setup(thread) n = n + 1; thread:set("tid", n) end\n'
+                "function init(args) counter = 0; run = os.time() end\n"
+                "function request()\n"
+                "  counter = counter + 1\n"
+                f"  local b = {json.dumps(body[:cut])} .. run .. '-' .. tid .. '-' .. counter .. ' '\n"
+                f"  b = b .. {json.dumps(body[cut:])}\n"
+                "  return wrk.format(nil, nil, nil, b)\n"
+                "end\n"
+            )
+        else:
+            script.write(f"wrk.body = {json.dumps(body)}\n")
     out = subprocess.run(
         [
             "wrk",
@@ -213,23 +232,24 @@ def throughput(
                 peers[f"vllm-router {policy}"] = url
         rows = []
         try:
-            for mode, payload in (("non-stream", body), ("SSE", sse)):
-                for conns in (1, 32):
-                    d_rps = wrk(direct, payload, conns, args.seconds)
-                    r_rps = wrk(routed, payload, conns, args.seconds)
-                    row: dict[str, Any] = {
-                        "upstream": kind,
-                        "mode": mode,
-                        "c": conns,
-                        "direct_rps": round(d_rps),
-                        "router_rps": round(r_rps),
-                        "ratio": round(r_rps / d_rps, 2) if d_rps else 0,
-                    }
-                    for name, url in peers.items():
-                        p_rps = wrk(url, payload, conns, args.seconds)
-                        row[f"{name} rps"] = round(p_rps)
-                        row[f"{name} ratio"] = round(p_rps / d_rps, 2) if d_rps else 0
-                    rows.append(row)
+            cases = [(m, p, c, False) for m, p in (("non-stream", body), ("SSE", sse)) for c in (1, 32)]
+            cases.append(("non-stream, unique prompts", body, 32, True))
+            for mode, payload, conns, unique in cases:
+                d_rps = wrk(direct, payload, conns, args.seconds, unique)
+                r_rps = wrk(routed, payload, conns, args.seconds, unique)
+                row: dict[str, Any] = {
+                    "upstream": kind,
+                    "mode": mode,
+                    "c": conns,
+                    "direct_rps": round(d_rps),
+                    "router_rps": round(r_rps),
+                    "ratio": round(r_rps / d_rps, 2) if d_rps else 0,
+                }
+                for name, url in peers.items():
+                    p_rps = wrk(url, payload, conns, args.seconds, unique)
+                    row[f"{name} rps"] = round(p_rps)
+                    row[f"{name} ratio"] = round(p_rps / d_rps, 2) if d_rps else 0
+                rows.append(row)
         finally:
             for proc in procs:
                 stop(proc)
@@ -238,6 +258,51 @@ def throughput(
     finally:
         stop(router)
         stop(mock)
+
+
+def decision_latency(url: str, tok: Path, reps: int = 40) -> dict[str, Any]:
+    """``/route``'s own ``timings_us.total`` (p50/p99 of ``reps``) for text prompts of ~1k/8k/32k
+    tokens seen for the first time (a unique number in front: every token is tokenized), the same
+    text again (the segment cache answers), and a chat whose earlier messages (the same sizes in
+    ~500-token messages) were sent before, with a new final question each time (the next turn of a
+    conversation: only the new message is tokenized)."""
+    from router.tokenizer import ChatTokenizer
+    from sim.toy_tokenizer import toy_corpus
+
+    ct = ChatTokenizer.from_path(tok, cache_bytes=0)
+    ids = ct.encode_prompt(" ".join(toy_corpus()), add_special_tokens=False)
+
+    def text(n_tok: int, start: int = 0) -> str:
+        start %= len(ids)
+        return ct.decode((ids * (n_tok // len(ids) + 2))[start : start + n_tok])
+
+    def measure(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+        times, tokens = [], 0
+        with httpx.Client(timeout=60) as c:
+            for b in bodies:
+                j = c.post(url, json={"model": "toy", **b}).json()
+                times.append(j["timings_us"]["total"])
+                tokens = j["prompt_tokens"]
+        times.sort()
+        return {"prompt_tokens": tokens, "p50_us": times[len(times) // 2], "p99_us": times[-1]}
+
+    out: dict[str, Any] = {}
+    for n_tok in (1024, 8192, 32768):
+        prompt = text(n_tok)
+        first = measure([{"prompt": f"{i} {prompt}"} for i in range(reps)])
+        measure([{"prompt": prompt}])
+        again = measure([{"prompt": prompt}] * reps)
+        history: list[dict[str, str]] = [{"role": "system", "content": text(500)}]
+        for k in range(1, max(n_tok // 500, 1)):
+            history.append({"role": "user" if k % 2 else "assistant", "content": text(500, 977 * k)})
+        if history[-1]["role"] == "user":
+            history.append({"role": "assistant", "content": "Noted."})
+        measure([{"messages": [*history, {"role": "user", "content": "Warm-up?"}]}])
+        turn = measure(
+            [{"messages": [*history, {"role": "user", "content": f"Question {i}?"}]} for i in range(reps)]
+        )
+        out[str(n_tok)] = {"text, first seen": first, "text, seen before": again, "chat, next turn": turn}
+    return out
 
 
 def main() -> None:
@@ -290,40 +355,14 @@ def main() -> None:
         mock, router, mport, rport = start_pair(tmp, tok, ["--chunks", "5", "--pace-ms", "20"], "paced")
         try:
             ttft(f"http://127.0.0.1:{rport}/v1/completions", 20)
-            d = ttft(f"http://127.0.0.1:{mport}/v1/completions", args.ttft_requests)
-            r = ttft(f"http://127.0.0.1:{rport}/v1/completions", args.ttft_requests)
+            t_direct = ttft(f"http://127.0.0.1:{mport}/v1/completions", args.ttft_requests)
+            t_routed = ttft(f"http://127.0.0.1:{rport}/v1/completions", args.ttft_requests)
             result["ttft_ms"] = {
-                "direct_p50": round(statistics.median(d) * 1e3, 3),
-                "router_p50": round(statistics.median(r) * 1e3, 3),
-                "added_p50": round((statistics.median(r) - statistics.median(d)) * 1e3, 3),
+                "direct_p50": round(statistics.median(t_direct) * 1e3, 3),
+                "router_p50": round(statistics.median(t_routed) * 1e3, 3),
+                "added_p50": round((statistics.median(t_routed) - statistics.median(t_direct)) * 1e3, 3),
             }
-            # decision latency for long prompts (text, tokenized by the router)
-            from sim.toy_tokenizer import toy_corpus
-
-            text = " ".join(toy_corpus())
-            from router.tokenizer import ChatTokenizer
-
-            ct = ChatTokenizer.from_path(tok)
-            ids = ct.encode_prompt(text)
-            lat = {}
-            for n_tok in (1024, 8192, 32768):
-                reps = (ids * (n_tok // len(ids) + 1))[:n_tok]
-                prompt = ct.decode(reps)
-                times = []
-                with httpx.Client(timeout=30) as c:
-                    for _ in range(40):
-                        j = c.post(
-                            f"http://127.0.0.1:{rport}/route", json={"model": "toy", "prompt": prompt}
-                        ).json()
-                        times.append(j["timings_us"]["total"])
-                        tokens = j["prompt_tokens"]
-                times.sort()
-                lat[str(n_tok)] = {
-                    "prompt_tokens": tokens,
-                    "p50_us": times[len(times) // 2],
-                    "p99_us": times[-1],
-                }
-            result["decision_us"] = lat
+            result["decision_us"] = decision_latency(f"http://127.0.0.1:{rport}/route", tok)
         finally:
             stop(router)
             stop(mock)

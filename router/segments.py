@@ -80,13 +80,20 @@ def _affix(encode: Encoder) -> tuple[list[int], list[int]] | None:
 class SegmentCache:
     """``encode(text, add_special_tokens)`` with the ids of text segments remembered (bounded LRU).
 
-    Thread-safe: the lock guards only the LRU; encoding runs outside it. ``max_bytes`` bounds an
+    Thread-safe: the lock guards only the tables; encoding runs outside it. ``max_bytes`` bounds an
     estimate of the memory held: 4 bytes per id, the segment text, and ~200 bytes of per-entry
     overhead (measured with tracemalloc: 494 bytes for a 37-token entry, 5.4 KB for 715 tokens).
+    Two tables, segments that start the text and the others, keyed by the text alone: entries are a
+    str and an array, none of them tracked by the cyclic GC, so a full cache costs no collector
+    time. A text that is one whole segment (a completions prompt) is stored only when it comes back
+    (a doorkeeper of hashes): prompts that never repeat would otherwise churn the cache and cost
+    more than they save. Segments of a multi-segment text (chat messages) are stored at once: the
+    next turn of the conversation resends them.
     Counters (``hit_tokens``, ``miss_tokens``, ``mismatches``) are read by the metrics at scrape time.
     """
 
     ENTRY_OVERHEAD = 200
+    DOORKEEPER = 1 << 16
 
     def __init__(self, tok: Tokenizer, max_bytes: int = 32 << 20, verify_every: int = 256) -> None:
         self._tok = tok
@@ -94,7 +101,12 @@ class SegmentCache:
         self.verify_every = max(verify_every, 0)
         self.enabled = max_bytes > 0
         self._lock = threading.Lock()
-        self._lru: OrderedDict[tuple[str, bool], array[int]] = OrderedDict()
+        # [False]: segments after an added token, [True]: segments that start the text
+        self._tables: tuple[OrderedDict[str, array[int]], OrderedDict[str, array[int]]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
+        self._seen: set[int] = set()
         self.bytes = 0
         self.hit_tokens = 0
         self.miss_tokens = 0
@@ -143,22 +155,22 @@ class SegmentCache:
         out: list[int] = list(wrap[0])
         misses: list[tuple[int, str, bool, str]] = []  # (slot in `out`, segment, first, token before)
         hits = 0
-        lru = self._lru
+        tables = self._tables
         with self._lock:
             for seg, first, before, tid in plan:
                 if seg:
-                    key = (seg, first)
-                    ids = lru.get(key)
+                    table = tables[first]
+                    ids = table.get(seg)
                     if ids is None:
                         misses.append((len(out), seg, first, before))
                         out.append(-1)  # a placeholder, replaced below
                     else:
-                        lru.move_to_end(key)
+                        table.move_to_end(seg)
                         hits += len(ids)
                         out.extend(ids)
                 if tid >= 0:
                     out.append(tid)
-        fresh: list[tuple[tuple[str, bool], list[int]]] = []
+        fresh: list[tuple[str, bool, list[int]]] = []
         if misses:
             # a segment that does not start the text is encoded after its added token, whose id is
             # dropped: position-dependent pre-tokenizers then see it where the whole text has it
@@ -168,11 +180,11 @@ class SegmentCache:
                     if not ids_i or ids_i[0] != self._ids[before]:
                         return self._give_up(text, add_special_tokens, "an added token did not encode alone")
                     ids_i = ids_i[1:]
-                fresh.append(((seg, first), ids_i))
-            for (where, *_), (_, ids_i) in zip(reversed(misses), reversed(fresh), strict=True):
+                fresh.append((seg, first, ids_i))
+            for (where, *_), (*_, ids_i) in zip(reversed(misses), reversed(fresh), strict=True):
                 out[where : where + 1] = ids_i  # back to front: earlier slots keep their place
         out.extend(wrap[1])
-        self._store(fresh, hits, sum(len(ids_i) for _, ids_i in fresh))
+        self._store(fresh, hits, sum(len(ids_i) for *_, ids_i in fresh))
         return self._checked(text, add_special_tokens, out)
 
     def cached(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
@@ -183,15 +195,15 @@ class SegmentCache:
             return None
         out: list[int] = list(wrap[0])
         hits = 0
-        lru = self._lru
+        tables = self._tables
         with self._lock:
             for seg, first, _, tid in self._plan(text):
                 if seg:
-                    key = (seg, first)
-                    ids = lru.get(key)
+                    table = tables[first]
+                    ids = table.get(seg)
                     if ids is None:
                         return None
-                    lru.move_to_end(key)
+                    table.move_to_end(seg)
                     hits += len(ids)
                     out.extend(ids)
                 if tid >= 0:
@@ -202,11 +214,11 @@ class SegmentCache:
 
     def _whole(self, text: str, add_special_tokens: bool, wrap: tuple[list[int], list[int]]) -> list[int]:
         """Text with no cut point: one lookup, or one encode (post-processor included) on a miss."""
-        key = (text, True)
+        table = self._tables[True]
         with self._lock:
-            ids = self._lru.get(key)
+            ids = table.get(text)
             if ids is not None:
-                self._lru.move_to_end(key)
+                table.move_to_end(text)
                 self.hit_tokens += len(ids)
         if ids is not None:
             out = ids.tolist()
@@ -218,7 +230,16 @@ class SegmentCache:
         if out[:pre] != wrap[0] or out[len(out) - post :] != wrap[1]:
             return self._give_up(text, add_special_tokens, "the post-processor added something else", out)
         core = out[pre : len(out) - post]
-        self._store([(key, core)], 0, len(core))
+        h = hash(text)
+        with self._lock:
+            admit = h in self._seen
+            if admit:
+                self._seen.discard(h)
+            else:
+                if len(self._seen) >= self.DOORKEEPER:
+                    self._seen.clear()
+                self._seen.add(h)
+        self._store([(text, True, core)] if admit else [], 0, len(core))
         return out
 
     def _checked(self, text: str, add_special_tokens: bool, out: list[int]) -> list[int]:
@@ -254,23 +275,26 @@ class SegmentCache:
         plan.append((seg, first, before, -1))
         return plan
 
-    def _cost(self, key: tuple[str, bool], n_ids: int) -> int:
-        seg = key[0]
+    def _cost(self, seg: str, n_ids: int) -> int:
         return self.ENTRY_OVERHEAD + 4 * n_ids + (len(seg) if seg.isascii() else 4 * len(seg))
 
-    def _store(self, fresh: list[tuple[tuple[str, bool], list[int]]], hits: int, misses: int) -> None:
+    def _store(self, fresh: list[tuple[str, bool, list[int]]], hits: int, misses: int) -> None:
         with self._lock:
             self.hit_tokens += hits
             self.miss_tokens += misses
-            for key, ids in fresh:
-                cost = self._cost(key, len(ids))
-                if key in self._lru or cost > self.max_bytes:
+            for seg, first, ids in fresh:
+                table = self._tables[first]
+                cost = self._cost(seg, len(ids))
+                if seg in table or cost > self.max_bytes:
                     continue
-                self._lru[key] = array("i", ids)
+                table[seg] = array("i", ids)
                 self.bytes += cost
             while self.bytes > self.max_bytes:
-                old_key, old = self._lru.popitem(last=False)
-                self.bytes -= self._cost(old_key, len(old))
+                # no recency order across the two tables: the larger one gives up its oldest
+                rest, head = self._tables
+                table = head if len(head) > len(rest) else rest
+                old_seg, old = table.popitem(last=False)
+                self.bytes -= self._cost(old_seg, len(old))
 
     def _give_up(
         self, text: str, add_special_tokens: bool, why: str, whole: list[int] | None = None
@@ -279,7 +303,9 @@ class SegmentCache:
         self.mismatches += 1
         self.enabled = False
         with self._lock:
-            self._lru.clear()
+            for table in self._tables:
+                table.clear()
+            self._seen.clear()
             self.bytes = 0
         log.error(
             "segment token cache disabled: %s (text of %d chars); every prompt is now tokenized whole",
@@ -289,4 +315,4 @@ class SegmentCache:
         return whole if whole is not None else self._encode([text], add_special_tokens)[0]
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._tables[0]) + len(self._tables[1])

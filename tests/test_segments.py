@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from array import array
 from pathlib import Path
 
 import pytest
@@ -133,8 +134,8 @@ def test_a_wrong_assembly_is_caught_answered_correctly_and_switches_the_cache_of
     cache = SegmentCache(toy, verify_every=1)
     text = "<|user|>\nold harbour</s>"
     cache.encode(text, False)
-    key = next(k for k in cache._lru if k[0] == "\nold harbour")
-    cache._lru[key] = type(cache._lru[key])("i", [7, 7, 7])  # what a tokenizer quirk would look like
+    after_token = cache._tables[False]
+    after_token["\nold harbour"] = array("i", [7, 7, 7])  # what a tokenizer quirk would look like
     want = toy.encode(text, add_special_tokens=False).ids
     with caplog.at_level("ERROR", logger="kvrouter.tokenizer"):
         assert cache.encode(text, False) == want
@@ -168,10 +169,18 @@ def test_the_router_tokenizer_uses_the_cache_for_completions(tmp_path: Path) -> 
     service = RequestTokenizer({}, default=chat)
     body = {"prompt": "Tell me about the old harbour and its ships"}
     try:
-        first = asyncio.run(service.tokenize("completions", body, "toy"))
-        hits = chat.segments.hit_tokens
-        again = asyncio.run(service.tokenize("completions", body, "toy"))
+        # a whole-text prompt is stored when it comes back (the doorkeeper), then served
+        first, second = (asyncio.run(service.tokenize("completions", body, "toy")) for _ in range(2))
+        assert chat.segments.hit_tokens == 0
+        third = asyncio.run(service.tokenize("completions", body, "toy"))
     finally:
         service.close()
-    assert first == again == chat._tok.encode(body["prompt"]).ids
-    assert chat.segments.hit_tokens == hits + len(first) - 1  # all but the BOS came from the cache
+    assert first == second == third == chat._tok.encode(body["prompt"]).ids
+    assert chat.segments.hit_tokens == len(first) - 1  # all but the BOS came from the cache
+
+
+def test_prompts_that_never_repeat_are_not_stored(toy: Tokenizer) -> None:
+    cache = SegmentCache(toy, verify_every=0)
+    for i in range(cache.DOORKEEPER + 10):
+        cache.encode(f"prompt number {i}", True)
+    assert len(cache) == 0 and cache.bytes == 0 and len(cache._seen) <= cache.DOORKEEPER
