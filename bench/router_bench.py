@@ -8,6 +8,8 @@ route-decision latency for 1k/8k/32k-token prompts.
   own cost dominates), ``raw+25`` (the same spending 25 us of CPU per request: vllm-router lands near
   the issue's reference ratios on it) and ``framework`` (the same answers from FastAPI on uvicorn,
   vLLM's server stack, so the upstream costs what vLLM's HTTP layer costs without a model).
+- every upstream answers ``/tokenize`` (vllm-router kv_aware asks it for every request) by really
+  tokenizing with the toy tokenizer, as a vLLM engine would, on the shared cores.
 - req/s: wrk, POST /v1/completions (a short text prompt, tokenized by the router with the toy
   tokenizer, so the kv policy does its full work), non-stream and SSE (16 chunks), c=1 and c=32;
   ratio = through the router / direct, measured in the same run; the same app under uvicorn is
@@ -65,22 +67,31 @@ def wait_ready(url: str, timeout: float = 120) -> None:
 
 
 def wrk(url: str, body: str, conns: int, seconds: int, unique: bool = False) -> float:
-    """req/s of a fixed POST body; ``unique``: every request's prompt starts with a number no other
-    request has (start time, wrk thread id, counter), so nothing the router caches about the text
-    helps."""
+    """req/s of a fixed POST body; ``unique``: every request's prompt starts with words no other
+    request has (start time, wrk thread id and a counter, spelled in words), so nothing the router
+    caches about the text helps."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n')
         if unique:
+            # the number is spelled in common words (base 16), as new prompts are new combinations
+            # of known words: a digit run would be a new BPE word each time, which real tokenizers
+            # split into cached 1-3 digit pieces but the toy tokenizer's GPT-2 regex does not
             marker = '"prompt": "'
             cut = body.index(marker) + len(marker)
             script.write(
+                'local words = {"harbour", "ship", "dawn", "sail", "net", "fish", "tide", "rope",'
+                ' "mast", "deck", "wave", "gull", "port", "crew", "oar", "keel"}\n'
+                "local function spell(x)\n"
+                '  local s = ""\n'
+                "  repeat s = s .. words[(x % 16) + 1] .. ' '; x = math.floor(x / 16) until x == 0\n"
+                "  return s\n"
+                "end\n"
                 "local n = 0\n"
                 'function setup(thread) n = n + 1; thread:set("tid", n) end\n'
-                "function init(args) counter = 0; run = os.time() end\n"
+                "function init(args) counter = 0; run = spell(os.time() % 65536) .. spell(tid) end\n"
                 "function request()\n"
                 "  counter = counter + 1\n"
-                f"  local b = {json.dumps(body[:cut])} .. run .. '-' .. tid .. '-' .. counter .. ' '\n"
-                f"  b = b .. {json.dumps(body[cut:])}\n"
+                f"  local b = {json.dumps(body[:cut])} .. run .. spell(counter) .. {json.dumps(body[cut:])}\n"
                 "  return wrk.format(nil, nil, nil, b)\n"
                 "end\n"
             )
@@ -185,6 +196,8 @@ def throughput(
     flags = ["--framework"] if kind == "framework" else []
     if kind.startswith("raw+"):  # raw+NN: the raw upstream spending NN us of CPU per request
         flags = ["--cost-us", kind[4:]]
+    # /tokenize (vllm-router kv_aware calls it per request) really tokenizes, as an engine does
+    flags += ["--tokenizer", str(tok / "tokenizer.json")]
     mock, router, mport, rport = start_pair(tmp, tok, flags, kind)
     try:
         direct = f"http://127.0.0.1:{mport}/v1/completions"
@@ -290,7 +303,7 @@ def decision_latency(url: str, tok: Path, reps: int = 40) -> dict[str, Any]:
     for n_tok in (1024, 8192, 32768):
         prompt = text(n_tok)
         first = measure([{"prompt": f"{i} {prompt}"} for i in range(reps)])
-        measure([{"prompt": prompt}])
+        measure([{"prompt": prompt}] * 2)  # a whole-text prompt is kept from its second sighting
         again = measure([{"prompt": prompt}] * reps)
         history: list[dict[str, str]] = [{"role": "system", "content": text(500)}]
         for k in range(1, max(n_tok // 500, 1)):

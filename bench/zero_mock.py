@@ -3,7 +3,9 @@
 ``python bench/zero_mock.py PORT [--chunks N] [--pace-ms MS]``: non-stream requests get a fixed JSON
 completion at once; ``"stream": true`` requests get N SSE chunks (the first at once, the rest
 ``--pace-ms`` apart) and ``data: [DONE]``. It answers /health, /v1/models and /tokenize (vllm-router's
-kv_aware policy calls it) so routers accept it.
+kv_aware policy calls it) so routers accept it: by default with a fixed answer (no work at all),
+with ``--tokenizer PATH`` by really tokenizing the prompt with that HF tokenizer.json, as a vLLM
+engine's /tokenize does (and charges to the engine's CPU).
 Deliberately minimal so that the upstream is not the bottleneck of the measurement.
 
 ``--framework``: the same answers from a FastAPI app under uvicorn (uvloop + httptools), the server
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 from fastapi import Request  # resolved from module globals by FastAPI (postponed annotations)
 
@@ -44,6 +47,32 @@ HEALTH = b"{}"
 TOKENIZE = json.dumps({"count": 12, "max_model_len": 4096, "tokens": list(range(100, 112))}).encode()
 
 
+Tokenize = Callable[[bytes], bytes]
+
+
+def fixed_tokenize(body: bytes) -> bytes:
+    """The fixed /tokenize answer (no work)."""
+    return TOKENIZE
+
+
+def real_tokenize(path: str) -> Tokenize:
+    """/tokenize answered by tokenizing ``prompt`` (or the messages' text) with the given tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(path)
+
+    def answer(body: bytes) -> bytes:
+        req = json.loads(body or b"{}")
+        text = req.get("prompt")
+        if not isinstance(text, str):
+            messages = [m for m in req.get("messages", []) if isinstance(m, dict)]
+            text = "\n".join(str(m.get("content", "")) for m in messages)
+        ids = tok.encode(text, add_special_tokens=bool(req.get("add_special_tokens", True))).ids
+        return json.dumps({"count": len(ids), "max_model_len": 32768, "tokens": ids}).encode()
+
+    return answer
+
+
 def _response(body: bytes, ctype: bytes = b"application/json") -> bytes:
     return (
         b"HTTP/1.1 200 OK\r\ncontent-type: "
@@ -60,7 +89,12 @@ def _chunk(data: bytes) -> bytes:
 
 
 async def handle(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chunks: int, pace: float, cost: float = 0.0
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    chunks: int,
+    pace: float,
+    cost: float = 0.0,
+    tokenize: Tokenize = fixed_tokenize,
 ) -> None:
     event = EVENT
     try:
@@ -82,7 +116,7 @@ async def handle(
             elif path == b"/v1/models":
                 writer.write(_response(MODELS))
             elif path == b"/tokenize":
-                writer.write(_response(TOKENIZE))
+                writer.write(_response(tokenize(body)))
             elif b'"stream":true' in body.replace(b" ", b""):
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -103,15 +137,17 @@ async def handle(
         writer.close()
 
 
-async def main(port: int, chunks: int, pace: float, cost: float = 0.0) -> None:
+async def main(
+    port: int, chunks: int, pace: float, cost: float = 0.0, tokenize: Tokenize = fixed_tokenize
+) -> None:
     server = await asyncio.start_server(
-        lambda r, w: handle(r, w, chunks, pace, cost), "127.0.0.1", port, backlog=1024
+        lambda r, w: handle(r, w, chunks, pace, cost, tokenize), "127.0.0.1", port, backlog=1024
     )
     async with server:
         await server.serve_forever()
 
 
-def framework_app(chunks: int, pace: float) -> object:
+def framework_app(chunks: int, pace: float, tokenize_fn: Tokenize = fixed_tokenize) -> object:
     """The same endpoints as a FastAPI app (vLLM's server stack)."""
     from fastapi import FastAPI
     from fastapi.responses import Response, StreamingResponse
@@ -128,8 +164,8 @@ def framework_app(chunks: int, pace: float) -> object:
         return Response(MODELS, media_type="application/json")
 
     @app.post("/tokenize")
-    async def tokenize() -> Response:
-        return Response(TOKENIZE, media_type="application/json")
+    async def tokenize(request: Request) -> Response:
+        return Response(tokenize_fn(await request.body()), media_type="application/json")
 
     async def stream() -> object:
         for i in range(chunks):
@@ -155,12 +191,14 @@ if __name__ == "__main__":
     ap.add_argument("--pace-ms", type=float, default=0.0)
     ap.add_argument("--framework", action="store_true", help="FastAPI under uvicorn, as vLLM serves")
     ap.add_argument("--cost-us", type=float, default=0.0, help="raw mode: CPU microseconds per request")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json: /tokenize really tokenizes")
     a = ap.parse_args()
+    tokenize_fn = real_tokenize(a.tokenizer) if a.tokenizer else fixed_tokenize
     if a.framework:
         import uvicorn
 
         uvicorn.run(
-            framework_app(a.chunks, a.pace_ms / 1000),  # type: ignore[arg-type]
+            framework_app(a.chunks, a.pace_ms / 1000, tokenize_fn),  # type: ignore[arg-type]
             host="127.0.0.1",
             port=a.port,
             log_level="warning",
@@ -174,4 +212,4 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(main(a.port, a.chunks, a.pace_ms / 1000, a.cost_us / 1e6))
+    asyncio.run(main(a.port, a.chunks, a.pace_ms / 1000, a.cost_us / 1e6, tokenize_fn))

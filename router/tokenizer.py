@@ -887,7 +887,9 @@ class RequestTokenizer:
             raise TokenizerError("prompt must be a string, a list of token ids, or a batch of them")
         if local is not None:
             self.local_requests += 1
-            ids = local.segments.cached(prompt, add_special)  # seen before: no tokenizer call at all
+            # seen before: no tokenizer call at all, so no need for the pool (up to 256 KB of text:
+            # beyond, even hashing the text is worth keeping off the loop; the pool looks it up)
+            ids = local.segments.cached(prompt, add_special) if len(prompt) <= 1 << 18 else None
             if ids is not None:
                 return ids
             return await self._run(len(prompt), local.encode_prompt, prompt, add_special)
