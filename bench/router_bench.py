@@ -17,8 +17,9 @@ route-decision latency for 1k/8k/32k-token prompts.
   and so is ``kvrouter serve --workers 2`` (``--workers N``; 1 skips it).
 - added TTFT: 300 sequential streaming requests with paced tokens (20 ms apart), first chunk time
   through the router minus direct, p50.
-- unique prompts: the non-stream c=32 row again with every prompt new (wrk numbers each request),
-  so the router's segment token cache never hits: the cost of a prompt seen for the first time.
+- unique prompts: the non-stream c=32 row again with every prompt new (wrk spells a counter in
+  words in front of each), so the router's segment token cache never hits: the cost of a prompt
+  seen for the first time.
 - decision latency: ``POST /route`` with prompts of ~1k/8k/32k tokens, the router's own
   ``timings_us.total`` (tokenize + keys + lookup + policy), p50/p99: text seen for the first time,
   the same text again, and the next turn of a chat of that size (see ``decision_latency``).

@@ -92,9 +92,14 @@ class KVRouter:
         self.loads = LoadTracker(worker.board(config), worker.index) if worker else LoadTracker()
         self.registry = BackendRegistry(list(config.backends), config.health, self.client, self.loads)
         self.policy = Policy(config.policy)
+        # one ChatTokenizer (and one segment cache) per distinct path, however many models share it
         cache = int(config.tokenizer_cache_mib * (1 << 20))
-        local = {m: ChatTokenizer.from_path(p, cache_bytes=cache) for m, p in config.tokenizers.items()}
-        default = ChatTokenizer.from_path(config.tokenizer, cache_bytes=cache) if config.tokenizer else None
+        loaded = {
+            p: ChatTokenizer.from_path(p, cache_bytes=cache)
+            for p in [*config.tokenizers.values(), *([config.tokenizer] if config.tokenizer else [])]
+        }
+        local = {m: loaded[p] for m, p in config.tokenizers.items()}
+        default = loaded[config.tokenizer] if config.tokenizer else None
         self.tokenizer = RequestTokenizer(
             local,
             default=default,
@@ -104,8 +109,8 @@ class KVRouter:
         self.service = RouterService(
             self.index, self.registry, self.loads, self.policy, self.tokenizer, config.recent_decisions
         )
-        caches = {id(t.segments): t.segments for t in [*local.values(), *([default] if default else [])]}
-        self.metrics = RouterMetrics(self.index, self.registry, self.loads, list(caches.values()))
+        caches = [t.segments for t in loaded.values()]
+        self.metrics = RouterMetrics(self.index, self.registry, self.loads, caches)
         self.pool = UpstreamPool(
             srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
         )

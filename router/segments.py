@@ -144,32 +144,48 @@ class SegmentCache:
             return self._encode(texts, False)
         return [self._encode([t], False)[0] for t in texts]
 
+    def _wrapping(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
+        """The post-processor's (prefix, suffix) for this call, or None when the cache cannot serve
+        it (off, truncation/padding configured, or a post-processor that is not a plain affix)."""
+        if not self.enabled or not self._plain:
+            return None
+        return self._wrap if add_special_tokens else ([], [])
+
+    def _lookup(
+        self, plan: list[tuple[str, bool, str, int]], out: list[int]
+    ) -> tuple[int, list[tuple[int, str, bool, str]]]:
+        """Append the plan's cached ids and added-token ids to ``out`` (a -1 placeholder per
+        missing segment); return the hit count and the misses as (slot, segment, first, token
+        before). The caller holds the lock."""
+        misses: list[tuple[int, str, bool, str]] = []
+        hits = 0
+        tables = self._tables
+        for seg, first, before, tid in plan:
+            if seg:
+                table = tables[first]
+                ids = table.get(seg)
+                if ids is None:
+                    misses.append((len(out), seg, first, before))
+                    out.append(-1)
+                else:
+                    table.move_to_end(seg)
+                    hits += len(ids)
+                    out.extend(ids)
+            if tid >= 0:
+                out.append(tid)
+        return hits, misses
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids ``Tokenizer.encode(text, add_special_tokens).ids`` would give."""
-        wrap = self._wrap if add_special_tokens else ([], [])
-        if not self.enabled or not self._plain or wrap is None:
+        wrap = self._wrapping(add_special_tokens)
+        if wrap is None:
             return self._encode([text], add_special_tokens)[0]
         plan = self._plan(text)
         if len(plan) == 1:
             return self._whole(text, add_special_tokens, wrap)
         out: list[int] = list(wrap[0])
-        misses: list[tuple[int, str, bool, str]] = []  # (slot in `out`, segment, first, token before)
-        hits = 0
-        tables = self._tables
         with self._lock:
-            for seg, first, before, tid in plan:
-                if seg:
-                    table = tables[first]
-                    ids = table.get(seg)
-                    if ids is None:
-                        misses.append((len(out), seg, first, before))
-                        out.append(-1)  # a placeholder, replaced below
-                    else:
-                        table.move_to_end(seg)
-                        hits += len(ids)
-                        out.extend(ids)
-                if tid >= 0:
-                    out.append(tid)
+            hits, misses = self._lookup(plan, out)
         fresh: list[tuple[str, bool, list[int]]] = []
         if misses:
             # a segment that does not start the text is encoded after its added token, whose id is
@@ -190,24 +206,14 @@ class SegmentCache:
     def cached(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
         """The ids if every segment of ``text`` is cached (no tokenizer call, so cheap enough for
         the event loop whatever the size), else None."""
-        wrap = self._wrap if add_special_tokens else ([], [])
-        if not self.enabled or not self._plain or wrap is None:
+        wrap = self._wrapping(add_special_tokens)
+        if wrap is None:
             return None
         out: list[int] = list(wrap[0])
-        hits = 0
-        tables = self._tables
         with self._lock:
-            for seg, first, _, tid in self._plan(text):
-                if seg:
-                    table = tables[first]
-                    ids = table.get(seg)
-                    if ids is None:
-                        return None
-                    table.move_to_end(seg)
-                    hits += len(ids)
-                    out.extend(ids)
-                if tid >= 0:
-                    out.append(tid)
+            hits, misses = self._lookup(self._plan(text), out)
+            if misses:
+                return None
             self.hit_tokens += hits
         out.extend(wrap[1])
         return out
@@ -220,11 +226,9 @@ class SegmentCache:
             if ids is not None:
                 table.move_to_end(text)
                 self.hit_tokens += len(ids)
-        if ids is not None:
+        if ids is not None:  # the tokenizer's own ids for this very text: nothing to check
             out = ids.tolist()
-            if wrap[0] or wrap[1]:
-                out = [*wrap[0], *out, *wrap[1]]
-            return self._checked(text, add_special_tokens, out)
+            return [*wrap[0], *out, *wrap[1]] if wrap[0] or wrap[1] else out
         out = self._encode([text], add_special_tokens)[0]
         pre, post = len(wrap[0]), len(wrap[1])
         if out[:pre] != wrap[0] or out[len(out) - post :] != wrap[1]:
@@ -255,9 +259,7 @@ class SegmentCache:
     def _plan(self, text: str) -> list[tuple[str, bool, str, int]]:
         """The text as (segment, starts the text, added token before it, id of the added token
         after it or -1)."""
-        if self._split is None:
-            return [(text, True, "", -1)]
-        parts = self._split.split(text)  # [text, token, text, token, ..., text]
+        parts = self._split.split(text) if self._split else [text]  # [text, token, ..., text]
         if len(parts) == 1:
             return [(text, True, "", -1)]
         cut, ids = self._cut, self._ids

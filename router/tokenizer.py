@@ -887,12 +887,15 @@ class RequestTokenizer:
             raise TokenizerError("prompt must be a string, a list of token ids, or a batch of them")
         if local is not None:
             self.local_requests += 1
-            # seen before: no tokenizer call at all, so no need for the pool (up to 256 KB of text:
-            # beyond, even hashing the text is worth keeping off the loop; the pool looks it up)
-            ids = local.segments.cached(prompt, add_special) if len(prompt) <= 1 << 18 else None
-            if ids is not None:
-                return ids
-            return await self._run(len(prompt), local.encode_prompt, prompt, add_special)
+            size = len(prompt)
+            if self.config.inline_max_chars < size <= 1 << 18:
+                # headed for the pool: text seen before needs no tokenizer call, so no hand-off
+                # (beyond 256 KB even hashing it is worth keeping off the loop; the pool looks it
+                # up). Smaller prompts are encoded inline, which looks them up itself.
+                ids = local.segments.cached(prompt, add_special)
+                if ids is not None:
+                    return ids
+            return await self._run(size, local.encode_prompt, prompt, add_special)
         payload: dict[str, Any] = {"model": model, "prompt": prompt}
         if "add_special_tokens" in body:
             payload["add_special_tokens"] = add_special
