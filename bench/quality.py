@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from router.policy import PolicyConfig
+from router.decision.policy import PolicyConfig
 from sim.engine import EngineConfig
 from sim.offline import PreparedWorkload, SimConfig, SimResult, simulate
 from sim.report import Row, from_sim, markdown

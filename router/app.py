@@ -1,6 +1,6 @@
 """Assembles the router: index, backends, policy, tokenizer, proxy, metrics and the HTTP endpoints.
 
-The ASGI entry point sends the two proxied POST paths to the lean :class:`router.proxy.ProxyHandler`
+The ASGI entry point sends the two proxied POST paths to the lean :class:`router.http.proxy.ProxyHandler`
 and everything else to a FastAPI app: ``/health``, ``/ready``, ``/v1/models``, ``/route``,
 ``/debug/index``, ``/metrics``, ``/dashboard`` and ``/dashboard/data``. All objects are created here
 and passed in explicitly; nothing is module-global, so tests can run several routers in one process.
@@ -28,19 +28,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from index.kvindex import KVIndex
 from index.subscriber import SourceConfig
-from router.backends import BackendRegistry
 from router.config import RouterConfig, rank_endpoint
-from router.errors import ApiError, bad_request, unauthorized, unavailable
-from router.http import Receive, Scope, Send
-from router.load import LoadTracker
-from router.metrics import RouterMetrics, dashboard_data
-from router.policy import Policy
-from router.proxy import PATHS, ProxyHandler, read_body
-from router.service import Endpoint, RouterService
-from router.tokenizer import ChatTokenizer, RequestTokenizer
-from router.upstream import UpstreamPool
-from router.workers import WorkerContext
-from router.workerstats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
+from router.decision.policy import Policy
+from router.decision.service import Endpoint, RouterService
+from router.decision.tokenizer import ChatTokenizer, RequestTokenizer
+from router.fleet.backends import BackendRegistry
+from router.fleet.load import LoadTracker
+from router.http.asgi import Receive, Scope, Send
+from router.http.errors import ApiError, bad_request, unauthorized, unavailable
+from router.http.proxy import PATHS, ProxyHandler, read_body
+from router.http.upstream import UpstreamPool
+from router.observe.metrics import RouterMetrics, dashboard_data
+from router.workers.stats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
+from router.workers.supervisor import WorkerContext
 
 log = logging.getLogger("kvrouter")
 
@@ -76,7 +76,7 @@ class KVRouter:
     ) -> None:
         self.config = config
         self.worker = worker
-        """Set when this router is one of several worker processes (:mod:`router.workers`)."""
+        """Set when this router is one of several worker processes (:mod:`router.workers.supervisor`)."""
         index_cfg = msgspec.structs.replace(config.index, block_size=config.block_size)
         self.index = KVIndex(index_cfg, ctx=zmq_context)
         for source in event_sources(config):
@@ -188,7 +188,8 @@ class KVRouter:
         await self.client.aclose()
 
     async def _publish_stats(self, worker: WorkerContext) -> None:
-        """Publish this worker's figures for the merged /metrics and dashboard (:mod:`router.workerstats`)."""
+        """Publish this worker's figures for the merged /metrics and dashboard
+        (:mod:`router.workers.stats`)."""
         writer = SnapshotWriter(worker.run_dir, worker.index)
         while True:
             try:

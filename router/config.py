@@ -17,7 +17,7 @@ import msgspec
 
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
-from router.policy import POLICIES, PolicyConfig
+from router.decision.policy import POLICIES, PolicyConfig
 
 
 class ConfigError(ValueError):
@@ -104,7 +104,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Per-model tokenizer paths, overriding ``tokenizer``."""
     tokenizer_cache_mib: float = 32.0
     """Memory for the token ids of prompt text segments (between added tokens), per tokenizer and
-    worker, so that resent messages are not tokenized again (router.segments); 0: off."""
+    worker, so that resent messages are not tokenized again (router.decision.segments); 0: off."""
     remote_tokenize: bool = True
     """Without a local tokenizer, ask the backend's POST /tokenize (one call per request)."""
     kv_topic: str = ""

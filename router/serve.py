@@ -1,5 +1,5 @@
 """`kvrouter serve`: load the fleet config, build the router and run it on kvrouter's own HTTP server
-(:mod:`router.server`; uvloop when installed)."""
+(:mod:`router.http.server`; uvloop when installed)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from router.config import ConfigError, RouterConfig, env_overrides, load_config, with_overrides
-from router.policy import POLICIES
+from router.decision.policy import POLICIES
 
 
 def register(sub: Any) -> None:
@@ -34,7 +34,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--workers",
         type=int,
-        help="router processes sharing the port (server.workers; see router/workers.py)",
+        help="router processes sharing the port (server.workers; see router/workers/supervisor.py)",
     )
     p.set_defaults(func=run)
 
@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
     if cfg.server.workers > 1:
-        from router.tokenizer import ChatTokenizer
-        from router.workers import Supervisor
+        from router.decision.tokenizer import ChatTokenizer
+        from router.workers.supervisor import Supervisor
 
         try:  # what a worker would fail on at start, reported once here instead of by every worker
             for path in config_tokenizers(cfg):
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return Supervisor(cfg).run()
     from router.app import KVRouter
-    from router.server import HttpServer, loop_factory
+    from router.http.server import HttpServer, loop_factory
 
     try:
         app = KVRouter(cfg)

@@ -33,7 +33,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 
-from router.tokenizer import ChatTokenizer, TokenizerError, TokenizerUnavailable
+from router.decision.tokenizer import ChatTokenizer, TokenizerError, TokenizerUnavailable
 from sim.kvcache import PrefixCache
 from sim.publisher import KVEventPublisher
 from sim.scheduler import StepModel, StepScheduler

@@ -13,7 +13,7 @@ and tuned. Nothing is mocked on the router side:
 * **index**: ``index.store.PrefixStore`` fed by ``index.ingest.Ingestor`` with every event batch the
   caches emit, encoded to msgpack bytes as vLLM would and decoded by ``index.wire`` (``wire=False``
   converts the structs directly), ``event_lag_s`` after the step that produced it;
-* **policy**: ``router.policy.Policy`` with ``router.load.LoadTracker`` semantics (a request is
+* **policy**: ``router.decision.policy.Policy`` with ``router.fleet.load.LoadTracker`` semantics (a request is
   prefilling, with its uncached prompt tokens pending, until its first token, and active until its
   last), plus predict-on-route as ``index.kvindex.KVIndex`` does it, in virtual time.
 
@@ -48,8 +48,8 @@ from index.wire import Batch, decode_payload
 from index.wire import BlockRemoved as WireRemoved
 from index.wire import BlockStored as WireStored
 from index.wire import Event as WireEvent
-from router.load import LoadTracker, Ticket
-from router.policy import Candidate, Decision, Policy, PolicyConfig
+from router.decision.policy import Candidate, Decision, Policy, PolicyConfig
+from router.fleet.load import LoadTracker, Ticket
 from sim.engine import EngineConfig
 from sim.kvcache import PrefixCache
 from sim.publisher import AllBlocksCleared, BlockRemoved, BlockStored, Event, encode_batch

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from router.policy import POLICIES, PolicyConfig
+from router.decision.policy import POLICIES, PolicyConfig
 from sim.driver import DriverConfig, run, scrape_engines
 from sim.engine import EngineConfig
 from sim.fleet import Fleet

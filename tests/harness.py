@@ -260,7 +260,7 @@ class NativeServer:
     on 127.0.0.1:0; stop() drains, shuts the router down and joins."""
 
     def __init__(self, app: Any) -> None:
-        from router.server import HttpServer, loop_factory
+        from router.http.server import HttpServer, loop_factory
 
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

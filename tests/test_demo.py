@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from router.policy import POLICIES
+from router.decision.policy import POLICIES
 from sim.demo import router_available
 
 WHY = router_available()

@@ -7,7 +7,7 @@ import random
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.registry import Collector
 
-from router.metrics import LeanCounter, LeanHistogram
+from router.observe.metrics import LeanCounter, LeanHistogram
 
 BUCKETS = (25e-6, 1e-3, 0.005, 0.1, 1, 2.5, 300)
 

@@ -23,7 +23,7 @@ from router.config import (
     rank_endpoint,
     with_overrides,
 )
-from router.policy import PolicyConfig
+from router.decision.policy import PolicyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKEND = {"name": "a", "url": "http://127.0.0.1:8000", "kv_events": "tcp://127.0.0.1:5557"}

@@ -1,6 +1,6 @@
 """More attempts to break the segment token cache's exactness, with tokenizers shaped like real ones.
 
-``router.segments`` claims that the ids it assembles from cached segments equal a whole-text
+``router.decision.segments`` claims that the ids it assembles from cached segments equal a whole-text
 ``Tokenizer.encode``; the argument rests on how HF ``tokenizers`` cuts text at added tokens. These
 tests build (train, offline, from seeded text) the configurations real models ship and compare the
 cache with the tokenizer on thousands of random texts:
@@ -44,7 +44,7 @@ from tokenizers import (
     trainers,
 )
 
-from router.segments import SegmentCache
+from router.decision.segments import SegmentCache
 from sim.toy_tokenizer import toy_corpus
 
 # the pre-tokenizer regex of Llama-3 and GPT-4 (cl100k), and Qwen2's (one digit per piece)

@@ -1,4 +1,4 @@
-"""kvrouter's own HTTP/1.1 server (router/server.py) on a real socket: framing, keep-alive,
+"""kvrouter's own HTTP/1.1 server (router/http/server.py) on a real socket: framing, keep-alive,
 pipelining, limits, malformed input, idle timeout, graceful shutdown, and one write per small
 proxied response."""
 
@@ -17,7 +17,7 @@ import pytest
 import zmq
 from harness import TIMEOUT, FakeEngine, NativeServer, RouterRunner, wait_for
 
-from router.server import _Connection
+from router.http.server import _Connection
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.tokenizer import ChatTokenizer
+from router.decision.tokenizer import ChatTokenizer
 from sim import cli
 from sim.engine import EngineConfig, MockEngine
 from sim.fleet import Fleet

@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from router.policy import PolicyConfig
-from router.tokenizer import ChatTokenizer
+from router.decision.policy import PolicyConfig
+from router.decision.tokenizer import ChatTokenizer
 from sim.engine import EngineConfig
 from sim.offline import (
     PreparedWorkload,
@@ -134,7 +134,7 @@ def test_scaled_policy_keeps_per_request_terms_in_real_units() -> None:
 
 
 def test_router_ingests_engine_events() -> None:
-    from router.policy import Policy
+    from router.decision.policy import Policy
     from sim.kvcache import PrefixCache
 
     router = SimRouter(Policy(PolicyConfig()), ["a", "b"], 16, predict_ttl_s=0.0, wire=True)

@@ -25,7 +25,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from router.tokenizer import (
+from router.decision.tokenizer import (
     ChatTokenizer,
     RequestTokenizer,
     RequestTokenizerConfig,

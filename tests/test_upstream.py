@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
+from router.http.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

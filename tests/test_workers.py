@@ -20,9 +20,9 @@ import zmq
 from harness import FakeEngine, wait_for
 from prometheus_client import CollectorRegistry, Gauge
 
-from router.load import LoadBoard, LoadTracker
-from router.metrics import LeanCounter, LeanHistogram
-from router.workerstats import (
+from router.fleet.load import LoadBoard, LoadTracker
+from router.observe.metrics import LeanCounter, LeanHistogram
+from router.workers.stats import (
     Snapshot,
     SnapshotWriter,
     families_of,
@@ -140,8 +140,8 @@ def test_dashboard_counters_are_summed_and_decisions_interleaved() -> None:
 
 
 def test_a_dead_workers_figures_are_retired_and_its_load_cleared(tmp_path: Path) -> None:
-    from router import workers
     from router.config import parse_config
+    from router.workers import supervisor as workers
 
     cfg = parse_config({"server": {"workers": 2}, "backends": [{"name": "a", "url": "http://127.0.0.1:9"}]})
     run_dir = str(tmp_path)
@@ -347,8 +347,8 @@ def test_a_broken_tokenizer_stops_start_up_before_any_worker(tmp_path: Path) -> 
 def test_the_supervisor_gives_up_on_workers_that_keep_dying(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from router import workers
     from router.config import parse_config
+    from router.workers import supervisor as workers
 
     cfg = parse_config(
         {

@@ -1,9 +1,9 @@
 """The proxy hot path: a lean ASGI handler for ``POST /v1/completions`` and ``/v1/chat/completions``.
 
 It bypasses the web framework (FastAPI serves everything else) because this path runs for every
-request: read the body with a size cap, decide (:class:`router.service.RouterService`), send the
+request: read the body with a size cap, decide (:class:`router.decision.service.RouterService`), send the
 original bytes upstream, and stream the backend's response through chunk
-by chunk over the proxy's own keep-alive HTTP/1.1 client (:mod:`router.upstream`), unchanged (SSE or
+by chunk over the proxy's own keep-alive HTTP/1.1 client (:mod:`router.http.upstream`), unchanged (SSE or
 not, status codes and bodies included).
 
 - A connection error or a 5xx **before the first response byte** is retried once on the next-best
@@ -26,18 +26,18 @@ from typing import Any
 import msgspec
 
 from router.config import ServerConfig
-from router.errors import ApiError, bad_gateway, bad_request, gateway_timeout, too_large
-from router.http import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
-from router.load import LoadTracker
-from router.metrics import RouterMetrics
-from router.service import Endpoint, Route, RouterService
-from router.upstream import (
+from router.decision.service import Endpoint, Route, RouterService
+from router.fleet.load import LoadTracker
+from router.http.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
+from router.http.errors import ApiError, bad_gateway, bad_request, gateway_timeout, too_large
+from router.http.upstream import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
     UpstreamTimeout,
 )
+from router.observe.metrics import RouterMetrics
 
 log = logging.getLogger("kvrouter.proxy")
 

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from router.config import BackendConfig, HealthConfig
-from router.load import LoadTracker
-from router.upstream import UpstreamPool
+from router.fleet.load import LoadTracker
+from router.http.upstream import UpstreamPool
 
 log = logging.getLogger("kvrouter.backends")
 

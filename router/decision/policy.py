@@ -30,7 +30,7 @@ from typing import Literal
 
 import msgspec
 
-from router.load import TargetLoad
+from router.fleet.load import TargetLoad
 
 PolicyName = Literal["kv", "round_robin", "least_loaded", "random"]
 POLICIES: tuple[PolicyName, ...] = ("kv", "round_robin", "least_loaded", "random")

@@ -17,7 +17,7 @@ so this module reproduces the engine's path step by step rather than approximati
 Encoding uses `tokenizers.Tokenizer.encode_batch_fast`, which releases the GIL (plain `encode`
 holds it: a 1.4 MB prompt froze the event loop for 1.3 s even from a worker thread; with
 `encode_batch_fast` the longest loop stall was 9 ms) and skips offset tracking (3x faster, same ids).
-Text between added tokens that was tokenized before is not tokenized again: `router.segments`
+Text between added tokens that was tokenized before is not tokenized again: `router.decision.segments`
 keeps its ids (exactly the whole-text result; why that holds is in its docstring).
 
 Known limits: multimodal content parts are not tokenized locally (`TokenizerUnavailable`, so the
@@ -50,7 +50,7 @@ import jinja2.sandbox
 import msgspec
 from tokenizers import Tokenizer, processors
 
-from router.segments import SegmentCache
+from router.decision.segments import SegmentCache
 
 __all__ = [
     "ChatTokenizer",
@@ -421,7 +421,7 @@ class ChatTokenizer:
     ) -> None:
         """`chat_templates` maps template names to sources ("default" is used; "tool_use" when tools
         are given and it exists). `special_tokens` holds bos_token, eos_token, ... as template
-        variables. `cache_bytes` bounds the segment cache (:mod:`router.segments`; 0: off)."""
+        variables. `cache_bytes` bounds the segment cache (:mod:`router.decision.segments`; 0: off)."""
         self._tok = tokenizer
         self.segments = SegmentCache(tokenizer, cache_bytes)
         self.name = name
@@ -798,7 +798,7 @@ class RequestTokenizer:
     Local tokenizers are preferred (no network hop, no dependency on a healthy backend). Models
     without one fall back to the backend returned by `backend_for(model)`, in vLLM's `/tokenize`
     API shape. Local results are reused per text segment between added tokens
-    (:mod:`router.segments`): a chat turn resends earlier messages, and only new text is tokenized.
+    (:mod:`router.decision.segments`): a chat turn resends earlier messages, and only new text is tokenized.
     """
 
     def __init__(

@@ -26,9 +26,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from index.kvindex import PREDICTED, KVIndex
-from router.backends import BackendRegistry
-from router.load import LoadTracker
-from router.segments import SegmentCache
+from router.decision.segments import SegmentCache
+from router.fleet.backends import BackendRegistry
+from router.fleet.load import LoadTracker
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25)

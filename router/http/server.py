@@ -39,9 +39,9 @@ from urllib.parse import unquote
 
 import httptools
 
-from router.errors import ApiError, bad_request, head_too_large, internal_error, too_large
-from router.http import Headers, Message
-from router.proxy import PATHS, send_error
+from router.http.asgi import Headers, Message
+from router.http.errors import ApiError, bad_request, head_too_large, internal_error, too_large
+from router.http.proxy import PATHS, send_error
 
 if TYPE_CHECKING:
     from router.app import KVRouter

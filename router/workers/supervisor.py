@@ -13,9 +13,9 @@ How:
   SO_REUSEPORT and the kernel spreads new connections over them.
 - Each worker is a whole router: its own event subscriptions (ZeroMQ PUB fans every event out to
   every subscriber) and so its own copy of the index, its own health checks and tokenizer.
-- In-flight load is shared through a :class:`router.load.LoadBoard` in the run directory, so every
+- In-flight load is shared through a :class:`router.fleet.load.LoadBoard` in the run directory, so every
   worker scores candidates against the whole router's load.
-- /metrics and the dashboard merge every worker's published figures (:mod:`router.workerstats`).
+- /metrics and the dashboard merge every worker's published figures (:mod:`router.workers.stats`).
 - Not shared: predict-on-route. A burst of one new prefix spread over N workers can land on up to
   N engines until the engines' events arrive (milliseconds), after which every worker sees the real
   residencies. Bind-mode KV events need one process (config validation says so).
@@ -52,8 +52,8 @@ from typing import cast
 import msgspec
 
 from router.config import RouterConfig
-from router.load import LoadBoard, Target
-from router.workerstats import retire
+from router.fleet.load import LoadBoard, Target
+from router.workers.stats import retire
 
 log = logging.getLogger("kvrouter.workers")
 
@@ -123,7 +123,7 @@ def worker_main(config: RouterConfig, ctx: WorkerContext) -> None:
         logging.INFO if config.server.access_log else logging.WARNING
     )
     from router.app import KVRouter
-    from router.server import HttpServer, loop_factory
+    from router.http.server import HttpServer, loop_factory
 
     _die_with_parent()
     app = KVRouter(config, worker=ctx)

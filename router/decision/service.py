@@ -15,11 +15,11 @@ import msgspec
 
 from index.kvindex import KVIndex, MatchReport
 from index.store import SourceMatch
-from router.backends import Backend, BackendRegistry
-from router.errors import ApiError, bad_request, not_found_model, unavailable
-from router.load import LoadTracker
-from router.policy import Candidate, CandidateScore, Decision, Policy, explain
-from router.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
+from router.decision.policy import Candidate, CandidateScore, Decision, Policy, explain
+from router.decision.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
+from router.fleet.backends import Backend, BackendRegistry
+from router.fleet.load import LoadTracker
+from router.http.errors import ApiError, bad_request, not_found_model, unavailable
 
 log = logging.getLogger("kvrouter.route")
 

@@ -1,0 +1,1 @@
+"""The decision: tokenize a request, match it against the index, score the candidates, pick one."""

@@ -1,0 +1,1 @@
+"""The HTTP path: kvrouter's own server, the proxy hot path, the upstream client, errors."""

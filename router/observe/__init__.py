@@ -1,0 +1,1 @@
+"""What the router shows about itself: Prometheus metrics and the dashboard's data."""

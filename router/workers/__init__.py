@@ -1,0 +1,1 @@
+"""Several router processes on one port: the supervisor and the figures merged across workers."""
