@@ -78,6 +78,10 @@ class KVIndex:
         """Stop following a source and forget its blocks."""
         self.subscriber.remove_source(source)
 
+    def source_ready(self, source: SourceId) -> bool:
+        """True once a followed source's first bootstrap replay ended (or it has no replay endpoint)."""
+        return self.subscriber.source_ready(source)
+
     def start(self) -> None:
         """Start ingesting in the background thread."""
         self.subscriber.start()

@@ -105,6 +105,9 @@ class SourceStatus(msgspec.Struct):
     block_size: int | None
     block_size_mismatch: bool
     blocks: dict[str, int]
+    bootstrap: str = "none"
+    """First-contact replay: "pending", "done", "failed" (timed out or abandoned), or "none" (no
+    replay endpoint)."""
 
 
 class _Replay:
@@ -135,6 +138,7 @@ class _Source:
         self.replay: _Replay | None = None
         self.held: list[tuple[int, Batch]] = []
         self.replay_failed_at = 0.0
+        self.bootstrap = "pending" if cfg.replay_endpoint is not None else "none"
         self.gaps = 0
         self.replays = 0
         self.replayed_batches = 0
@@ -232,9 +236,15 @@ class EventSubscriber:
                     block_size=st.block_size,
                     block_size_mismatch=st.block_size_mismatch > 0,
                     blocks=self.ingestor.store.source_blocks(src.sidx),
+                    bootstrap=src.bootstrap,
                 )
             )
         return out
+
+    def source_ready(self, source: SourceId) -> bool:
+        """True once the source's first bootstrap replay ended (or none is configured)."""
+        src = self._sources.get(source)
+        return src is not None and src.bootstrap != "pending"
 
     def sidx_of(self, source: SourceId) -> int | None:
         """Store index of a followed source."""
@@ -462,6 +472,8 @@ class EventSubscriber:
         if replay is None:
             return
         src.replay = None
+        if replay.start == 0 and src.bootstrap == "pending":  # the first replay from seq 0
+            src.bootstrap = "done" if finished else "failed"
         if not finished:
             # replies of an abandoned request could still arrive and be mistaken for the next one's
             self._close_dealer(src)

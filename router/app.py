@@ -27,13 +27,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from index.kvindex import KVIndex
-from index.subscriber import SourceConfig
-from router.config import RouterConfig, rank_endpoint
+from router.config import RouterConfig
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
 from router.decision.tokenizer import ChatTokenizer, RequestTokenizer
-from router.fleet.backends import BackendRegistry
-from router.fleet.load import LoadTracker
+from router.fleet.load import BoardView, LoadTracker
+from router.fleet.runtime import FleetRuntime
 from router.http.asgi import Receive, Scope, Send
 from router.http.errors import ApiError, bad_request, unauthorized, unavailable
 from router.http.proxy import PATHS, ProxyHandler, read_body
@@ -43,26 +42,6 @@ from router.workers.stats import SnapshotWriter, families_of, merge_dashboard, r
 from router.workers.supervisor import WorkerContext
 
 log = logging.getLogger("kvrouter")
-
-
-def event_sources(cfg: RouterConfig) -> list[SourceConfig]:
-    """One event source per (backend, DP rank) with KV events configured (vLLM's port+rank rule)."""
-    out = []
-    for b in cfg.backends:
-        if b.kv_events is None:
-            continue
-        for rank in range(b.dp_size):
-            out.append(
-                SourceConfig(
-                    instance=b.name,
-                    dp_rank=rank,
-                    endpoint=rank_endpoint(b.kv_events, rank),
-                    replay_endpoint=rank_endpoint(b.kv_replay, rank) if b.kv_replay else None,
-                    bind=b.kv_bind,
-                    topic=b.kv_topic if b.kv_topic is not None else cfg.kv_topic,
-                )
-            )
-    return out
 
 
 class KVRouter:
@@ -79,8 +58,6 @@ class KVRouter:
         """Set when this router is one of several worker processes (:mod:`router.workers.supervisor`)."""
         index_cfg = msgspec.structs.replace(config.index, block_size=config.block_size)
         self.index = KVIndex(index_cfg, ctx=zmq_context)
-        for source in event_sources(config):
-            self.index.add_source(source)
         srv = config.server
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(
@@ -89,8 +66,12 @@ class KVRouter:
             ),
             timeout=httpx.Timeout(srv.read_timeout_s, connect=srv.connect_timeout_s),
         )
-        self.loads = LoadTracker(worker.board(config), worker.index) if worker else LoadTracker()
-        self.registry = BackendRegistry(list(config.backends), config.health, self.client, self.loads)
+        self.loads = LoadTracker([BoardView(worker.board(), worker.index)] if worker else [])
+        self.fleet = FleetRuntime(
+            self.index, self.loads, self.client, config.health, config.membership, config.kv_topic
+        )
+        self.membership = self.fleet.membership
+        self.health = self.fleet.health
         self.policy = Policy(config.policy)
         # one ChatTokenizer (and one segment cache) per distinct path, however many models share it
         cache = int(config.tokenizer_cache_mib * (1 << 20))
@@ -107,14 +88,16 @@ class KVRouter:
             backend_for=self._tokenize_backend if config.remote_tokenize else None,
         )
         self.service = RouterService(
-            self.index, self.registry, self.loads, self.policy, self.tokenizer, config.recent_decisions
+            self.index, self.membership, self.loads, self.policy, self.tokenizer, config.recent_decisions
         )
         caches = [t.segments for t in loaded.values()]
-        self.metrics = RouterMetrics(self.index, self.registry, self.loads, caches)
+        self.metrics = RouterMetrics(self.index, self.membership, self.loads, caches)
         self.pool = UpstreamPool(
             srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
         )
-        self.proxy = ProxyHandler(self.service, self.pool, self.metrics, self.loads, srv, self.authorize)
+        self.proxy = ProxyHandler(
+            self.service, self.pool, self.metrics, self.loads, srv, self.authorize, self.health
+        )
         self._keys = [k.encode() for k in config.api_keys]
         self._tasks: list[asyncio.Task[None]] = []
         self.api = self._build_api()
@@ -146,15 +129,18 @@ class KVRouter:
             raise unauthorized()
 
     def _tokenize_backend(self, model: str) -> str | None:
-        healthy = self.registry.healthy_for(model)
+        healthy = self.membership.routable_for(model)
         return healthy[0].url if healthy else None
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def startup(self) -> None:
-        """Start ingestion and health checks; the first probe round completes before serving."""
+        """Start ingestion, the static fleet and health checks; the first probe round completes (and
+        healthy backends finish their index bootstrap) before serving."""
         self.index.start()
-        await self.registry.check_all()
-        self.registry.start()
+        self.membership.reconcile("config", self.config.backends, "in the config file")
+        await self.health.check_all()
+        await self.fleet.settle()
+        self.fleet.start()
         self._tasks.append(
             asyncio.get_running_loop().create_task(self._housekeeping(), name="kvrouter-housekeeping")
         )
@@ -164,14 +150,14 @@ class KVRouter:
                     self._publish_stats(self.worker), name="kvrouter-stats"
                 )
             )
-        healthy = [b.name for b in self.registry.backends.values() if b.healthy]
+        healthy = self._healthy_names()
         log.info(
             "kvrouter ready: policy=%s, %d/%d backends healthy (%s), %d event sources",
             self.config.policy.name,
             len(healthy),
-            len(self.registry.backends),
+            len(self.membership.members),
             ", ".join(healthy) or "none",
-            len(event_sources(self.config)),
+            len(self.index.status()),
         )
 
     async def shutdown(self) -> None:
@@ -181,7 +167,7 @@ class KVRouter:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        await self.registry.stop()
+        await self.fleet.stop()
         self.index.stop()
         self.tokenizer.close()
         self.pool.close()
@@ -202,7 +188,7 @@ class KVRouter:
         return dashboard_data(
             self.metrics,
             self.index,
-            self.registry,
+            self.membership,
             self.loads,
             self.config.policy.name,
             [r.explain() for r in list(self.service.recent)[-20:]],
@@ -256,14 +242,14 @@ class KVRouter:
 
         @api.get("/ready")
         async def ready() -> Response:
-            if not self.registry.any_healthy():
+            if not self.membership.any_routable():
                 raise unavailable("no healthy backend")
             return JSONResponse({"status": "ready", "healthy_backends": self._healthy_names()})
 
         @api.get("/v1/models")
         async def models() -> dict[str, Any]:
             data = []
-            for model, backends in self.registry.models().items():
+            for model, backends in self.membership.models().items():
                 parent = next((b.lora_parents[model] for b in backends if model in b.lora_parents), None)
                 card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "kvrouter"}
                 if parent:
@@ -302,18 +288,13 @@ class KVRouter:
                 "predicted_blocks": self.index.predicted_blocks(),
                 "sources": [msgspec.to_builtins(s) for s in self.index.status()],
                 "backends": [
-                    {
-                        "name": b.name,
-                        "url": b.url,
-                        "healthy": b.healthy,
-                        "failures": b.failures,
-                        "last_error": b.last_error,
-                        "checked_at": b.checked_at,
-                        "models": sorted(b.models),
-                        "dp_size": b.cfg.dp_size,
-                    }
-                    for b in self.registry.backends.values()
+                    {**b.describe(self.loads.local_active(b.targets)), "models": sorted(b.models)}
+                    for b in list(self.membership.members.values())
                 ],
+                "membership": {
+                    "counts": self.membership.counts(),
+                    "transitions": [msgspec.to_builtins(t) for t in self.membership.transitions],
+                },
             }
             return Response(msgspec.json.encode(out), media_type="application/json")
 
@@ -341,7 +322,7 @@ class KVRouter:
         return api
 
     def _healthy_names(self) -> list[str]:
-        return [b.name for b in self.registry.backends.values() if b.healthy]
+        return [b.name for b in self.membership.members.values() if b.routable]
 
 
 def _dashboard_page() -> str:
@@ -356,4 +337,4 @@ def create_app(config: RouterConfig) -> KVRouter:
     return KVRouter(config)
 
 
-__all__ = ["KVRouter", "create_app", "event_sources"]
+__all__ = ["KVRouter", "create_app"]

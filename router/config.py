@@ -11,7 +11,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -21,7 +21,12 @@ from router.decision.policy import POLICIES, PolicyConfig
 
 
 class ConfigError(ValueError):
-    """The configuration cannot be used; the message names the key."""
+    """The configuration cannot be used; the message names the key (``field``: the offending field
+    of a backend, for the admin API's 400 answer)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -68,8 +73,13 @@ class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Also read vllm:num_requests_waiting/running and kv_cache_usage_perc from each engine's /metrics."""
 
 
+Role = Literal["both", "prefill", "decode"]
+"""What an engine does in a prefill/decode disaggregated fleet; "both" is an ordinary engine."""
+
+
 class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One vLLM engine (all its DP ranks)."""
+    """One vLLM engine (all its DP ranks): a ``[[backends]]`` table, an admin API body, or what
+    Kubernetes discovery read from a pod."""
 
     name: str
     url: str
@@ -90,12 +100,64 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Models served; default: read from the backend's /v1/models (and refreshed with health checks)."""
     api_key: str | None = None
     """Bearer key the backend expects, if any (clients' keys are never forwarded)."""
+    role: Role = "both"
+    """"both" (default: prefill and decode on this engine), "prefill" or "decode" (P/D disaggregation)."""
+
+
+class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Pod discovery: every Ready, non-terminating pod matching the selector is a backend (README,
+    "Kubernetes discovery", lists the annotations that override these defaults per pod)."""
+
+    enabled: bool = False
+    namespace: str = ""
+    """Namespace to watch; "" = the router's own namespace when in a cluster, else "default"."""
+    label_selector: str = ""
+    """Label selector of the engine pods, e.g. ``app=vllm`` (required when enabled)."""
+    kubeconfig: str = ""
+    """Path of a kubeconfig for running outside the cluster; "" = the in-cluster service account,
+    else $KUBECONFIG or ~/.kube/config."""
+    context: str = ""
+    """kubeconfig context; "" = its current context."""
+    http_port: str = "http"
+    """Container port (name or number) of vLLM's OpenAI server."""
+    kv_events_port: str = "kv-events"
+    """Container port (name or number) of rank 0's KV event publisher; "" = no events."""
+    kv_replay_port: str = "kv-replay"
+    """Container port (name or number) of rank 0's replay socket; "" or absent = no replay."""
+    dp_size: int = 1
+    role: Role = "both"
+    models: list[str] | None = None
+    kv_topic: str | None = None
+    api_key: str | None = None
+    """Bearer key the engines expect (KVROUTER_BACKEND_API_KEY overrides it, for a Secret)."""
+    backoff_s: float = 1.0
+    """First reconnect delay after the watch fails (doubles up to ``max_backoff_s``)."""
+    max_backoff_s: float = 30.0
+    watch_timeout_s: float = 290.0
+    """Server-side timeout of one watch request; the watch is then resumed from its resourceVersion."""
+
+
+class MembershipConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the fleet may change at run time (README, "A fleet that changes")."""
+
+    watch_config: bool = True
+    """Re-read the config file when it changes on disk (it is always re-read on SIGHUP)."""
+    watch_interval_s: float = 2.0
+    """How often the file's modification time and size are checked."""
+    join_timeout_s: float = 10.0
+    """A joining backend that answers its health probe becomes ready when its event streams finished
+    their bootstrap replay, or after this long whatever the replay does."""
+    drain_timeout_s: float = 600.0
+    """A draining backend is removed when its in-flight requests finish, or after this long (the
+    requests still running then are not cut: they end on their own)."""
+    kubernetes: KubernetesConfig = KubernetesConfig()
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The whole file."""
 
-    backends: list[BackendConfig]
+    backends: list[BackendConfig] = []
+    """The static fleet (may be empty when Kubernetes discovery or the admin API fills it)."""
     block_size: int | None = 16
     """Engines' block size; checked against events (None: learn it from them)."""
     tokenizer: str | None = None
@@ -110,6 +172,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_topic: str = ""
     api_keys: list[str] = []
     """Bearer keys accepted from clients; empty: no authentication."""
+    admin_keys: list[str] = []
+    """Bearer keys of the admin API (/admin/...); empty: the admin API is off (404)."""
     auth_exempt_probes: bool = True
     """Let /health and /ready through without a key (Kubernetes probes send none)."""
     server: ServerConfig = ServerConfig()
@@ -118,6 +182,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     index: IndexConfig = IndexConfig()
     recent_decisions: int = 50
     """Decisions kept for the dashboard."""
+    membership: MembershipConfig = MembershipConfig()
 
 
 _PATH_RE = re.compile(r"\$\.?(.*)$")
@@ -150,32 +215,91 @@ def parse_config(data: dict[str, Any]) -> RouterConfig:
     return cfg
 
 
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+def validate_backend(b: BackendConfig, where: str) -> None:
+    """The checks one backend must pass, wherever it comes from (file, admin API, discovery)."""
+    if not b.name:
+        raise ConfigError(f"{where}.name: must not be empty", "name")
+    if not _NAME_RE.match(b.name):
+        raise ConfigError(
+            f"{where}.name: {b.name!r} must be 1-128 letters, digits or . _ : @ - (it is used in "
+            "URLs, metric labels and headers)",
+            "name",
+        )
+    if not re.match(r"^https?://[^/\s]+", b.url):
+        raise ConfigError(f"{where}.url: {b.url!r} is not an http(s) URL", "url")
+    if b.dp_size < 1:
+        raise ConfigError(f"{where}.dp_size: must be >= 1", "dp_size")
+    for key in ("kv_events", "kv_replay"):
+        ep = getattr(b, key)
+        if ep is not None and not re.match(r"^(tcp|ipc|inproc)://", ep):
+            raise ConfigError(f"{where}.{key}: {ep!r} is not a ZMQ endpoint (tcp://host:port)", key)
+        if ep is not None and b.dp_size > 1 and not ep.startswith(("tcp://", "inproc://")):
+            raise ConfigError(f"{where}.{key}: DP ranks need tcp:// or inproc:// (vLLM offsets ports)", key)
+        if ep is not None and ep.startswith("tcp://") and not re.search(r":\d+$", ep):
+            raise ConfigError(f"{where}.{key}: {ep!r} has no port", key)
+    if b.kv_replay is not None and b.kv_events is None:
+        raise ConfigError(f"{where}.kv_replay: set without kv_events", "kv_replay")
+    if b.models is not None and not all(m for m in b.models):
+        raise ConfigError(f"{where}.models: model names must not be empty", "models")
+
+
+def parse_backend(data: Any, name: str, workers: int = 1) -> BackendConfig:
+    """A backend from a JSON object holding a ``[[backends]]`` table's fields, named ``name`` (the
+    admin API's PUT body); raises ConfigError naming the offending field."""
+    if not isinstance(data, dict):
+        raise ConfigError("the body must be a JSON object with the fields of a [[backends]] table")
+    if "name" in data and data["name"] != name:
+        raise ConfigError(f"name: {data['name']!r} differs from the name in the path ({name!r})", "name")
+    try:
+        b = msgspec.convert({**data, "name": name}, BackendConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        key, text = _key_path(str(exc))
+        if text.startswith("Object contains unknown field"):
+            field = text.split("`")[1] if "`" in text else text
+            raise ConfigError(f"{field}: unknown key", field) from None
+        if text.startswith("Object missing required"):
+            field = text.split("`")[1] if "`" in text else text
+            raise ConfigError(f"{field}: required", field) from None
+        bad = key.split(".")[0].split("[")[0] if key != "(top level)" else None
+        raise ConfigError(f"{key}: {text}", bad) from None
+    validate_backend(b, "backend")
+    if workers > 1 and b.kv_bind:
+        raise ConfigError("kv_bind: bind-mode KV events need server.workers = 1", "kv_bind")
+    return b
+
+
 def validate(cfg: RouterConfig) -> None:
     """Checks msgspec's types cannot express."""
-    if not cfg.backends:
-        raise ConfigError("backends: at least one [[backends]] entry is required")
+    k8s = cfg.membership.kubernetes
+    if not cfg.backends and not k8s.enabled and not cfg.admin_keys:
+        raise ConfigError(
+            "backends: at least one [[backends]] entry is required (or membership.kubernetes.enabled, "
+            "or admin_keys to add backends at run time)"
+        )
     seen: set[str] = set()
     for i, b in enumerate(cfg.backends):
         where = f"backends[{i}]"
-        if not b.name:
-            raise ConfigError(f"{where}.name: must not be empty")
+        validate_backend(b, where)
         if b.name in seen:
-            raise ConfigError(f"{where}.name: duplicate backend name {b.name!r}")
+            raise ConfigError(f"{where}.name: duplicate backend name {b.name!r}", "name")
         seen.add(b.name)
-        if not re.match(r"^https?://[^/\s]+", b.url):
-            raise ConfigError(f"{where}.url: {b.url!r} is not an http(s) URL")
-        if b.dp_size < 1:
-            raise ConfigError(f"{where}.dp_size: must be >= 1")
-        for key in ("kv_events", "kv_replay"):
-            ep = getattr(b, key)
-            if ep is not None and not re.match(r"^(tcp|ipc|inproc)://", ep):
-                raise ConfigError(f"{where}.{key}: {ep!r} is not a ZMQ endpoint (tcp://host:port)")
-            if ep is not None and b.dp_size > 1 and not ep.startswith(("tcp://", "inproc://")):
-                raise ConfigError(f"{where}.{key}: DP ranks need tcp:// or inproc:// (vLLM offsets ports)")
-            if ep is not None and ep.startswith("tcp://") and not re.search(r":\d+$", ep):
-                raise ConfigError(f"{where}.{key}: {ep!r} has no port")
-        if b.kv_replay is not None and b.kv_events is None:
-            raise ConfigError(f"{where}.kv_replay: set without kv_events")
+    if k8s.enabled and not k8s.label_selector:
+        raise ConfigError("membership.kubernetes.label_selector: required when discovery is enabled")
+    if k8s.dp_size < 1:
+        raise ConfigError("membership.kubernetes.dp_size: must be >= 1")
+    if k8s.backoff_s <= 0 or k8s.max_backoff_s < k8s.backoff_s or k8s.watch_timeout_s <= 0:
+        raise ConfigError(
+            "membership.kubernetes: backoff_s > 0, max_backoff_s >= backoff_s and watch_timeout_s > 0"
+        )
+    m = cfg.membership
+    if m.watch_interval_s < 0.05 or m.join_timeout_s < 0 or m.drain_timeout_s < 0:
+        raise ConfigError("membership: watch_interval_s >= 0.05, join_timeout_s and drain_timeout_s >= 0")
+    overlap = set(cfg.api_keys) & set(cfg.admin_keys)
+    if overlap:
+        raise ConfigError("admin_keys: a key is also in api_keys (admin keys must be distinct)")
     if cfg.block_size is not None and not 1 <= cfg.block_size <= 4096:
         raise ConfigError("block_size: must be between 1 and 4096")
     if cfg.policy.name not in POLICIES:
@@ -241,18 +365,20 @@ def with_overrides(cfg: RouterConfig, **values: Any) -> RouterConfig:
     policy = cfg.policy
     if values.get("policy") is not None:
         policy = msgspec.structs.replace(policy, name=values["policy"])
-    api_keys = cfg.api_keys
-    if values.get("api_keys"):
-        api_keys = [k.strip() for k in values["api_keys"].split(",") if k.strip()]
-    out = msgspec.structs.replace(cfg, server=server, policy=policy, api_keys=api_keys)
+    keys = {}
+    for key in ("api_keys", "admin_keys"):
+        if values.get(key):
+            keys[key] = [k.strip() for k in values[key].split(",") if k.strip()]
+    out = msgspec.structs.replace(cfg, server=server, policy=policy, **keys)
     validate(out)
     return out
 
 
 def env_overrides() -> dict[str, Any]:
-    """KVROUTER_HOST, KVROUTER_PORT, KVROUTER_POLICY, KVROUTER_API_KEYS, KVROUTER_LOG_LEVEL,
-    KVROUTER_WORKERS."""
+    """KVROUTER_HOST, KVROUTER_PORT, KVROUTER_POLICY, KVROUTER_API_KEYS, KVROUTER_ADMIN_KEYS,
+    KVROUTER_LOG_LEVEL, KVROUTER_WORKERS."""
     return {
+        "admin_keys": os.environ.get("KVROUTER_ADMIN_KEYS"),
         "host": os.environ.get("KVROUTER_HOST"),
         "port": os.environ.get("KVROUTER_PORT"),
         "policy": os.environ.get("KVROUTER_POLICY"),
@@ -280,12 +406,17 @@ __all__ = [
     "ConfigError",
     "HealthConfig",
     "IndexConfig",
+    "KubernetesConfig",
+    "MembershipConfig",
+    "Role",
     "RouterConfig",
     "ServerConfig",
     "SubscriberConfig",
     "env_overrides",
     "load_config",
+    "parse_backend",
     "parse_config",
     "rank_endpoint",
+    "validate_backend",
     "with_overrides",
 ]

@@ -20,8 +20,9 @@ def register(sub: Any) -> None:
         help="run the router",
         description=(
             "Run kvrouter in front of a vLLM fleet. Flags override the config file; the environment "
-            "variables KVROUTER_HOST, KVROUTER_PORT, KVROUTER_POLICY, KVROUTER_API_KEYS (comma-separated), "
-            "KVROUTER_LOG_LEVEL and KVROUTER_WORKERS override the file too, and flags override them."
+            "variables KVROUTER_HOST, KVROUTER_PORT, KVROUTER_POLICY, KVROUTER_API_KEYS and "
+            "KVROUTER_ADMIN_KEYS (comma-separated), KVROUTER_LOG_LEVEL and KVROUTER_WORKERS override the "
+            "file too, and flags override them."
         ),
     )
     p.add_argument("--config", required=True, help="fleet TOML file (see deploy/fleet.example.toml)")

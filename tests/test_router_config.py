@@ -11,11 +11,13 @@ import pytest
 
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
-from router.app import event_sources
+from router.fleet.runtime import sources_of
 from router.config import (
     BackendConfig,
     ConfigError,
     HealthConfig,
+    KubernetesConfig,
+    MembershipConfig,
     RouterConfig,
     ServerConfig,
     load_config,
@@ -74,7 +76,7 @@ def test_dp_ranks_use_port_plus_rank() -> None:
     c = parse_config(
         {"backends": [dict(BACKEND, dp_size=2, kv_replay="tcp://127.0.0.1:5600")], "kv_topic": "kv-events"}
     )
-    sources = event_sources(c)
+    sources = sources_of(c.backends[0], c.kv_topic)
     assert [(s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in sources] == [
         (0, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600", "kv-events"),
         (1, "tcp://127.0.0.1:5558", "tcp://127.0.0.1:5601", "kv-events"),
@@ -107,6 +109,8 @@ STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [
     ("index.", IndexConfig),
     ("index.subscriber.", SubscriberConfig),
     ("backends[].", BackendConfig),
+    ("membership.", MembershipConfig),
+    ("membership.kubernetes.", KubernetesConfig),
 ]
 
 

@@ -20,7 +20,7 @@ import zmq
 from harness import FakeEngine, wait_for
 from prometheus_client import CollectorRegistry, Gauge
 
-from router.fleet.load import LoadBoard, LoadTracker
+from router.fleet.load import BoardView, LoadBoard, LoadTracker
 from router.observe.metrics import LeanCounter, LeanHistogram
 from router.workers.stats import (
     Snapshot,
@@ -38,11 +38,18 @@ BS = 16
 # --- the load board ---------------------------------------------------------------------------------
 
 
+def _tracker(path: str, worker: int, targets: list[tuple[str, int]]) -> LoadTracker:
+    t = LoadTracker([BoardView(LoadBoard(path, 2), worker)])
+    for target in targets:
+        t.track(target)
+    return t
+
+
 def test_load_board_sums_the_other_workers(tmp_path: Path) -> None:
     targets = [("a", 0), ("a", 1), ("b", 0)]
     path = str(tmp_path / "board")
-    w0 = LoadTracker(LoadBoard(path, 2, targets), worker=0)
-    w1 = LoadTracker(LoadBoard(path, 2, targets), worker=1)
+    w0 = _tracker(path, 0, targets)
+    w1 = _tracker(path, 1, targets)
     t = w0.start(("a", 1), uncached_tokens=64)
     seen = w1.get(("a", 1))
     assert (seen.active, seen.prefilling, seen.pending_prefill_tokens) == (1, 1, 64)
@@ -64,12 +71,39 @@ def test_load_board_sums_the_other_workers(tmp_path: Path) -> None:
 def test_a_restarted_worker_does_not_inherit_its_predecessors_load(tmp_path: Path) -> None:
     targets = [("a", 0)]
     path = str(tmp_path / "board")
-    w0 = LoadTracker(LoadBoard(path, 2, targets), worker=0)
-    dead = LoadTracker(LoadBoard(path, 2, targets), worker=1)
+    w0 = _tracker(path, 0, targets)
+    dead = _tracker(path, 1, targets)
     dead.start(("a", 0), 100)  # never finished: the process died
     assert w0.get(("a", 0)).active == 1
-    LoadTracker(LoadBoard(path, 2, targets), worker=1)  # its replacement
+    _tracker(path, 1, targets)  # its replacement
     assert w0.get(("a", 0)).active == 0
+
+
+def test_board_targets_come_and_go_and_slots_are_reused(tmp_path: Path) -> None:
+    path = str(tmp_path / "board")
+    board0, board1 = LoadBoard(path, 2, capacity=4), LoadBoard(path, 2, capacity=4)
+    w0 = LoadTracker([BoardView(board0, 0)])
+    w1 = LoadTracker([BoardView(board1, 1)])
+    for i in range(40):  # ten times the capacity: pods that come and go
+        target = (f"pod-{i}", 0)
+        w0.track(target)
+        w1.track(target)
+        ticket = w0.start(target, 8)
+        assert w1.get(target).active == 1  # shared while both hold it
+        w0.forget(target)  # worker 0 removed it: its row is withdrawn at once
+        assert w1.get(target).active == 0
+        w0.finish(ticket)  # the request ends after the target left: nothing is published
+        w1.forget(target)
+        assert board0.used() == 0
+    # a target one worker still holds keeps its slot; the board being full is not an error
+    for i in range(5):
+        w1.track((f"x-{i}", 0))
+    assert board0.used() == 4
+    w0.track(("x-4", 0))  # no slot: tracked locally, its load not shared
+    w0.start(("x-4", 0), 1)
+    assert w1.get(("x-4", 0)).active == 0
+    board0.close()
+    board1.close()
 
 
 # --- merged figures ---------------------------------------------------------------------------------
@@ -146,8 +180,10 @@ def test_a_dead_workers_figures_are_retired_and_its_load_cleared(tmp_path: Path)
     cfg = parse_config({"server": {"workers": 2}, "backends": [{"name": "a", "url": "http://127.0.0.1:9"}]})
     run_dir = str(tmp_path)
     board_of = workers.WorkerContext(0, 2, run_dir).board
-    w0 = LoadTracker(board_of(cfg), worker=0)
-    w1 = LoadTracker(board_of(cfg), worker=1)
+    w0 = LoadTracker([BoardView(board_of(), 0)])
+    w1 = LoadTracker([BoardView(board_of(), 1)])
+    w0.track(("a", 0))
+    w1.track(("a", 0))
     w1.start(("a", 0), 32)  # in flight when worker 1 dies
     for snap in (_snapshot(0, 3, 0, 1.0), _snapshot(1, 4, 0, 2.0)):
         SnapshotWriter(run_dir, snap.worker).path.write_bytes(msgspec.msgpack.encode(snap))

@@ -17,8 +17,8 @@ from index.kvindex import KVIndex, MatchReport
 from index.store import SourceMatch
 from router.decision.policy import Candidate, CandidateScore, Decision, Policy, explain
 from router.decision.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
-from router.fleet.backends import Backend, BackendRegistry
 from router.fleet.load import LoadTracker
+from router.fleet.membership import Member, Membership
 from router.http.errors import ApiError, bad_request, not_found_model, unavailable
 
 log = logging.getLogger("kvrouter.route")
@@ -44,14 +44,22 @@ class Route(msgspec.Struct):
     time: float = 0.0
     report: MatchReport | None = None
     policy: str = "kv"
+    members: dict[str, Member] = {}
+    """The candidates' members as they were when decided (the proxy sends to these, even if the
+    membership changed meanwhile: a request decided before a drain still goes where it was sent)."""
 
     def explain(self) -> dict[str, Any]:
         """The JSON body of ``/route`` (and of the dashboard's recent decisions); the candidates'
         reasons are written here, the first time the decision is shown."""
         if self.candidates and not any(c.reason for c in self.candidates):
             explain(self.policy, self.candidates, self.outcome)
-        out: dict[str, Any] = msgspec.to_builtins(self)
+        members, self.members = self.members, {}
+        try:
+            out: dict[str, Any] = msgspec.to_builtins(self)
+        finally:
+            self.members = members
         out.pop("report", None)
+        out.pop("members", None)
         out["timings_us"] = {
             k: round(v, 1) for k, v in self.timings_us.items()
         }  # rounded here, off the hot path
@@ -113,24 +121,25 @@ class RouterService:
     def __init__(
         self,
         index: KVIndex,
-        registry: BackendRegistry,
+        membership: Membership,
         loads: LoadTracker,
         policy: Policy,
         tokenizer: RequestTokenizer,
         recent: int = 50,
     ) -> None:
         self.index = index
-        self.registry = registry
+        self.membership = membership
         self.loads = loads
         self.policy = policy
         self.tokenizer = tokenizer
         self.recent: collections.deque[Route] = collections.deque(maxlen=recent)
 
-    def candidates_for(self, model: str) -> list[Backend]:
-        """Healthy backends for a model: 404 if nobody serves it, 503 if nobody healthy does."""
-        backends = self.registry.healthy_for(model)
+    def candidates_for(self, model: str) -> list[Member]:
+        """Members that may take a request for a model now (ready and healthy): 404 if nobody serves
+        it, 503 if nobody can take it."""
+        backends = self.membership.routable_for(model)
         if not backends:
-            if not self.registry.known(model):
+            if not self.membership.known(model):
                 raise not_found_model(model)
             raise unavailable(f"No healthy backend serves `{model}`")
         return backends
@@ -149,14 +158,14 @@ class RouterService:
         except TokenizerUnavailable as exc:
             tok_error = str(exc)
         t1 = time.perf_counter()
-        targets = [(b.name, r) for b in backends for r in range(b.cfg.dp_size)]
+        targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
         report: MatchReport | None = None
         if tokens is not None:
             try:
                 report = self.index.match(
                     tokens,
                     targets,
-                    lora_name=self.registry.lora_name(model),
+                    lora_name=self.membership.lora_name(model),
                     cache_salt=body.get("cache_salt"),
                 )
             except ValueError as exc:
@@ -200,6 +209,7 @@ class RouterService:
             time=time.time(),
             report=report,
             policy=self.policy.config.name,
+            members={b.name: b for b in backends},
         )
         if not dry_run:
             if report is not None:

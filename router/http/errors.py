@@ -8,23 +8,36 @@ import msgspec
 class ApiError(Exception):
     """An error the client sees; ``status`` is the HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.code = code or type_
+        self.param = param
 
     def body(self) -> bytes:
         """The JSON body, as OpenAI and vLLM shape it."""
         return msgspec.json.encode(
-            {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         )
 
 
-def bad_request(message: str, code: str = "invalid_request") -> ApiError:
-    """400: the body is not a valid request."""
-    return ApiError(400, message, "invalid_request_error", code)
+def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> ApiError:
+    """400: the body is not a valid request (``param``: the offending field, when one is)."""
+    return ApiError(400, message, "invalid_request_error", code, param)
+
+
+def forbidden(message: str) -> ApiError:
+    """403: the key is valid but not for this (a client key on the admin API)."""
+    return ApiError(403, message, "permission_error", "forbidden")
+
+
+def not_found(message: str, code: str = "not_found") -> ApiError:
+    """404: no such resource (an unknown backend; the admin API when it is off)."""
+    return ApiError(404, message, "invalid_request_error", code)
 
 
 def unauthorized() -> ApiError:

@@ -27,6 +27,7 @@ import msgspec
 
 from router.config import ServerConfig
 from router.decision.service import Endpoint, Route, RouterService
+from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.http.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
 from router.http.errors import ApiError, bad_gateway, bad_request, gateway_timeout, too_large
@@ -105,8 +106,10 @@ class ProxyHandler:
         loads: LoadTracker,
         server: ServerConfig,
         authorize: Callable[[Scope], None],
+        health: HealthChecker,
     ) -> None:
         self.service = service
+        self.health = health
         self.pool = pool
         self.metrics = metrics
         self.loads = loads
@@ -212,14 +215,14 @@ class ProxyHandler:
         body: bytes,
         route: Route,
     ) -> None:
-        registry = self.service.registry
+        members = route.members
         targets = [(route.backend, route.dp_rank)]
         last_error: ApiError | None = None
         attempt = 0
         while attempt < len(targets):
             target = targets[attempt]
             attempt += 1
-            backend = registry.get(target[0])
+            backend = members[target[0]]
             if attempt > 1 and route.report is not None:
                 self.service.index.predict(target, route.report)  # the prefix will be computed here now
             uncached = self.service.uncached_tokens(route, target)
@@ -242,7 +245,7 @@ class ProxyHandler:
                     return
                 except UpstreamError as exc:
                     if isinstance(exc, UpstreamConnectError):
-                        registry.mark_failed(backend, str(exc))
+                        self.health.mark_failed(backend, str(exc))
                     self.metrics.error(
                         backend.name, "connect" if isinstance(exc, UpstreamConnectError) else "protocol"
                     )
@@ -270,9 +273,9 @@ class ProxyHandler:
         backend (a dead engine's other DP ranks are dead too). Ranked only on failure, so a request
         that succeeds at once never sorts the candidates. True if another target is queued."""
         if attempt == 1 and len(targets) == 1:
-            registry = self.service.registry
+            members = route.members
             first = targets[0][0]
-            targets += [t for t in route.ranked()[1:] if t[0] != first and registry.get(t[0]).healthy][:1]
+            targets += [t for t in route.ranked()[1:] if t[0] != first and members[t[0]].routable][:1]
         return attempt < len(targets)
 
     async def _stream(

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -27,8 +28,8 @@ from prometheus_client.utils import floatToGoString
 
 from index.kvindex import PREDICTED, KVIndex
 from router.decision.segments import SegmentCache
-from router.fleet.backends import BackendRegistry
 from router.fleet.load import LoadTracker
+from router.fleet.membership import Membership
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25)
@@ -120,7 +121,7 @@ class RouterMetrics:
     def __init__(
         self,
         index: KVIndex,
-        registry: BackendRegistry,
+        membership: Membership,
         loads: LoadTracker,
         segment_caches: Sequence[SegmentCache] = (),
     ) -> None:
@@ -190,7 +191,7 @@ class RouterMetrics:
         )
         index.ingestor.lag_observer = self.event_lag.observe
         r.register(_LeanCollector(self._lean))
-        r.register(_StateCollector(index, registry, loads))
+        r.register(_StateCollector(index, membership, loads))
         r.register(_TokenizerCollector(segment_caches))
         self.per_backend: dict[str, BackendCounters] = {}
         self.total_requests = 0
@@ -272,9 +273,9 @@ class _LeanCollector(Collector):
 class _StateCollector(Collector):
     """Index, event-stream, health and in-flight figures, read at scrape time."""
 
-    def __init__(self, index: KVIndex, registry: BackendRegistry, loads: LoadTracker) -> None:
+    def __init__(self, index: KVIndex, membership: Membership, loads: LoadTracker) -> None:
         self.index = index
-        self.backends = registry
+        self.membership = membership
         self.loads = loads
 
     def collect(self) -> Iterable[Metric]:
@@ -340,9 +341,23 @@ class _StateCollector(Collector):
         healthy = GaugeMetricFamily(
             "kvrouter_backend_healthy", "Backend passes health checks (1) or not", labels=["backend"]
         )
-        for b in self.backends.backends.values():
+        members = list(self.membership.members.values())
+        for b in members:
             healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
         yield healthy
+        states = GaugeMetricFamily("kvrouter_backends", "Backends by membership state", labels=["state"])
+        for state, n in self.membership.counts().items():
+            states.add_metric([state], n)
+        yield states
+        changes = CounterMetricFamily(
+            "kvrouter_membership_changes",
+            "Membership changes (joined, ready, draining, drained, removed, replaced, updated, readmitted)"
+            " by origin (config, admin, kubernetes)",
+            labels=["change", "origin"],
+        )
+        for (change, origin), n in sorted(self.membership.changes.items()):
+            changes.add_metric([change, origin], n)
+        yield changes
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -382,19 +397,19 @@ class _TokenizerCollector(Collector):
 def dashboard_data(
     metrics: RouterMetrics,
     index: KVIndex,
-    registry: BackendRegistry,
+    membership: Membership,
     loads: LoadTracker,
     policy: str,
     recent: Iterable[dict[str, Any]],
 ) -> dict[str, Any]:
     """The JSON the built-in dashboard polls (cumulative counters; the page derives rates)."""
     backends = []
-    total_prompt = total_matched = 0
+    # totals over every backend ever routed to, so that a backend leaving does not lower them
+    total_prompt = sum(c.prompt_tokens for c in metrics.per_backend.values())
+    total_matched = sum(c.matched_tokens for c in metrics.per_backend.values())
     all_loads = loads.all()
-    for b in registry.backends.values():
+    for b in list(membership.members.values()):
         c = metrics.backend(b.name)
-        total_prompt += c.prompt_tokens
-        total_matched += c.matched_tokens
         ranks = []
         for r in range(b.cfg.dp_size):
             ld = all_loads.get((b.name, r))
@@ -406,6 +421,9 @@ def dashboard_data(
                 "name": b.name,
                 "url": b.url,
                 "healthy": b.healthy,
+                "state": b.state,
+                "origin": b.origin,
+                "role": b.spec.role,
                 "models": sorted(b.models),
                 "requests": c.requests,
                 "errors": c.errors,
@@ -447,6 +465,10 @@ def dashboard_data(
             "matched_tokens": total_matched,
         },
         "backends": backends,
+        "membership": {
+            "counts": membership.counts(),
+            "transitions": [msgspec.to_builtins(t) for t in list(membership.transitions)[-20:]],
+        },
         "sources": sources,
         "recent_decisions": list(recent),
     }

@@ -52,7 +52,7 @@ from typing import cast
 import msgspec
 
 from router.config import RouterConfig
-from router.fleet.load import LoadBoard, Target
+from router.fleet.load import LoadBoard
 from router.workers.stats import retire
 
 log = logging.getLogger("kvrouter.workers")
@@ -70,14 +70,9 @@ class WorkerContext(msgspec.Struct, frozen=True):
     stats_interval_s: float = 1.0
     """How often the worker publishes its figures for the merged /metrics and dashboard."""
 
-    def board(self, config: RouterConfig) -> LoadBoard:
-        """The shared load board of this router's workers."""
-        return LoadBoard(str(Path(self.run_dir) / "load.board"), self.workers, fleet_targets(config))
-
-
-def fleet_targets(config: RouterConfig) -> list[Target]:
-    """Every (backend, DP rank) of the configuration, in a fixed order (the board's layout)."""
-    return [(b.name, r) for b in config.backends for r in range(b.dp_size)]
+    def board(self) -> LoadBoard:
+        """The shared load board of this router's workers (targets get slots as they join)."""
+        return LoadBoard(str(Path(self.run_dir) / "load.board"), self.workers)
 
 
 def bound_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
@@ -172,7 +167,7 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         code = 0
         try:
-            WorkerContext(0, self.workers, run_dir).board(self.config).close()  # created, zeroed
+            WorkerContext(0, self.workers, run_dir).board().close()  # created, zeroed
             for i in range(self.workers):
                 self._spawn(i, run_dir)
             log.info("kvrouter supervising %d workers on http://%s:%d", self.workers, srv.host, srv.port)
@@ -223,7 +218,7 @@ class Supervisor:
     def _retire(self, index: int, run_dir: str) -> None:
         """A worker died: its in-flight requests died with it (zero its board rows now, not when its
         replacement starts), and its last published figures join the retired ones."""
-        board = WorkerContext(index, self.workers, run_dir).board(self.config)
+        board = WorkerContext(index, self.workers, run_dir).board()
         try:
             board.clear(index)
         finally:
@@ -250,4 +245,4 @@ class Supervisor:
                 proc.join(5)
 
 
-__all__ = ["Supervisor", "WorkerContext", "bound_socket", "fleet_targets", "worker_main"]
+__all__ = ["Supervisor", "WorkerContext", "bound_socket", "worker_main"]

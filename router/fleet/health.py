@@ -1,0 +1,191 @@
+"""Health of the fleet's members: active probes, passive failures, models, optional engine metrics.
+
+Active checks run in one asyncio task: ``GET /health`` every ``interval_s``; a member is skipped
+after ``unhealthy_after`` consecutive failures and comes back at the first success. Its index entries
+are kept meanwhile (a brief outage should not cost the cache state): a failed check is never a
+membership change. A connection failure while proxying marks the member unhealthy at once (passive
+check), so clients do not wait for the next probe. A member that joins is probed at once, not at the
+next round, so it takes requests within milliseconds of its bootstrap. Models come from the spec or
+from ``/v1/models``, refreshed with every probe; a model card with a ``parent`` is a LoRA adapter,
+whose name salts the block keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+
+import httpx
+
+from router.config import HealthConfig
+from router.fleet.load import LoadTracker
+from router.fleet.membership import Member, Membership
+
+log = logging.getLogger("kvrouter.backends")
+
+_METRIC_RE = re.compile(
+    r"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_perc)"
+    r"(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)",
+    re.MULTILINE,
+)
+
+
+class HealthChecker:
+    """Probes every member of a :class:`Membership`; owns the health-check task."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        health: HealthConfig,
+        client: httpx.AsyncClient,
+        loads: LoadTracker | None = None,
+    ) -> None:
+        self.membership = membership
+        self.health = health
+        self.client = client
+        self.loads = loads
+        self._task: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[None]] = set()
+        self.checks = 0
+
+    def mark_failed(self, member: Member, error: str) -> None:
+        """A proxied request could not reach the member: skip it until a probe succeeds."""
+        if member.healthy:
+            log.warning("backend %s marked unhealthy: %s", member.name, error)
+        member.healthy = False
+        member.failures = max(member.failures, self.health.unhealthy_after)
+        member.last_error = error
+
+    async def check(self, member: Member) -> None:
+        """One probe: /health, then /v1/models (and /metrics when scraping)."""
+        spec = member.spec  # results for a spec replaced meanwhile are dropped
+        timeout = self.health.timeout_s
+        url = member.url
+        headers = member.auth_headers
+        models: set[str] | None = None
+        parents: dict[str, str] = {}
+        try:
+            r = await self.client.get(f"{url}/health", timeout=timeout, headers=headers)
+            ok = r.status_code == 200
+            error = "" if ok else f"/health answered {r.status_code}"
+            if ok and spec.models is None:
+                models, parents = await self._models(url, headers, timeout)
+            if ok and self.health.scrape_metrics and self.loads is not None:
+                await self._scrape(member, url, headers, timeout)
+        except (httpx.HTTPError, ValueError) as exc:
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+        if member.spec is not spec:
+            return
+        if models is not None:
+            member.models = models
+            member.lora_parents = parents
+        member.checked_at = time.time()
+        if ok:
+            if not member.healthy:
+                log.info(
+                    "backend %s is healthy (models: %s)",
+                    member.name,
+                    ", ".join(sorted(member.models)) or "-",
+                )
+            member.healthy = bool(member.models)
+            member.failures = 0
+            member.last_error = "" if member.models else "serves no model"
+        else:
+            member.failures += 1
+            member.last_error = error
+            if member.healthy and member.failures >= self.health.unhealthy_after:
+                log.warning("backend %s is unhealthy: %s", member.name, error)
+                member.healthy = False
+
+    async def _models(
+        self, url: str, headers: dict[str, str], timeout: float
+    ) -> tuple[set[str], dict[str, str]]:
+        r = await self.client.get(f"{url}/v1/models", timeout=timeout, headers=headers)
+        r.raise_for_status()
+        payload = r.json()
+        data = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(data, list):
+            raise ValueError("/v1/models did not return {'data': [...]}")
+        models = set()
+        parents = {}
+        for card in data:
+            if not isinstance(card, dict):
+                continue
+            mid = card.get("id")
+            if not isinstance(mid, str):
+                continue
+            models.add(mid)
+            parent = card.get("parent")
+            if isinstance(parent, str) and parent and parent != mid:
+                parents[mid] = parent
+        return models, parents
+
+    async def _scrape(self, member: Member, url: str, headers: dict[str, str], timeout: float) -> None:
+        assert self.loads is not None
+        r = await self.client.get(f"{url}/metrics", timeout=timeout, headers=headers)
+        if r.status_code != 200:
+            return
+        values: dict[str, float] = {}
+        for name, _labels, value in _METRIC_RE.findall(r.text):
+            with contextlib.suppress(ValueError):
+                values[name] = values.get(name, 0.0) + float(value)
+        ranks = member.spec.dp_size
+        usage = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", 0.0))
+        for target in member.targets:  # vLLM reports the engine as a whole; spread evenly across ranks
+            self.loads.set_engine_metrics(
+                target,
+                values.get("vllm:num_requests_waiting", 0.0) / ranks,
+                values.get("vllm:num_requests_running", 0.0) / ranks,
+                usage / ranks,
+            )
+
+    def probe_soon(self, member: Member) -> None:
+        """Probe a member now, outside the periodic round (it just joined)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not started yet: the first round probes it
+        task = loop.create_task(self._probe_logged(member), name=f"kvrouter-probe-{member.name}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe_logged(self, member: Member) -> None:
+        try:
+            await self.check(member)
+        except Exception:
+            log.exception("probing %s failed", member.name)
+
+    async def check_all(self) -> None:
+        """Probe every member concurrently."""
+        await asyncio.gather(*(self.check(m) for m in list(self.membership.members.values())))
+        self.checks += 1
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:  # a bug in one probe must not end health checking
+                log.exception("health check round failed")
+            await asyncio.sleep(self.health.interval_s)
+
+    def start(self) -> None:
+        """Start the periodic health checks."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvrouter-health")
+
+    async def stop(self) -> None:
+        """Stop the health checks and any probe in flight."""
+        tasks = [t for t in (self._task, *self._probes) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._task = None
+        self._probes.clear()
+
+
+__all__ = ["HealthChecker"]

@@ -1,0 +1,372 @@
+"""Membership: which backends the fleet has right now, and where each is in its life.
+
+Every source of membership (the config file and its reloads, the admin API, Kubernetes discovery)
+feeds one :class:`Membership`, which owns a :class:`Member` per backend name and moves it through
+
+    joining ──► ready ──► draining ──► gone
+       ▲                     │ (drained, kept: a PUT brings it back)
+       └──── replaced ◄──────┘
+
+- **joining**: its event streams are subscribed and bootstrapping (the engine's replay buffer is
+  being read into the index); it gets no request yet. It becomes *ready* once a health probe
+  succeeded and its streams finished the bootstrap (or after ``join_timeout_s``).
+- **ready**: a candidate whenever it is healthy. A failed health check is *not* a membership
+  change: the backend is skipped, its index kept, and it is back at the first good probe.
+- **draining**: no new request goes there; requests and streams in flight finish. When none is
+  left (or after ``drain_timeout_s``) it is removed, unless it was drained to be kept.
+- **gone**: its event sources are unsubscribed, its index entries freed (in the subscriber thread,
+  in slices) and its load rows cleared; the record is dropped, the transition log keeps it.
+
+The class is synchronous and does no I/O: the listeners (the index wiring, the load tracker) do the
+work of a transition, and the caller drives time with :meth:`Membership.tick`. Every change is O(1)
+in the size of the departing backend's index (the index frees it later, off the event loop).
+
+Who wins when sources disagree (documented in the README): each member remembers its *origin*. A
+config (re)load is authoritative for the names the file lists; backends added through the admin API
+stay across reloads unless the file names them; Kubernetes owns the pods it discovered, and a pod
+whose name another origin already uses is skipped with a log line.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Literal, Protocol
+from urllib.parse import urlsplit
+
+import msgspec
+
+from router.config import BackendConfig, MembershipConfig
+from router.http.upstream import UpstreamPool
+
+log = logging.getLogger("kvrouter.membership")
+
+State = Literal["joining", "ready", "draining", "gone"]
+STATES: tuple[State, ...] = ("joining", "ready", "draining", "gone")
+Origin = Literal["config", "admin", "kubernetes"]
+Target = tuple[str, int]
+
+# fields whose change needs new event subscriptions (and so a new join); the others are updated in place
+_REJOIN_FIELDS = ("url", "kv_events", "kv_replay", "kv_bind", "kv_topic", "dp_size")
+
+
+class Transition(msgspec.Struct):
+    """One membership change, for /debug/index, the dashboard and the log."""
+
+    time: float
+    backend: str
+    origin: str
+    change: str
+    """joined | ready | draining | drained | removed | replaced | updated | readmitted."""
+    state: str
+    reason: str
+
+
+class Member:
+    """One backend: its spec, its membership state, and what health probes learned about it."""
+
+    __slots__ = (
+        "base_path",
+        "checked_at",
+        "discovery_ready",
+        "drain_deadline",
+        "failures",
+        "healthy",
+        "joined_at",
+        "last_error",
+        "lora_parents",
+        "models",
+        "name",
+        "origin",
+        "reason",
+        "remove_when_drained",
+        "spec",
+        "state",
+        "state_since",
+        "upstream_key",
+        "url",
+    )
+
+    def __init__(self, spec: BackendConfig, origin: Origin, now: float) -> None:
+        self.name = spec.name
+        self.origin: Origin = origin
+        self.state: State = "joining"
+        self.state_since = now
+        self.joined_at = now
+        self.reason = ""
+        self.remove_when_drained = False
+        self.drain_deadline = 0.0
+        self.healthy = False
+        self.failures = 0
+        self.checked_at = 0.0
+        self.last_error = ""
+        self.discovery_ready = True
+        """False while the discovery source reports the backend not ready (a Kubernetes readiness
+        flap): skipped like a failed health check, index kept."""
+        self.lora_parents: dict[str, str] = {}
+        """LoRA adapter name -> base model, from /v1/models."""
+        self.set_spec(spec)
+        self.models: set[str] = set(spec.models or [])
+
+    def set_spec(self, spec: BackendConfig) -> None:
+        """Take a new spec (its name is this member's)."""
+        self.spec = spec
+        self.url = spec.url.rstrip("/")
+        self.upstream_key = UpstreamPool.key_of(self.url)
+        self.base_path = urlsplit(self.url).path.rstrip("/")
+        if spec.models is not None:
+            self.models = set(spec.models)
+
+    @property
+    def cfg(self) -> BackendConfig:
+        """The spec (the name the rest of the router used before membership existed)."""
+        return self.spec
+
+    @property
+    def targets(self) -> list[Target]:
+        """(name, DP rank) for every rank."""
+        return [(self.name, r) for r in range(self.spec.dp_size)]
+
+    @property
+    def routable(self) -> bool:
+        """May take a new request now."""
+        return self.state == "ready" and self.healthy and self.discovery_ready
+
+    def serves(self, model: str) -> bool:
+        """Whether a request for ``model`` may go here."""
+        return model in self.models
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """Authorization towards the backend (never the client's key)."""
+        return {"authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
+
+    def describe(self, inflight: int | None = None) -> dict[str, object]:
+        """The entry the admin API and /debug/index show."""
+        out: dict[str, object] = msgspec.to_builtins(self.spec)
+        if out.get("api_key"):
+            out["api_key"] = "***"
+        out.update(
+            origin=self.origin,
+            state=self.state,
+            state_since=self.state_since,
+            reason=self.reason,
+            healthy=self.healthy,
+            discovery_ready=self.discovery_ready,
+            failures=self.failures,
+            last_error=self.last_error,
+            checked_at=self.checked_at,
+            served_models=sorted(self.models),
+            remove_when_drained=self.remove_when_drained,
+        )
+        if inflight is not None:
+            out["inflight"] = inflight
+        return out
+
+
+class MembershipListener(Protocol):
+    """What a transition asks of the rest of the router."""
+
+    def joined(self, member: Member) -> None:
+        """A backend entered the fleet (or re-joined with new endpoints): follow its event streams,
+        make room for its load, probe it."""
+
+    def left(self, member: Member) -> None:
+        """A backend is gone: unsubscribe and free its index entries, clear its load."""
+
+
+class Membership:
+    """The fleet's members and their transitions (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: MembershipConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        history: int = 200,
+    ) -> None:
+        self.config = config or MembershipConfig()
+        self.clock = clock
+        self.members: dict[str, Member] = {}
+        self.listeners: list[MembershipListener] = []
+        self.transitions: collections.deque[Transition] = collections.deque(maxlen=history)
+        self.changes: dict[tuple[str, str], int] = {}
+        """(change, origin) -> count, for kvrouter_membership_changes_total."""
+        self.version = 0
+        """Bumped at every change (cheap cache invalidation for readers)."""
+
+    # --- queries -------------------------------------------------------------------------------
+    def get(self, name: str) -> Member | None:
+        """The member of that name, if any."""
+        return self.members.get(name)
+
+    def __iter__(self) -> Iterable[Member]:
+        return iter(list(self.members.values()))
+
+    def routable_for(self, model: str) -> list[Member]:
+        """Members that may take a new request for ``model`` now."""
+        return [m for m in self.members.values() if m.routable and m.serves(model)]
+
+    def known(self, model: str) -> bool:
+        """Any member (whatever its state) serves this model."""
+        return any(m.serves(model) for m in self.members.values())
+
+    def lora_name(self, model: str) -> str | None:
+        """The LoRA adapter name when ``model`` is one (its blocks are salted by it), else None."""
+        for m in self.members.values():
+            if model in m.lora_parents:
+                return model
+        return None
+
+    def models(self) -> dict[str, list[Member]]:
+        """Every model served by the fleet -> the members serving it (any state but gone)."""
+        out: dict[str, list[Member]] = {}
+        for m in self.members.values():
+            for model in sorted(m.models):
+                out.setdefault(model, []).append(m)
+        return out
+
+    def any_routable(self) -> bool:
+        """At least one member may take requests."""
+        return any(m.routable for m in self.members.values())
+
+    def counts(self) -> dict[str, int]:
+        """Members per state (gone is always 0: gone members are dropped)."""
+        out: dict[str, int] = dict.fromkeys(STATES, 0)
+        for m in self.members.values():
+            out[m.state] += 1
+        return out
+
+    # --- changes -------------------------------------------------------------------------------
+    def _record(self, m: Member, change: str, reason: str = "") -> None:
+        self.version += 1
+        t = Transition(self.clock(), m.name, m.origin, change, m.state, reason)
+        self.transitions.append(t)
+        key = (change, m.origin)
+        self.changes[key] = self.changes.get(key, 0) + 1
+        why = f" ({reason})" if reason else ""
+        log.info("backend %s (%s): %s -> %s%s", m.name, m.origin, change, m.state, why)
+
+    def _set_state(self, m: Member, state: State, reason: str) -> None:
+        m.state = state
+        m.state_since = self.clock()
+        m.reason = reason
+
+    def upsert(self, spec: BackendConfig, origin: Origin, reason: str = "") -> tuple[Member, bool]:
+        """Add a backend, or bring an existing one in line with ``spec``; returns (member, created).
+
+        New endpoints or DP size re-join it (its old streams are dropped, its in-flight requests
+        finish where they are); other changes (models, api_key, role) apply in place. A draining
+        member named again is readmitted."""
+        m = self.members.get(spec.name)
+        if m is None:
+            m = Member(spec, origin, self.clock())
+            self.members[spec.name] = m
+            self._record(m, "joined", reason or f"added by {origin}")
+            for listener in self.listeners:
+                listener.joined(m)
+            return m, True
+        old = m.spec
+        m.origin = origin
+        if any(getattr(old, f) != getattr(spec, f) for f in _REJOIN_FIELDS):
+            for listener in self.listeners:
+                listener.left(m)
+            m.set_spec(spec)
+            m.healthy = False
+            m.failures = 0
+            m.remove_when_drained = False
+            if spec.models is None:
+                m.models = set()
+                m.lora_parents = {}
+            self._set_state(m, "joining", "new endpoints")
+            m.joined_at = self.clock()
+            self._record(m, "replaced", reason or "url, event endpoints or dp_size changed")
+            for listener in self.listeners:
+                listener.joined(m)
+            return m, False
+        changed = old != spec
+        m.set_spec(spec)
+        if m.state == "draining":
+            m.remove_when_drained = False
+            self._set_state(m, "ready" if m.healthy else "joining", "readmitted")
+            self._record(m, "readmitted", reason or f"named again by {origin}")
+        elif changed:
+            self._record(m, "updated", reason or "models, api_key or role changed")
+        return m, False
+
+    def drain(self, name: str, remove: bool, reason: str = "") -> Member | None:
+        """Stop sending new requests to ``name``; with ``remove`` it goes once its requests finished."""
+        m = self.members.get(name)
+        if m is None:
+            return None
+        m.remove_when_drained = m.remove_when_drained or remove
+        if m.state != "draining":
+            self._set_state(m, "draining", reason)
+            m.drain_deadline = self.clock() + self.config.drain_timeout_s
+            self._record(m, "draining", reason or ("remove" if remove else "drain"))
+        return m
+
+    def reconcile(self, origin: Origin, specs: Iterable[BackendConfig], reason: str = "") -> None:
+        """Make ``origin``'s members equal to ``specs``: new ones join, changed ones are updated or
+        re-joined, and that origin's members missing from ``specs`` are drained and removed.
+
+        The config file is authoritative for the names it lists (it takes them over from the admin
+        API); Kubernetes never takes a name another origin holds (the pod is skipped, logged)."""
+        wanted: dict[str, BackendConfig] = {}
+        for spec in specs:
+            other = self.members.get(spec.name)
+            if other is not None and other.origin != origin and origin == "kubernetes":
+                log.warning("pod %s skipped: a backend of that name comes from %s", spec.name, other.origin)
+                continue
+            if other is not None and other.origin == "kubernetes" and origin != "kubernetes":
+                log.warning("backend %s from %s replaces the pod of that name", spec.name, origin)
+            wanted[spec.name] = spec
+        for spec in wanted.values():
+            self.upsert(spec, origin, reason)
+        for m in list(self.members.values()):
+            leaving = m.state == "draining" and m.remove_when_drained
+            if m.origin == origin and m.name not in wanted and not leaving:
+                self.drain(m.name, remove=True, reason=reason or f"no longer listed by {origin}")
+
+    def tick(self, inflight: Callable[[Member], int], streams_ready: Callable[[Member], bool]) -> None:
+        """Advance time-driven transitions: joining -> ready, draining -> gone."""
+        now = self.clock()
+        for m in list(self.members.values()):
+            if m.state == "joining":
+                if m.healthy and (streams_ready(m) or now - m.joined_at >= self.config.join_timeout_s):
+                    bootstrapped = streams_ready(m)
+                    self._set_state(m, "ready", "" if bootstrapped else "bootstrap not finished in time")
+                    self._record(m, "ready", "healthy, index bootstrapped" if bootstrapped else m.reason)
+            elif m.state == "draining":
+                busy = inflight(m)
+                timed_out = now >= m.drain_deadline
+                if busy and not timed_out:
+                    continue
+                if m.remove_when_drained:
+                    self.remove(m.name, "drained" if not busy else f"drain timed out with {busy} in flight")
+                elif m.reason != "drained":
+                    m.reason = "drained"
+                    self._record(m, "drained", "no request in flight" if not busy else "drain timed out")
+
+    def remove(self, name: str, reason: str = "") -> None:
+        """Drop a member now (after its drain): listeners free what it held."""
+        m = self.members.pop(name, None)
+        if m is None:
+            return
+        self._set_state(m, "gone", reason)
+        for listener in self.listeners:
+            listener.left(m)
+        self._record(m, "removed", reason)
+
+
+__all__ = [
+    "STATES",
+    "Member",
+    "Membership",
+    "MembershipListener",
+    "Origin",
+    "State",
+    "Target",
+    "Transition",
+]
