@@ -11,7 +11,6 @@ import pytest
 
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
-from router.fleet.runtime import sources_of
 from router.config import (
     BackendConfig,
     ConfigError,
@@ -26,6 +25,7 @@ from router.config import (
     with_overrides,
 )
 from router.decision.policy import PolicyConfig
+from router.fleet.runtime import sources_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKEND = {"name": "a", "url": "http://127.0.0.1:8000", "kv_events": "tcp://127.0.0.1:5557"}
