@@ -246,7 +246,12 @@ class FakeEngine:
                         "model": self.model,
                         "choices": [{"index": 0, "text": w, "finish_reason": None, "logprobs": None}],
                     }
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                event = f"data: {json.dumps(chunk)}\n\n".encode()
+                if self.mode == "broken_mid_event" and i == 1:
+                    yield event[:20]  # half an event, then the engine dies
+                    await asyncio.sleep(0.05)  # (a separate chunk on the wire)
+                    raise RuntimeError("engine crashed mid-event")
+                yield event
                 if self.mode in ("slow_stream", "short_stream"):
                     await asyncio.sleep(0.05)
             yield b"data: [DONE]\n\n"

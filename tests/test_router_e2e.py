@@ -4,6 +4,7 @@ publishing real KV events, and the official OpenAI client."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -358,19 +359,32 @@ def test_client_leaving_before_the_headers_aborts_the_backend_request(fleet: Fle
     )
 
 
-def test_a_stream_broken_by_the_backend_is_not_passed_off_as_complete(fleet: Fleet) -> None:
+def test_a_stream_broken_by_the_backend_ends_with_a_clean_error_event(fleet: Fleet) -> None:
     router, eng = fleet(("a",))
     eng["a"].mode = "broken_stream"
-    got = b""
     body = {"model": "toy", "prompt": "x", "stream": True}
-    with (
-        pytest.raises(httpx.RemoteProtocolError),  # the truncation shows while reading
-        httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as r,
-    ):
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
-        for chunk in r.iter_raw():
-            got += chunk
-    assert b"[DONE]" not in got
+        got = b"".join(r.iter_raw())  # no protocol error: the response ends properly
+    events = [e for e in got.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), got  # every event whole
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert "broke the stream" in error["message"] and error["type"] == "upstream_error"
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]] == ["hello", " from"]
+    # a break in the middle of an event: the half event is never passed on
+    eng["a"].mode = "broken_mid_event"
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as r:
+        cut = b"".join(r.iter_raw()).decode()
+    first, err, done = [e for e in cut.split("\n\n") if e]
+    assert json.loads(first[6:])["choices"][0]["text"] == "hello"  # whole; the half one is dropped
+    assert "error" in json.loads(err[6:]) and done == "data: [DONE]"
+    eng["a"].mode = "broken_stream"
+    # the official client raises it as an API error instead of returning a cut-short answer
+    stream = client(router).completions.create(model="toy", prompt="x", stream=True)
+    with pytest.raises(openai.APIError, match="broke the stream"):
+        for _ in stream:
+            pass
 
 
 def test_failover_skips_the_other_ranks_of_a_dead_engine(fleet: Fleet) -> None:

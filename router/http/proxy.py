@@ -95,6 +95,24 @@ class _ClientGone(Exception):
     pass
 
 
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """Split SSE bytes into (complete events, the incomplete rest)."""
+    cut = data.rfind(b"\n\n")
+    end = cut + 2 if cut != -1 else 0
+    crlf = data.rfind(b"\r\n\r\n")
+    if crlf != -1 and crlf + 4 > end:
+        end = crlf + 4
+    if end == len(data):
+        return data, b""
+    return data[:end], data[end:]
+
+
+def _stream_error_event(message: str) -> bytes:
+    """An SSE error event (OpenAI's error shape; the openai client raises it) and the end marker."""
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
+    return b"data: " + msgspec.json.encode(body) + b"\n\ndata: [DONE]\n\n"
+
+
 class ProxyHandler:
     """The two proxied endpoints, for kvrouter's own server (:meth:`handle`) and for ASGI (``__call__``)."""
 
@@ -288,12 +306,14 @@ class ProxyHandler:
         started: float,
     ) -> None:
         headers: Headers = [(k, v) for k, v in resp.headers if k not in _HOP_BY_HOP]
+        sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
         headers.append((b"x-kvrouter-backend", backend.encode()))
         headers.append((b"x-kvrouter-dp-rank", str(rank).encode()))
         await writer.start(resp.status, headers)
         if not resp.ready:
             writer.flush()  # nothing came with the headers: pass them on now, as the backend did
         first = True
+        partial = b""  # SSE: bytes of an event not complete yet (held so a break never splits one)
         try:
             async for chunk in resp.aiter_raw():
                 if first:
@@ -301,13 +321,21 @@ class ProxyHandler:
                     self.loads.first_byte(ticket)
                     self.metrics.observe_ttft(backend, time.perf_counter() - started)
                 if resp.finished:
-                    await writer.end(chunk)  # a whole small response goes out in one write
+                    await writer.end(partial + chunk if partial else chunk)  # small: one write
                     return
+                if sse:
+                    chunk, partial = _whole_events(partial + chunk if partial else chunk)
+                    if not chunk:
+                        continue
                 await writer.send(chunk)
         except UpstreamError as exc:
-            # the status is committed: end without the final frame, so the server drops the
-            # connection and the client sees a truncated response instead of a complete-looking one
             log.warning("backend %s broke the response stream: %s", backend, exc)
             self.metrics.error(backend, "stream_broken")
+            if sse:
+                # a clean end the client can read: every event it got was whole, then an error
+                # event (the shape vLLM streams its own errors in) and the end marker
+                await writer.end(_stream_error_event(f"backend {backend} broke the stream: {exc}"))
+            # otherwise the status and length are committed: end without the final frame, so the
+            # client sees a truncated response, never a complete-looking one
             return
-        await writer.end()
+        await writer.end(partial)
