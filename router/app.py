@@ -15,6 +15,7 @@ import importlib.resources
 import logging
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -33,11 +34,14 @@ from router.decision.service import Endpoint, RouterService
 from router.decision.tokenizer import ChatTokenizer, RequestTokenizer
 from router.fleet.load import BoardView, LoadTracker
 from router.fleet.runtime import FleetRuntime
+from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth
+from router.fleet.sources.configfile import ConfigWatcher
+from router.fleet.sources.kubernetes import PodWatcher
 from router.http.asgi import Receive, Scope, Send
 from router.http.errors import ApiError, bad_request, unauthorized, unavailable
 from router.http.proxy import PATHS, ProxyHandler, read_body
 from router.http.upstream import UpstreamPool
-from router.observe.metrics import RouterMetrics, dashboard_data
+from router.observe.metrics import RouterMetrics, SourcesCollector, dashboard_data
 from router.workers.stats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
 from router.workers.supervisor import WorkerContext
 
@@ -52,6 +56,7 @@ class KVRouter:
         config: RouterConfig,
         zmq_context: zmq.Context[Any] | None = None,
         worker: WorkerContext | None = None,
+        config_path: str | Path | None = None,
     ) -> None:
         self.config = config
         self.worker = worker
@@ -99,6 +104,26 @@ class KVRouter:
             self.service, self.pool, self.metrics, self.loads, srv, self.authorize, self.health
         )
         self._keys = [k.encode() for k in config.api_keys]
+        self._admin_keys = [k.encode() for k in config.admin_keys]
+        journal = None
+        if worker is not None:
+            journal = AdminJournal(Path(worker.run_dir) / "admin.journal", f"{worker.index}:{os.getpid()}")
+        self.admin = AdminApi(self.membership, self.loads, srv.workers, journal)
+        self.fleet.tick_hooks.append(self.admin.sync)
+        self.config_path = config_path
+        self.config_watcher: ConfigWatcher | None = None
+        if config_path is not None:
+            self.config_watcher = ConfigWatcher(
+                config_path,
+                config,
+                self._apply_config,
+                watch=config.membership.watch_config,
+                interval_s=config.membership.watch_interval_s,
+            )
+        self.pods: PodWatcher | None = None
+        if config.membership.kubernetes.enabled:
+            self.pods = PodWatcher(config.membership.kubernetes, self.membership, config.kv_topic)
+        self.metrics.add_collector(SourcesCollector(self.config_watcher, self.pods))
         self._tasks: list[asyncio.Task[None]] = []
         self.api = self._build_api()
 
@@ -110,7 +135,12 @@ class KVRouter:
             await self.api(scope, receive, send)
 
     def authorize(self, scope: Scope) -> None:
-        """Raise 401 unless the request carries an accepted bearer key (when keys are configured)."""
+        """Raise 401 unless the request carries an accepted bearer key (when keys are configured);
+        the admin API has its own keys (404 when off, 401 without an admin key, 403 for a client key)."""
+        path = scope.get("path", "")
+        if path.startswith("/admin/") or path == "/admin":
+            admin_auth(scope.get("headers", ()), self._admin_keys, self._keys)
+            return
         if not self._keys:
             return
         if self.config.auth_exempt_probes and scope.get("path") in ("/health", "/ready"):
@@ -128,6 +158,22 @@ class KVRouter:
         if not token or not any(hmac.compare_digest(token, k) for k in self._keys):
             raise unauthorized()
 
+    def _apply_config(self, new: RouterConfig) -> None:
+        """A reloaded, valid config file: its backends, client keys and admin keys take effect."""
+        self.membership.reconcile("config", new.backends, "config file reloaded")
+        self._keys = [k.encode() for k in new.api_keys]
+        self._admin_keys = [k.encode() for k in new.admin_keys]
+        self.config = msgspec.structs.replace(
+            self.config, backends=new.backends, api_keys=new.api_keys, admin_keys=new.admin_keys
+        )
+
+    def request_reload(self) -> None:
+        """SIGHUP: re-read the config file (soon, on the event loop)."""
+        if self.config_watcher is not None:
+            self.config_watcher.request()
+        else:
+            log.warning("SIGHUP ignored: the router was not started from a config file")
+
     def _tokenize_backend(self, model: str) -> str | None:
         healthy = self.membership.routable_for(model)
         return healthy[0].url if healthy else None
@@ -141,6 +187,10 @@ class KVRouter:
         await self.health.check_all()
         await self.fleet.settle()
         self.fleet.start()
+        if self.config_watcher is not None:
+            self.config_watcher.start()
+        if self.pods is not None:
+            self.pods.start()
         self._tasks.append(
             asyncio.get_running_loop().create_task(self._housekeeping(), name="kvrouter-housekeeping")
         )
@@ -167,6 +217,10 @@ class KVRouter:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self.config_watcher is not None:
+            await self.config_watcher.stop()
+        if self.pods is not None:
+            await self.pods.stop()
         await self.fleet.stop()
         self.index.stop()
         self.tokenizer.close()
@@ -277,6 +331,23 @@ class KVRouter:
             decided = await self.service.decide(endpoint, body, dry_run=True)
             return Response(msgspec.json.encode(decided.explain()), media_type="application/json")
 
+        @api.get("/admin/backends")
+        async def admin_list() -> Response:
+            return Response(msgspec.json.encode(self.admin.list()), media_type="application/json")
+
+        @api.put("/admin/backends/{name}")
+        async def admin_put(name: str, request: Request) -> Response:
+            status, entry = self.admin.put(name, await request.body())
+            return Response(msgspec.json.encode(entry), status_code=status, media_type="application/json")
+
+        @api.delete("/admin/backends/{name}")
+        async def admin_delete(name: str) -> Response:
+            return Response(msgspec.json.encode(self.admin.delete(name)), media_type="application/json")
+
+        @api.post("/admin/backends/{name}/drain")
+        async def admin_drain(name: str) -> Response:
+            return Response(msgspec.json.encode(self.admin.drain(name)), media_type="application/json")
+
         @api.get("/debug/index")
         async def debug_index() -> Response:
             out = {
@@ -291,10 +362,7 @@ class KVRouter:
                     {**b.describe(self.loads.local_active(b.targets)), "models": sorted(b.models)}
                     for b in list(self.membership.members.values())
                 ],
-                "membership": {
-                    "counts": self.membership.counts(),
-                    "transitions": [msgspec.to_builtins(t) for t in self.membership.transitions],
-                },
+                "membership": self._membership_status(),
             }
             return Response(msgspec.json.encode(out), media_type="application/json")
 
@@ -320,6 +388,37 @@ class KVRouter:
             return Response(msgspec.json.encode(data), media_type="application/json")
 
         return api
+
+    def _membership_status(self) -> dict[str, Any]:
+        """Counts, transitions and the state of every membership source (for /debug/index)."""
+        cw, pods = self.config_watcher, self.pods
+        return {
+            "counts": self.membership.counts(),
+            "transitions": [msgspec.to_builtins(t) for t in self.membership.transitions],
+            "config_file": None
+            if cw is None
+            else {
+                "path": str(cw.path),
+                "watch": cw.watch,
+                "reloads": cw.results,
+                "last_error": cw.last_error,
+            },
+            "admin_api": bool(self._admin_keys),
+            "kubernetes": None
+            if pods is None
+            else {
+                "namespace": pods.namespace,
+                "label_selector": pods.cfg.label_selector,
+                "connected": pods.connected,
+                "resource_version": pods.resource_version,
+                "pods": len(pods.pods),
+                "events": pods.events,
+                "relists": pods.relists,
+                "skipped": pods.skipped,
+                "failures": pods.failures,
+                "last_error": pods.last_error,
+            },
+        }
 
     def _healthy_names(self) -> list[str]:
         return [b.name for b in self.membership.members.values() if b.routable]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvrouter: config error: {exc}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload request before we serve: nothing to reload
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
@@ -74,12 +76,12 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"kvrouter: cannot start: {exc}", file=sys.stderr)
             return 2
-        return Supervisor(cfg).run()
+        return Supervisor(cfg, config_path=args.config).run()
     from router.app import KVRouter
     from router.http.server import HttpServer, loop_factory
 
     try:
-        app = KVRouter(cfg)
+        app = KVRouter(cfg, config_path=args.config)
     except (OSError, ValueError) as exc:  # e.g. an unreadable tokenizer
         print(f"kvrouter: cannot start: {exc}", file=sys.stderr)
         return 2

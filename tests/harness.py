@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,10 @@ class FakeEngine:
         self.model = model
         self.dp_size = dp_size
         self.requests: list[dict[str, Any]] = []
-        self.mode = "ok"  # ok | error500 | stall | slow_stream
+        self.mode = "ok"  # ok | error500 | stall | slow_stream | held_stream | broken_stream | ...
+        self.release = False
+        """held_stream: the stream ends once this is set (and then streamed `streamed` words)."""
+        self.streamed = 0
         self.delay_s = 0.0
         self.disconnected = 0
         self.publishers = consecutive_publishers(ctx, dp_size)
@@ -223,11 +226,18 @@ class FakeEngine:
 
         return app
 
+    def _held_words(self) -> Iterator[str]:
+        self.streamed = 0
+        while not self.release:
+            self.streamed += 1
+            yield f" w{self.streamed}"
+
     async def _chunks(self, rid: str, chat: bool, request: Request) -> AsyncIterator[bytes]:
         repeat = {"slow_stream": 200, "short_stream": 10}.get(self.mode, 1)
         words = ["hello", " from", f" {self.name}"] * repeat
+        held = self.mode == "held_stream"  # a word every 20 ms until the test sets `release`
         try:
-            for i, w in enumerate(words):
+            for i, w in enumerate(self._held_words() if held else words):
                 if self.mode == "broken_stream" and i == 2:
                     raise RuntimeError("engine crashed mid-stream")
                 if chat:
@@ -254,6 +264,8 @@ class FakeEngine:
                 yield event
                 if self.mode in ("slow_stream", "short_stream"):
                     await asyncio.sleep(0.05)
+                elif held:
+                    await asyncio.sleep(0.02)
             yield b"data: [DONE]\n\n"
         except asyncio.CancelledError:
             self.disconnected += 1
@@ -321,13 +333,15 @@ class RouterRunner:
     """The real router (KVRouter on kvrouter's own HTTP server, as `kvrouter serve` runs it) for a
     TOML config written by the test; ``asgi=True`` runs the same app under uvicorn instead."""
 
-    def __init__(self, toml: str, tmp: Path, asgi: bool = False) -> None:
+    def __init__(self, toml: str, tmp: Path, asgi: bool = False, config_file: bool = False) -> None:
         from router.app import KVRouter
         from router.config import load_config
 
         path = tmp / f"fleet-{uuid.uuid4().hex[:6]}.toml"
         path.write_text(toml)
-        self.app = KVRouter(load_config(path))
+        self.path = path
+        """The config file (reloaded on change when ``config_file``)."""
+        self.app = KVRouter(load_config(path), config_path=path if config_file else None)
         self.server: NativeServer | ThreadedServer = (
             ThreadedServer(self.app).start() if asgi else NativeServer(self.app).start()
         )

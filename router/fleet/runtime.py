@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import httpx
 
@@ -71,6 +72,8 @@ class FleetRuntime:
         self.membership.listeners.append(self)
         self._sources: dict[str, list[SourceConfig]] = {}
         self._task: asyncio.Task[None] | None = None
+        self.tick_hooks: list[Callable[[], None]] = []
+        """Run on every tick before the transitions (e.g. applying other workers' admin changes)."""
 
     # --- MembershipListener ----------------------------------------------------------------------
     def joined(self, member: Member) -> None:
@@ -99,6 +102,8 @@ class FleetRuntime:
 
     def tick(self) -> None:
         """Advance joining -> ready and draining -> gone."""
+        for hook in self.tick_hooks:
+            hook()
         self.membership.tick(self.inflight, self.streams_ready)
 
     # --- lifecycle -------------------------------------------------------------------------------

@@ -569,9 +569,10 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         stop = stop or asyncio.Event()
         installed: list[signal.Signals] = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        handlers = {signal.SIGINT: stop.set, signal.SIGTERM: stop.set, signal.SIGHUP: self.app.request_reload}
+        for sig, handler in handlers.items():
             try:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, handler)
                 installed.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):
                 pass  # not the main thread (tests): the caller sets ``stop``

@@ -198,6 +198,10 @@ class RouterMetrics:
         self.total_errors = 0
         self.started = time.time()
 
+    def add_collector(self, collector: Collector) -> None:
+        """Another part's figures, read at scrape time (membership sources, the cluster store, ...)."""
+        self.registry.register(collector)
+
     def backend(self, name: str) -> BackendCounters:
         """Cumulative counters of one backend."""
         c = self.per_backend.get(name)
@@ -358,6 +362,55 @@ class _StateCollector(Collector):
         for (change, origin), n in sorted(self.membership.changes.items()):
             changes.add_metric([change, origin], n)
         yield changes
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+class SourcesCollector(Collector):
+    """Membership sources: config reloads and Kubernetes discovery, read at scrape time."""
+
+    def __init__(self, config_watcher: Any | None, pods: Any | None) -> None:
+        self.config_watcher = config_watcher
+        self.pods = pods
+
+    def collect(self) -> Iterable[Metric]:
+        reloads = CounterMetricFamily(
+            "kvrouter_config_reloads",
+            "Config file reloads by result (applied, rejected: invalid file kept out, unchanged)",
+            labels=["result"],
+        )
+        if self.config_watcher is not None:
+            for result, n in self.config_watcher.results.items():
+                reloads.add_metric([result], n)
+        yield reloads
+        if self.pods is None:
+            return
+        skipped = CounterMetricFamily(
+            "kvrouter_discovery_skipped",
+            "Pods discovery could not turn into a backend (missing_port, bad_annotation, invalid, "
+            "name_taken, bad_pod)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.pods.skipped.items()):
+            skipped.add_metric([reason], n)
+        yield skipped
+        events = CounterMetricFamily(
+            "kvrouter_discovery_events", "Kubernetes watch events by type", labels=["type"]
+        )
+        for kind, n in sorted(self.pods.events.items()):
+            events.add_metric([kind], n)
+        yield events
+        failures = CounterMetricFamily(
+            "kvrouter_discovery_failures", "List or watch failures (each retried after a backoff)"
+        )
+        failures.add_metric([], self.pods.failures)
+        yield failures
+        connected = GaugeMetricFamily(
+            "kvrouter_discovery_connected", "The Kubernetes watch is established (1) or not (0)"
+        )
+        connected.add_metric([], 1.0 if self.pods.connected else 0.0)
+        yield connected
 
     def describe(self) -> Iterable[Metric]:
         return []

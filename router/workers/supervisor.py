@@ -107,7 +107,7 @@ def _die_with_parent() -> None:
         return
 
 
-def worker_main(config: RouterConfig, ctx: WorkerContext) -> None:
+def worker_main(config: RouterConfig, ctx: WorkerContext, config_path: str | None = None) -> None:
     """Entry point of one worker process: the whole router on a SO_REUSEPORT socket."""
     level = config.server.log_level.upper()
     logging.basicConfig(
@@ -121,7 +121,8 @@ def worker_main(config: RouterConfig, ctx: WorkerContext) -> None:
     from router.http.server import HttpServer, loop_factory
 
     _die_with_parent()
-    app = KVRouter(config, worker=ctx)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the server's handler (reload) is installed
+    app = KVRouter(config, worker=ctx, config_path=config_path)
     # not listening yet: the server listens once the router has started, so the kernel sends this
     # worker no connection before it can answer
     sock = bound_socket(config.server.host, config.server.port)
@@ -132,8 +133,9 @@ def worker_main(config: RouterConfig, ctx: WorkerContext) -> None:
 class Supervisor:
     """Starts, watches, restarts and stops the worker processes."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, config_path: str | None = None) -> None:
         self.config = config
+        self.config_path = config_path
         self.workers = config.server.workers
         self.stopping = False
         self._mp = multiprocessing.get_context("spawn")
@@ -144,7 +146,10 @@ class Supervisor:
     def _spawn(self, index: int, run_dir: str) -> None:
         ctx = WorkerContext(index, self.workers, run_dir)
         proc = self._mp.Process(
-            target=worker_main, args=(self.config, ctx), name=f"kvrouter-worker-{index}", daemon=False
+            target=worker_main,
+            args=(self.config, ctx, self.config_path),
+            name=f"kvrouter-worker-{index}",
+            daemon=False,
         )
         proc.start()
         self._procs[index] = proc
@@ -153,6 +158,12 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True
+
+    def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
+        """SIGHUP: every worker re-reads the config file (each applies it to its own membership)."""
+        for proc in list(self._procs.values()):
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGHUP)
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; 0 after a clean stop, 1 if the port or the workers fail."""
@@ -165,6 +176,7 @@ class Supervisor:
             return 1
         run_dir = tempfile.mkdtemp(prefix="kvrouter-")
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._on_hangup)
         code = 0
         try:
             WorkerContext(0, self.workers, run_dir).board().close()  # created, zeroed

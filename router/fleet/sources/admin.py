@@ -1,0 +1,186 @@
+"""The admin API as a source of membership: add, replace, drain and remove backends at run time.
+
+Off unless the config lists ``admin_keys`` (bearer keys distinct from the clients' ``api_keys``; a
+client key gets 403, no key 401, and with no admin key configured the endpoints answer 404):
+
+- ``GET /admin/backends``: the membership, each backend with its state, origin and health;
+- ``PUT /admin/backends/NAME``: body = the fields of a ``[[backends]]`` table (``url``, ``kv_events``,
+  ``kv_replay``, ``dp_size``, ``models``, ``role``, ...; the name comes from the path): adds the
+  backend (201) or brings an existing one in line with it (200); validated like the config file (400
+  naming the offending field in ``error.param``);
+- ``DELETE /admin/backends/NAME``: drains it, then removes it once its requests finished;
+- ``POST /admin/backends/NAME/drain``: drains it and keeps it (a PUT readmits it).
+
+Each answers with the resulting entry. What the admin API changes is running state, not the file: a
+config reload re-applies the file, so a backend the file lists comes back as the file says (even
+after an admin DELETE), while backends only the admin API added stay across reloads. With
+``server.workers > 1`` every change is appended to a journal in the supervisor's run directory and
+every worker applies it (a worker that restarts replays the journal), so all workers see the same
+membership within one tick (~50 ms).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from router.config import BackendConfig, ConfigError, parse_backend
+from router.fleet.load import LoadTracker
+from router.fleet.membership import Member, Membership
+from router.http.errors import ApiError, bad_request, forbidden, not_found, unauthorized
+
+log = logging.getLogger("kvrouter.admin")
+
+
+class _Op(msgspec.Struct, omit_defaults=True):
+    op: str  # put | delete | drain
+    name: str
+    origin: str  # "worker:pid" that made the change (it applied it already)
+    spec: BackendConfig | None = None
+
+
+class AdminJournal:
+    """Admin changes shared between worker processes: an append-only file of JSON lines."""
+
+    def __init__(self, path: str | Path, me: str) -> None:
+        self.path = Path(path)
+        self.me = me
+        self._offset = 0
+        self._buffer = b""
+
+    def append(self, op: _Op) -> None:
+        """Record a change (one ``write`` under an exclusive lock: lines never interleave)."""
+        line = msgspec.json.encode(op) + b"\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    def read_new(self) -> list[_Op]:
+        """Changes appended since the last call (all of them the first time), others' only."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        data = self._buffer + data
+        lines = data.split(b"\n")
+        self._buffer = lines.pop()  # an incomplete last line waits for the rest
+        out = []
+        for line in lines:
+            if not line:
+                continue
+            try:
+                op = msgspec.json.decode(line, type=_Op)
+            except msgspec.DecodeError:
+                log.error("admin journal: unreadable line skipped")
+                continue
+            if op.origin != self.me:
+                out.append(op)
+        return out
+
+
+class AdminApi:
+    """The admin endpoints' logic (the HTTP routes in router.app call these)."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        loads: LoadTracker,
+        workers: int = 1,
+        journal: AdminJournal | None = None,
+    ) -> None:
+        self.membership = membership
+        self.loads = loads
+        self.workers = workers
+        self.journal = journal
+
+    def _entry(self, m: Member) -> dict[str, Any]:
+        return m.describe(self.loads.local_active(m.targets))
+
+    def list(self) -> dict[str, Any]:
+        """GET /admin/backends."""
+        return {
+            "backends": [self._entry(m) for m in list(self.membership.members.values())],
+            "counts": self.membership.counts(),
+            "worker": self.journal.me if self.journal is not None else None,
+        }
+
+    def put(self, name: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        """PUT /admin/backends/NAME: (201 created | 200 updated, entry)."""
+        try:
+            data = msgspec.json.decode(body) if body.strip() else None
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"The body is not valid JSON: {exc}") from None
+        try:
+            spec = parse_backend(data, name, self.workers)
+        except ConfigError as exc:
+            raise bad_request(str(exc), "invalid_backend", exc.field) from None
+        member, created = self.membership.upsert(spec, "admin", "PUT /admin/backends")
+        self._share(_Op("put", name, "", spec))
+        return (201 if created else 200), self._entry(member)
+
+    def delete(self, name: str) -> dict[str, Any]:
+        """DELETE /admin/backends/NAME: drain, then remove."""
+        member = self.membership.drain(name, remove=True, reason="DELETE /admin/backends")
+        if member is None:
+            raise not_found(f"no backend named `{name}`", "backend_not_found")
+        self._share(_Op("delete", name, ""))
+        return self._entry(member)
+
+    def drain(self, name: str) -> dict[str, Any]:
+        """POST /admin/backends/NAME/drain: drain and keep."""
+        member = self.membership.drain(name, remove=False, reason="POST /admin/backends/NAME/drain")
+        if member is None:
+            raise not_found(f"no backend named `{name}`", "backend_not_found")
+        self._share(_Op("drain", name, ""))
+        return self._entry(member)
+
+    def _share(self, op: _Op) -> None:
+        if self.journal is not None:
+            op.origin = self.journal.me
+            try:
+                self.journal.append(op)
+            except OSError as exc:  # the change holds here; the other workers will not see it
+                log.error("admin journal: cannot record %s %s: %s", op.op, op.name, exc)
+
+    def sync(self) -> None:
+        """Apply the other workers' changes (called on every membership tick)."""
+        if self.journal is None:
+            return
+        for op in self.journal.read_new():
+            if op.op == "put" and op.spec is not None:
+                self.membership.upsert(op.spec, "admin", "PUT /admin/backends (another worker)")
+            elif op.op == "delete":
+                self.membership.drain(op.name, remove=True, reason="DELETE /admin/backends (another worker)")
+            elif op.op == "drain":
+                self.membership.drain(op.name, remove=False, reason="drain (another worker)")
+
+
+def admin_auth(headers: Any, admin_keys: list[bytes], client_keys: list[bytes]) -> None:
+    """404 when the admin API is off, 401 without a valid admin key, 403 for a client key."""
+    if not admin_keys:
+        raise not_found("the admin API is off (no admin_keys configured)")
+    token = b""
+    for key, value in headers:
+        if key == b"authorization" and value[:7].lower() == b"bearer ":
+            token = value[7:].strip()
+            break
+    if token and any(hmac.compare_digest(token, k) for k in admin_keys):
+        return
+    if token and any(hmac.compare_digest(token, k) for k in client_keys):
+        raise forbidden("this key is a client key; the admin API needs an admin key")
+    raise unauthorized()
+
+
+__all__ = ["AdminApi", "AdminJournal", "ApiError", "admin_auth"]

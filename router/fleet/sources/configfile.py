@@ -1,0 +1,123 @@
+"""The config file as a source of membership: re-read on SIGHUP and when it changes on disk.
+
+A reload parses and validates the whole file first (the same checks as at start-up, environment
+overrides included); only a file that passes is applied, in one step on the event loop: its
+``[[backends]]`` reconcile the members of origin "config" (new ones join, changed ones are updated or
+re-join, missing ones drain and leave), and ``api_keys`` / ``admin_keys`` take effect for the next
+request. A file that does not pass is rejected with one log line naming the key, and the running
+fleet is kept: never half-applied. Other settings (server, policy, index, ...) need a restart; a
+reload that changes them says so in the log.
+
+Changes on disk are noticed by polling the file's (mtime, size, inode) every ``watch_interval_s``: it
+works on every filesystem, including a Kubernetes ConfigMap volume (whose update swaps a symlink, a
+new inode), and costs one ``stat`` per interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from router.config import ConfigError, RouterConfig, env_overrides, load_config, with_overrides
+
+log = logging.getLogger("kvrouter.config")
+
+_LIVE = ("backends", "api_keys", "admin_keys")
+
+
+class ConfigWatcher:
+    """Reloads ``path`` on request (SIGHUP) and when it changes; ``apply`` receives a valid config."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        current: RouterConfig,
+        apply: Callable[[RouterConfig], None],
+        watch: bool = True,
+        interval_s: float = 2.0,
+    ) -> None:
+        self.path = Path(path)
+        try:  # what a reload compares with: the file and environment, without command-line flags
+            self.current = with_overrides(load_config(self.path), **env_overrides())
+        except ConfigError:
+            self.current = current
+        self.apply = apply
+        self.watch = watch
+        self.interval_s = interval_s
+        self.results: dict[str, int] = {"applied": 0, "rejected": 0, "unchanged": 0}
+        """Reloads by result, for kvrouter_config_reloads_total."""
+        self.last_error = ""
+        self._stamp = self._stat()
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def request(self) -> None:
+        """Reload soon (from a signal handler: only sets a flag the task waits on)."""
+        self._wake.set()
+
+    def reload(self) -> bool:
+        """Read, validate and (if valid) apply the file now; True if applied."""
+        self._stamp = self._stat()
+        try:
+            new = with_overrides(load_config(self.path), **env_overrides())
+            # command-line overrides only touch server settings, which a reload does not apply
+        except ConfigError as exc:
+            self.results["rejected"] += 1
+            self.last_error = str(exc)
+            log.error("config reload rejected, the running fleet is kept: %s", exc)
+            return False
+        ignored = [
+            f
+            for f in RouterConfig.__struct_fields__
+            if f not in _LIVE and getattr(new, f) != getattr(self.current, f)
+        ]
+        if ignored:
+            log.warning("config reload: changes to %s take effect at the next restart", ", ".join(ignored))
+        if all(getattr(new, f) == getattr(self.current, f) for f in _LIVE):
+            self.results["unchanged"] += 1
+            return False
+        self.apply(new)
+        self.current = new
+        self.results["applied"] += 1
+        self.last_error = ""
+        log.info("config reloaded from %s (%d backends)", self.path, len(new.backends))
+        return True
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s if self.watch else None)
+            asked = self._wake.is_set()
+            self._wake.clear()
+            if asked or (self.watch and self._stat() != self._stamp):
+                try:
+                    self.reload()
+                except Exception:  # a bug applying one reload must not end reloading
+                    log.exception("config reload failed")
+
+    def start(self) -> None:
+        """Start watching (and listening for reload requests)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvrouter-config-watch")
+
+    async def stop(self) -> None:
+        """Stop watching."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+__all__ = ["ConfigWatcher"]

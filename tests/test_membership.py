@@ -1,0 +1,172 @@
+"""Membership's state machine on its own: joining -> ready -> draining -> gone, sources and origins.
+
+The class does no I/O; a fake clock and a recording listener show every transition and what it asks
+of the rest of the router. The end-to-end behaviour (real engines, real router) is in
+test_membership_e2e.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.config import BackendConfig, MembershipConfig
+from router.fleet.membership import Member, Membership
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+
+    def joined(self, m: Member) -> None:
+        self.calls.append(("joined", m.name, m.url))
+
+    def left(self, m: Member) -> None:
+        self.calls.append(("left", m.name, m.url))
+
+
+def spec(name: str, **kw: Any) -> BackendConfig:
+    return BackendConfig(name=name, url=kw.pop("url", f"http://{name}:8000"), models=["m"], **kw)
+
+
+def setup(**cfg: Any) -> tuple[Membership, Recorder, Clock]:
+    clock = Clock()
+    ms = Membership(MembershipConfig(**cfg), clock=clock)
+    rec = Recorder()
+    ms.listeners.append(rec)
+    return ms, rec, clock
+
+
+def test_a_joiner_is_ready_once_healthy_and_bootstrapped() -> None:
+    ms, rec, _ = setup(join_timeout_s=10)
+    m, created = ms.upsert(spec("a"), "admin")
+    assert created and m.state == "joining" and rec.calls == [("joined", "a", "http://a:8000")]
+    assert ms.routable_for("m") == []  # not before it is ready
+    ms.tick(lambda m: 0, lambda m: True)
+    assert m.state == "joining"  # no probe answered yet
+    m.healthy = True
+    ms.tick(lambda m: 0, lambda m: False)
+    assert m.state == "joining"  # its streams are still bootstrapping
+    ms.tick(lambda m: 0, lambda m: True)
+    assert m.state == "ready" and ms.routable_for("m") == [m]
+    assert [t.change for t in ms.transitions] == ["joined", "ready"]
+
+
+def test_a_slow_bootstrap_does_not_keep_a_healthy_backend_out_forever() -> None:
+    ms, _, clock = setup(join_timeout_s=3)
+    m, _ = ms.upsert(spec("a"), "config")
+    m.healthy = True
+    ms.tick(lambda m: 0, lambda m: False)
+    assert m.state == "joining"
+    clock.now += 3
+    ms.tick(lambda m: 0, lambda m: False)
+    assert m.state == "ready" and "bootstrap not finished" in m.reason
+
+
+def test_a_failed_health_check_is_not_a_membership_change() -> None:
+    ms, rec, _ = setup()
+    m, _ = ms.upsert(spec("a"), "config")
+    m.healthy = True
+    ms.tick(lambda m: 0, lambda m: True)
+    m.healthy = False
+    ms.tick(lambda m: 0, lambda m: True)
+    assert m.state == "ready" and not m.routable and ms.known("m")
+    assert rec.calls == [("joined", "a", "http://a:8000")]  # nothing left: the index is kept
+    m.healthy = True
+    assert ms.routable_for("m") == [m]
+
+
+def test_drain_waits_for_requests_in_flight_then_removes() -> None:
+    ms, rec, _ = setup(drain_timeout_s=60)
+    m, _ = ms.upsert(spec("a"), "admin")
+    m.healthy = True
+    ms.tick(lambda m: 0, lambda m: True)
+    ms.drain("a", remove=True, reason="test")
+    assert m.state == "draining" and not m.routable
+    inflight = {"a": 2}
+    ms.tick(lambda m: inflight[m.name], lambda m: True)
+    assert ms.get("a") is m  # still serving its streams
+    inflight["a"] = 0
+    ms.tick(lambda m: inflight[m.name], lambda m: True)
+    assert ms.get("a") is None and m.state == "gone"
+    assert rec.calls[-1] == ("left", "a", "http://a:8000")
+    assert [t.change for t in ms.transitions] == ["joined", "ready", "draining", "removed"]
+    assert ms.changes[("removed", "admin")] == 1
+
+
+def test_a_drain_that_times_out_removes_the_backend_anyway() -> None:
+    ms, _, clock = setup(drain_timeout_s=5)
+    ms.upsert(spec("a"), "admin")
+    ms.drain("a", remove=True)
+    clock.now += 5
+    ms.tick(lambda m: 3, lambda m: True)
+    assert ms.get("a") is None and "timed out with 3 in flight" in ms.transitions[-1].reason
+
+
+def test_drain_without_remove_keeps_it_and_a_put_readmits_it() -> None:
+    ms, rec, _ = setup()
+    m, _ = ms.upsert(spec("a"), "admin")
+    m.healthy = True
+    ms.tick(lambda m: 0, lambda m: True)
+    ms.drain("a", remove=False)
+    ms.tick(lambda m: 0, lambda m: True)
+    assert ms.get("a") is m and m.state == "draining" and m.reason == "drained"
+    m2, created = ms.upsert(spec("a"), "admin")
+    assert m2 is m and not created and m.state == "ready" and m.routable
+    assert [c[0] for c in rec.calls] == ["joined"]  # never unsubscribed meanwhile
+
+
+def test_new_endpoints_rejoin_other_changes_apply_in_place() -> None:
+    ms, rec, _ = setup()
+    m, _ = ms.upsert(spec("a"), "admin")
+    m.healthy = True
+    ms.tick(lambda m: 0, lambda m: True)
+    ms.upsert(spec("a", role="decode"), "admin")  # role: in place
+    assert m.state == "ready" and m.spec.role == "decode" and len(rec.calls) == 1
+    ms.upsert(spec("a", url="http://10.0.0.9:8000", role="decode"), "admin")  # new address: re-join
+    assert rec.calls[1:] == [("left", "a", "http://a:8000"), ("joined", "a", "http://10.0.0.9:8000")]
+    assert m.state == "joining" and not m.healthy and m.url == "http://10.0.0.9:8000"
+    assert ms.transitions[-1].change == "replaced"
+
+
+def test_reconcile_applies_one_origin_and_leaves_the_others() -> None:
+    ms, _, _ = setup()
+    ms.reconcile("config", [spec("a"), spec("b")])
+    ms.upsert(spec("x"), "admin")
+    ms.reconcile("config", [spec("b"), spec("c")], "reload")
+    assert ms.get("a") is not None and ms.get("a").state == "draining"  # type: ignore[union-attr]
+    assert {m.name: m.origin for m in ms.members.values()} == {
+        "a": "config",
+        "b": "config",
+        "c": "config",
+        "x": "admin",
+    }
+    # the file takes over a name it lists; discovery never takes a name another origin holds
+    ms.reconcile("config", [spec("b"), spec("c"), spec("x")], "reload")
+    assert ms.get("x").origin == "config"  # type: ignore[union-attr]
+    ms.reconcile("kubernetes", [spec("c", url="http://pod:1"), spec("pod-1")])
+    assert ms.get("c").url == "http://c:8000" and ms.get("pod-1").origin == "kubernetes"  # type: ignore[union-attr]
+    ms.reconcile("kubernetes", [])
+    assert ms.get("pod-1").state == "draining" and ms.get("c").state != "draining"  # type: ignore[union-attr]
+
+
+def test_counts_and_lora_and_models() -> None:
+    ms, _, _ = setup()
+    a, _ = ms.upsert(spec("a"), "config")
+    b, _ = ms.upsert(BackendConfig(name="b", url="http://b:1"), "config")
+    b.models = {"m", "sql-lora"}
+    b.lora_parents = {"sql-lora": "m"}
+    assert ms.counts() == {"joining": 2, "ready": 0, "draining": 0, "gone": 0}
+    assert ms.lora_name("sql-lora") == "sql-lora" and ms.lora_name("m") is None
+    assert [x.name for x in ms.models()["m"]] == ["a", "b"]
+    assert a.describe(inflight=3)["inflight"] == 3
+    assert BackendConfig(name="k", url="http://k:1", api_key="s").api_key == "s"
+    k, _ = ms.upsert(BackendConfig(name="k", url="http://k:1", api_key="secret"), "admin")
+    assert k.describe()["api_key"] == "***"  # never shown
