@@ -1,0 +1,305 @@
+"""Kubernetes discovery against a stand-in API server (tests/k8s_standin.py): pod lifecycles, bad
+pods, expired watches, outages, annotations. The engines behind the pods are real (harness.FakeEngine
+with KV publishers): a pod's IP is 127.0.0.1 and its container ports are the engine's ports.
+
+What this does not show (README, "Kubernetes discovery"): lightkube against a real API server, TLS
+and service-account tokens, RBAC. The stand-in serves the documented wire format only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import zmq
+from harness import TIMEOUT, FakeEngine, RouterRunner, wait_for
+from k8s_standin import KubeStandIn, selector_matches
+
+from router.config import ConfigError, KubernetesConfig
+from router.fleet.sources.kubernetes import SkipPod, parse_selector, pod_backend
+
+BS = 4
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def ports(e: FakeEngine) -> dict[str, int]:
+    port = urlsplit(e.url).port
+    assert port is not None
+    return {"http": port, "kv-events": port_of(e.kv_events), "kv-replay": port_of(e.kv_replay)}
+
+
+@pytest.fixture
+def standin() -> Iterator[KubeStandIn]:
+    s = KubeStandIn()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def engines(ctx: zmq.Context[Any]) -> Iterator[dict[str, FakeEngine]]:
+    made = {n: FakeEngine(n, ctx) for n in ("e1", "e2", "e3")}
+    yield made
+    for e in made.values():
+        e.close()
+
+
+@pytest.fixture
+def router(standin: KubeStandIn, tmp_path: Path) -> Iterator[RouterRunner]:
+    kubeconfig = tmp_path / "kubeconfig"
+    standin.kubeconfig(kubeconfig)
+    toml = (
+        f"block_size = {BS}\n[health]\ninterval_s = 2.0\n[membership]\ndrain_timeout_s = 30\n"
+        "[membership.kubernetes]\nenabled = true\n"
+        f'kubeconfig = "{kubeconfig}"\nlabel_selector = "app=vllm,tier notin (canary)"\n'
+        "backoff_s = 0.05\nmax_backoff_s = 0.2\nwatch_timeout_s = 3\n"
+    )
+    r = RouterRunner(toml, tmp_path)
+    yield r
+    r.stop()
+
+
+def debug(router: RouterRunner) -> dict[str, Any]:
+    out: dict[str, Any] = httpx.get(f"{router.url}/debug/index", timeout=TIMEOUT).json()
+    return out
+
+
+def members(router: RouterRunner) -> dict[str, dict[str, Any]]:
+    return {b["name"]: b for b in debug(router)["backends"]}
+
+
+def state(router: RouterRunner, name: str) -> str | None:
+    m = members(router).get(name)
+    return None if m is None else str(m["state"])
+
+
+def served_by(router: RouterRunner, n: int = 6) -> set[str]:
+    out = set()
+    for i in range(n):
+        r = httpx.post(
+            f"{router.url}/v1/completions", json={"model": "toy", "prompt": f"q{i}"}, timeout=TIMEOUT
+        )
+        assert r.status_code == 200, r.text
+        out.add(r.headers["x-kvrouter-backend"])
+    return out
+
+
+def metric(router: RouterRunner, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{router.url}/metrics", timeout=TIMEOUT).text
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_pods_life_drives_its_membership(
+    standin: KubeStandIn, engines: dict[str, FakeEngine], router: RouterRunner
+) -> None:
+    e1, e2 = engines["e1"], engines["e2"]
+    prompt = [5 + i for i in range(6 * BS)]
+    e2.announce(prompt, BS)  # in e2's replay buffer before its pod exists
+    standin.add_pod("vllm-0", ports(e1))
+    standin.add_pod("vllm-1", ports(e2))
+    standin.add_pod("other", ports(e1), labels={"app": "web"})  # not selected
+    standin.add_pod("canary", ports(e1), labels={"app": "vllm", "tier": "canary"})  # excluded by notin
+    wait_for(lambda: debug(router)["membership"]["kubernetes"]["connected"], "the watch")
+    assert members(router) == {}  # Pending, no IP: nothing yet
+    standin.start_pod("vllm-0")
+    standin.start_pod("other")
+    standin.start_pod("canary")
+    wait_for(lambda: state(router, "vllm-0") == "ready", "vllm-0 ready")
+    assert served_by(router) == {"vllm-0"}
+    standin.start_pod("vllm-1")
+    wait_for(lambda: state(router, "vllm-1") == "ready", "vllm-1 ready")
+    assert sorted(members(router)) == ["vllm-0", "vllm-1"]
+    m = members(router)["vllm-1"]
+    assert m["origin"] == "kubernetes" and m["url"] == e2.url and m["kv_replay"] == e2.kv_replay
+    routed = httpx.post(f"{router.url}/route", json={"model": "toy", "prompt": prompt}).json()
+    assert routed["backend"] == "vllm-1" and routed["matched_blocks"] == 6  # bootstrapped from replay
+    # a readiness flap: skipped like a failed probe, its index kept, back when Ready
+    standin.set_ready("vllm-1", False)
+    wait_for(lambda: not members(router)["vllm-1"]["discovery_ready"], "vllm-1 not ready")
+    assert members(router)["vllm-1"]["state"] == "ready"  # not a membership change
+    assert served_by(router) == {"vllm-0"}
+    assert "vllm-1" in {s["instance"] for s in debug(router)["sources"]}  # still subscribed
+    standin.set_ready("vllm-1", True)
+    wait_for(lambda: members(router)["vllm-1"]["discovery_ready"], "vllm-1 ready again")
+    routed = httpx.post(f"{router.url}/route", json={"model": "toy", "prompt": prompt}).json()
+    assert routed["backend"] == "vllm-1" and routed["matched_blocks"] == 6  # the cache survived
+    # terminating: drained and removed; then the object goes
+    standin.terminate("vllm-1")
+    wait_for(lambda: "vllm-1" not in members(router), "vllm-1 removed")
+    standin.delete("vllm-1")
+    standin.delete("vllm-0")
+    wait_for(lambda: members(router) == {}, "vllm-0 removed on delete")
+    changes = [(t["backend"], t["change"]) for t in debug(router)["membership"]["transitions"]]
+    assert changes.count(("vllm-1", "removed")) == 1 and ("vllm-0", "removed") in changes
+    assert metric(router, "kvrouter_discovery_events_total", '{type="DELETED"}') == 2
+    assert metric(router, "kvrouter_discovery_connected") == 1
+
+
+def test_bad_pods_are_skipped_named_and_counted_and_discovery_goes_on(
+    standin: KubeStandIn,
+    engines: dict[str, FakeEngine],
+    router: RouterRunner,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    e1 = engines["e1"]
+    good = ports(e1)
+    standin.add_pod("no-http", {"kv-events": good["kv-events"]})
+    standin.add_pod("bad-dp", good, annotations={"kvrouter.io/dp-size": "two"})
+    standin.add_pod("bad-role", good, annotations={"kvrouter.io/role": "chef"})
+    standin.add_pod("bad-port", good, annotations={"kvrouter.io/kv-events-port": "nope"})
+    for name in ("no-http", "bad-dp", "bad-role", "bad-port"):
+        standin.start_pod(name)
+    wait_for(
+        lambda: metric(router, "kvrouter_discovery_skipped_total", '{reason="bad_annotation"}') == 2, "skips"
+    )
+    assert metric(router, "kvrouter_discovery_skipped_total", '{reason="missing_port"}') == 2
+    assert members(router) == {}
+    logged = caplog.text
+    for name in ("no-http", "bad-dp", "bad-role", "bad-port"):
+        assert f"pod {name} skipped" in logged
+    standin.add_pod("fine", good)
+    standin.start_pod("fine")
+    wait_for(lambda: state(router, "fine") == "ready", "a good pod still joins")
+    # a bad pod that gets fixed joins
+    standin.set_annotation("bad-dp", "kvrouter.io/dp-size", "1")
+    wait_for(lambda: state(router, "bad-dp") is not None, "the fixed pod joins")
+
+
+def test_an_expired_watch_relists_and_catches_up_with_what_it_missed(
+    standin: KubeStandIn, engines: dict[str, FakeEngine], router: RouterRunner
+) -> None:
+    e1, e2, e3 = engines["e1"], engines["e2"], engines["e3"]
+    for name, e in (("p1", e1), ("p2", e2)):
+        standin.add_pod(name, ports(e))
+        standin.start_pod(name)
+    wait_for(lambda: sorted(members(router)) == ["p1", "p2"], "two pods")
+    relists = debug(router)["membership"]["kubernetes"]["relists"]
+    standin.refuse = True  # an outage: the watch breaks and reconnects fail for a while
+    standin.drop_watches()
+    wait_for(lambda: not debug(router)["membership"]["kubernetes"]["connected"], "the outage seen")
+    standin.refuse = False
+    standin.expire()  # ... and by the time it is back, the history it would resume from is gone
+    standin.delete("p1")  # changes it did not see as events
+    standin.add_pod("p3", ports(e3))
+    standin.start_pod("p3")
+    wait_for(lambda: sorted(members(router)) == ["p2", "p3"], "caught up after relisting")
+    k8s = debug(router)["membership"]["kubernetes"]
+    assert k8s["relists"] > relists and k8s["failures"] >= 1
+    # an open watch ended by 410 Expired relists too
+    relists = k8s["relists"]
+    standin.expire()
+    wait_for(lambda: debug(router)["membership"]["kubernetes"]["relists"] > relists, "relisted on 410")
+    assert sorted(members(router)) == ["p2", "p3"]
+    # bookmarks only move the version
+    standin.bookmarks = True
+    standin.drop_watches()
+    wait_for(lambda: metric(router, "kvrouter_discovery_events_total", '{type="BOOKMARK"}') > 0, "a bookmark")
+    assert sorted(members(router)) == ["p2", "p3"]
+
+
+def test_a_pod_recreated_with_new_endpoints_rejoins(
+    standin: KubeStandIn, engines: dict[str, FakeEngine], router: RouterRunner
+) -> None:
+    e1, e2 = engines["e1"], engines["e2"]
+    standin.add_pod("sts-0", ports(e1))
+    standin.start_pod("sts-0")
+    wait_for(lambda: state(router, "sts-0") == "ready", "sts-0 ready")
+    assert members(router)["sts-0"]["url"] == e1.url
+    # the StatefulSet pod is replaced under the same name; the watch sees it modified in one go
+    standin.delete("sts-0")
+    standin.add_pod("sts-0", ports(e2))
+    standin.start_pod("sts-0")
+    wait_for(lambda: members(router).get("sts-0", {}).get("url") == e2.url, "sts-0 on its new address")
+    wait_for(lambda: state(router, "sts-0") == "ready", "sts-0 ready again")
+    assert served_by(router) == {"sts-0"}
+    assert {s["endpoint"] for s in debug(router)["sources"]} == {e2.kv_events}
+
+
+def kcfg(**kw: Any) -> KubernetesConfig:
+    return KubernetesConfig(enabled=True, label_selector="app=vllm", **kw)
+
+
+def pod(**meta: Any) -> dict[str, Any]:
+    ports = meta.pop(
+        "ports", [{"name": "http", "containerPort": 8000}, {"name": "kv-events", "containerPort": 5557}]
+    )
+    return {
+        "metadata": {
+            "name": "p",
+            "annotations": meta.pop("annotations", {}),
+            "labels": meta.pop("labels", {}),
+        },
+        "spec": {"containers": [{"name": "sidecar"}, {"name": "vllm", "ports": ports}]},
+        "status": {"phase": "Running", "podIP": meta.pop("ip", "10.0.0.7")},
+    }
+
+
+def test_pod_to_backend() -> None:
+    b = pod_backend(pod(), kcfg())
+    assert (b.url, b.kv_events, b.kv_replay, b.dp_size, b.role) == (
+        "http://10.0.0.7:8000",
+        "tcp://10.0.0.7:5557",
+        None,  # no kv-replay port declared: no replay
+        1,
+        "both",
+    )
+    ann = {
+        "kvrouter.io/dp-size": "4",
+        "kvrouter.io/role": "prefill",
+        "kvrouter.io/models": "m1, m2",
+        "kvrouter.io/kv-topic": "kv",
+        "kvrouter.io/kv-replay-port": "5600",
+    }
+    b = pod_backend(pod(annotations=ann, ip="fd00::7"), kcfg(dp_size=2))
+    assert (b.dp_size, b.role, b.models, b.kv_topic, b.kv_replay) == (
+        4,
+        "prefill",
+        ["m1", "m2"],
+        "kv",
+        "tcp://[fd00::7]:5600",
+    )
+    assert pod_backend(pod(labels={"llm-d.ai/role": "decode"}), kcfg()).role == "decode"
+    assert pod_backend(pod(labels={"llm-d.ai/role": "prefill-decode"}), kcfg(role="decode")).role == "both"
+    assert pod_backend(pod(annotations={"kvrouter.io/kv-events-port": "none"}), kcfg()).kv_events is None
+    assert (
+        pod_backend(pod(annotations={"kvrouter.io/http-port": "9000"}), kcfg()).url == "http://10.0.0.7:9000"
+    )
+    for bad, reason in (
+        (pod(annotations={"kvrouter.io/dp-size": "0"}), "bad_annotation"),
+        (pod(annotations={"kvrouter.io/http-port": "70000"}), "bad_annotation"),
+        (pod(annotations={"kvrouter.io/models": " , "}), "bad_annotation"),
+        (pod(ports=[]), "missing_port"),
+        (pod(ip=""), "no_ip"),
+    ):
+        with pytest.raises(SkipPod) as exc:
+            pod_backend(bad, kcfg())
+        assert exc.value.reason == reason
+
+
+def test_label_selectors() -> None:
+    from lightkube.core.selector import build_selector
+
+    for text, labels, expected in (
+        ("app=vllm", {"app": "vllm"}, True),
+        ("app==vllm,tier!=canary", {"app": "vllm", "tier": "canary"}, False),
+        ("app in (vllm, sglang),!legacy", {"app": "sglang"}, True),
+        ("app in (vllm, sglang),!legacy", {"app": "sglang", "legacy": "1"}, False),
+        ("gpu,app notin (web)", {"gpu": "a100", "app": "x"}, True),
+        ("gpu", {"app": "x"}, False),
+    ):
+        # what kvrouter sends (lightkube's encoding of our parse) selects what the text selects
+        encoded = build_selector(parse_selector(text))
+        assert selector_matches(encoded, labels) == selector_matches(text, labels) == expected, (
+            text,
+            encoded,
+        )
+    with pytest.raises(ConfigError):
+        parse_selector("app=(")
