@@ -99,6 +99,9 @@ REQUIRED_DEPLOY_FILES = (
     "k8s/kustomization.yaml",
     "k8s/kvrouter.yaml",
     "k8s/vllm.yaml",
+    "k8s/static/kustomization.yaml",
+    "k8s/static/fleet-static.yaml",
+    "k8s/static/no-discovery.yaml",
 )
 
 PYYAML_MISSING = "PyYAML is not installed: add `pyyaml` to the [test] extras to check the YAML under deploy/"
@@ -510,17 +513,72 @@ def test_k8s_kvrouter_deployment() -> None:
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
 
 
-def test_k8s_fleet_config_lists_the_statefulset_pods() -> None:
+def test_k8s_discovers_the_statefulset_pods_with_just_enough_rbac() -> None:
+    from router.config import parse_config
+    from router.fleet.sources.kubernetes import pod_backend
+
     objs = _k8s_objects()
-    kustomization = _yaml_docs(K8S / "kustomization.yaml")[0]
+    data = tomllib.loads(objs[("ConfigMap", "kvrouter-config")]["data"]["fleet.toml"])
+    data.pop("tokenizer")  # fetched into the pod at start-up; not on this machine
+    cfg = parse_config(data)
+    k8s = cfg.membership.kubernetes
+    assert k8s.enabled and not cfg.backends
+    sts = objs[("StatefulSet", "vllm")]
+    template = sts["spec"]["template"]
+    # the selector picks the engine pods (and only them: the router's own pods carry another name)
+    wanted = dict(part.split("=") for part in k8s.label_selector.split(","))
+    assert wanted.items() <= template["metadata"]["labels"].items()
+    router_labels = objs[("Deployment", "kvrouter")]["spec"]["template"]["metadata"]["labels"]
+    assert not wanted.items() <= router_labels.items()
+    # what discovery would make of such a pod: the engine's own ports, its topic, its block size
+    (engine,) = template["spec"]["containers"]
+    pod = {
+        "metadata": {"name": "vllm-0", "labels": template["metadata"]["labels"]},
+        "spec": template["spec"],
+        "status": {"phase": "Running", "podIP": "10.0.0.5"},
+    }
+    b = pod_backend(pod, k8s, cfg.kv_topic)
+    args = [str(a) for a in engine["args"]]
+    events = _kv_events_config(args)
+    assert (b.url, b.kv_events, b.kv_replay) == (
+        "http://10.0.0.5:8000",
+        f"tcp://10.0.0.5:{events['endpoint'].rsplit(':', 1)[1]}",
+        f"tcp://10.0.0.5:{events['replay_endpoint'].rsplit(':', 1)[1]}",
+    )
+    assert b.kv_topic == events["topic"] and int(_flag(args, "--block-size") or 0) == cfg.block_size
+    # RBAC: the Deployment's service account may get/list/watch pods in its namespace, nothing more
+    dep = objs[("Deployment", "kvrouter")]
+    account = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", account) in objs
+    binding = objs[("RoleBinding", "kvrouter-discovery")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    role = objs[("Role", binding["roleRef"]["name"])]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+
+
+def test_k8s_static_variant_lists_the_statefulset_pods() -> None:
+    objs = _k8s_objects()
+    static = K8S / "static"
+    kustomization = _yaml_docs(static / "kustomization.yaml")[0]
+    assert kustomization["resources"] == [".."]
     namespace = kustomization["namespace"]
+    assert namespace == _yaml_docs(K8S / "kustomization.yaml")[0]["namespace"]
+    patched = {p["path"] for p in kustomization["patches"]}
+    assert all((static / p).is_file() for p in patched)
+    deleted = {
+        (d["kind"], d["metadata"]["name"])
+        for d in _yaml_docs(static / "no-discovery.yaml")
+        if d.get("$patch") == "delete"
+    }
+    assert deleted == {k for k in objs if k[0] in ("ServiceAccount", "Role", "RoleBinding")}
     sts = objs[("StatefulSet", "vllm")]
     headless = objs[("Service", sts["spec"]["serviceName"])]
     assert headless["spec"]["clusterIP"] == "None"
     assert {p["port"] for p in headless["spec"]["ports"]} >= {8000, 5557, 5558}
 
-    fleet = tomllib.loads(objs[("ConfigMap", "kvrouter-config")]["data"]["fleet.toml"])
-    _check_fleet(fleet, "k8s ConfigMap kvrouter-config")
+    (cm,) = _yaml_docs(static / "fleet-static.yaml")
+    fleet = tomllib.loads(cm["data"]["fleet.toml"])
+    _check_fleet(fleet, "k8s static ConfigMap kvrouter-config")
     expected = [
         f"vllm-{i}.{headless['metadata']['name']}.{namespace}.svc" for i in range(sts["spec"]["replicas"])
     ]
