@@ -145,10 +145,14 @@ class RouterService:
         return backends
 
     async def decide(self, endpoint: Endpoint, body: dict[str, Any], *, dry_run: bool = False) -> Route:
-        """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`)."""
+        """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`).
+
+        The candidates are taken after tokenizing (the only await): from there until the proxy takes
+        its load ticket nothing yields to the event loop, so a backend that starts draining meanwhile
+        is never chosen, and one chosen is never removed before its request counts as in flight."""
         t0 = time.perf_counter()
         model = validate_body(endpoint, body)
-        backends = self.candidates_for(model)
+        self.candidates_for(model)  # 404 / 503 before any tokenizing
         tokens: list[int] | None = None
         tok_error: str | None = None
         try:
@@ -158,6 +162,7 @@ class RouterService:
         except TokenizerUnavailable as exc:
             tok_error = str(exc)
         t1 = time.perf_counter()
+        backends = self.candidates_for(model)
         targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
         report: MatchReport | None = None
         if tokens is not None:
