@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="short variants (minutes instead of tens)")
-    ap.add_argument("--only", default="index,router,quality", help="comma-separated subset")
+    ap.add_argument("--only", default="index,router,quality,membership,churn", help="comma-separated subset")
     ap.add_argument("--vllm-router", default=None, help="a vllm-router binary to measure in the same run")
     args = ap.parse_args()
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
@@ -37,6 +37,10 @@ def main() -> int:
             plan.append(("router", cmd))
     if "quality" in wanted:
         plan.append(("quality", [py, "bench/quality.py", *(["--quick"] if args.quick else [])]))
+    if "membership" in wanted:
+        plan.append(("membership", [py, "bench/membership_bench.py", *(["--quick"] if args.quick else [])]))
+    if "churn" in wanted:
+        plan.append(("churn", [py, "bench/churn.py", "--minutes", "1" if args.quick else "10"]))
     for name, cmd in plan:
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         rc = subprocess.run(cmd, cwd=ROOT).returncode
