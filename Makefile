@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,15 @@ unit: $(STAMP)
 ## bench: micro-benchmarks of the index, router overhead and routing quality (see BENCHMARKS.md)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+## fuzz: the long fuzz runs (bounded versions run in make test); counts go to fuzz-report.jsonl
+FUZZ_HTTP_CASES ?= 6000
+fuzz: $(STAMP)
+	rm -f fuzz-report.jsonl
+	FUZZ_HTTP_CASES=$(FUZZ_HTTP_CASES) FUZZ_REPORT=$(CURDIR)/fuzz-report.jsonl \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider -o timeout=7200 tests/test_fuzz_http.py
+	$(BIN)/python -c "import json; rows = [json.loads(l) for l in open('fuzz-report.jsonl')]; \
+	  print('fuzz cases:', {r['fuzz'].split()[0]: sum(x['cases'] for x in rows if x['fuzz'].split()[0] == r['fuzz'].split()[0]) for r in rows})"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

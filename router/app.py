@@ -39,6 +39,7 @@ from router.fleet.sources.configfile import ConfigWatcher
 from router.fleet.sources.kubernetes import PodWatcher
 from router.http.asgi import Receive, Scope, Send
 from router.http.errors import ApiError, bad_request, unauthorized, unavailable
+from router.http.openapi import openapi_spec
 from router.http.proxy import PATHS, ProxyHandler, read_body
 from router.http.upstream import UpstreamPool
 from router.observe.metrics import RouterMetrics, SourcesCollector, dashboard_data
@@ -375,6 +376,11 @@ class KVRouter:
             return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
         page = _dashboard_page()
+        spec = msgspec.json.encode(openapi_spec())
+
+        @api.get("/openapi.json")
+        async def openapi() -> Response:
+            return Response(spec, media_type="application/json")
 
         @api.get("/dashboard")
         async def dashboard() -> HTMLResponse:

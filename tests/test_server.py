@@ -379,3 +379,51 @@ def test_asgi_requests_after_one_that_waited_for_a_disconnect(setup: tuple[Route
             s.sendall(b"GET /test/stream HTTP/1.1\r\nhost: t\r\n\r\n")
             status, _, body = _read_response(s, buf)
             assert status == 200 and body == b"part 0\npart 1\npart 2\n"
+
+
+def test_a_refused_request_is_answered_even_while_the_client_keeps_sending(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    """A lingering close: after refusing an oversized body the server shuts its side and reads (and
+    drops) what the client still sends for a moment, instead of closing with unread input, which
+    makes the kernel answer with a reset that can destroy the 413 before the client reads it."""
+    router, _ = setup
+    s = _connect(router)
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 900000\r\n\r\n")
+        status, headers, body = _read_response(s, bytearray())
+        assert status == 413 and headers["connection"] == "close" and b"request_too_large" in body
+        assert s.recv(1) == b""  # the server finished writing (a half-close) ...
+        for _ in range(8):
+            s.sendall(b"x" * 65536)  # ... and still reads: no reset while the client finishes
+    finally:
+        s.close()
+
+
+def test_a_client_that_half_closes_still_gets_every_answer(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    router, _ = setup
+    s = _connect(router)
+    try:
+        body = json.dumps({"model": "toy", "prompt": "hi"}).encode()
+        req = (
+            b"POST /v1/completions HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (
+                len(body),
+                body,
+            )
+        )
+        s.sendall(req + b"GET /health HTTP/1.1\r\n\r\n")
+        s.shutdown(socket.SHUT_WR)  # done sending: answer both, then close
+        buf = bytearray()
+        first = _read_response(s, buf)
+        second = _read_response(s, buf)
+        assert (first[0], second[0]) == (200, 200) and b"hello from a" in first[2]
+        rest = bytes(buf)
+        while True:
+            data = s.recv(65536)
+            if not data:
+                break
+            rest += data
+        assert rest == b""  # then closed
+    finally:
+        s.close()

@@ -50,6 +50,8 @@ log = logging.getLogger("kvrouter.server")
 access = logging.getLogger("kvrouter.access")
 
 _MAX_HEAD = 64 * 1024
+_LINGER_S = 2.0
+"""After refusing a request, how long the rest of what the client sends is read and dropped."""
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 _NO_BODY = frozenset({204, 304})
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
@@ -185,6 +187,7 @@ class _Connection(asyncio.Protocol):
         self._reject: ApiError | None = None
         self._final: ApiError | None = None
         self._stop_reading = False
+        self._eof = False
         self._in_head = False
         self._head_seen = 0
         self._reset_message()
@@ -367,6 +370,9 @@ class _Connection(asyncio.Protocol):
         if not writer.ended or not req.keep_alive or self.server.stopping or self.gone:
             self.close()  # a response that did not end properly must look truncated
             return
+        if self._eof and not self.queue:
+            self.close()  # the client half-closed: every request it sent has its answer
+            return
         self.task = None
         if self.queue:
             self._next()
@@ -394,12 +400,35 @@ class _Connection(asyncio.Protocol):
             self._next()
 
     def _answer_and_close(self, err: ApiError) -> None:
+        """Answer a refused request, then close *lingering*: our side is shut for writing and what the
+        client still sends (the rest of a huge head or body) is read and dropped for a moment, so the
+        kernel does not answer it with a reset that would destroy the answer before the client reads
+        it (the lingering close of nginx and Apache)."""
         body = err.body()
         self.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s" % (err.status, _REASONS.get(err.status, b""), len(body), body)
         )
-        self.close()
+        t = self.transport
+        if t is None or t.is_closing() or not t.can_write_eof():
+            self.close()
+            return
+        self._disarm_idle()
+        self._stop_reading = True
+        t.write_eof()
+        if self.read_paused:
+            self.read_paused = False
+            t.resume_reading()
+        self._idle = self.loop.call_later(_LINGER_S, self.close)
+
+    def eof_received(self) -> bool | None:
+        """The client finished sending (a half-close): answer what it asked, then close; close at once
+        if nothing is pending or we were lingering after a refusal."""
+        if self._stop_reading or (self.task is None and not self.queue):
+            self.close()
+            return None
+        self._eof = True
+        return True  # keep the transport open for the answers
 
     # --- helpers ---------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
