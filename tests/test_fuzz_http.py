@@ -42,7 +42,7 @@ from schemathesis.specs.openapi.checks import (
 
 from router.http.openapi import openapi_spec
 
-CASES = int(os.environ.get("FUZZ_HTTP_CASES", "150"))
+CASES = int(os.environ.get("FUZZ_HTTP_CASES", "60"))
 """Cases per operation and generation mode (schemathesis), and raw cases per strategy."""
 REPORT = os.environ.get("FUZZ_REPORT")
 """A file to append the counts to (make fuzz)."""
