@@ -42,7 +42,7 @@ from router.http.errors import ApiError, bad_request, unauthorized, unavailable
 from router.http.openapi import openapi_spec
 from router.http.proxy import PATHS, ProxyHandler, read_body
 from router.http.upstream import UpstreamPool
-from router.observe.metrics import RouterMetrics, SourcesCollector, dashboard_data
+from router.observe.metrics import BreakerCollector, RouterMetrics, SourcesCollector, dashboard_data
 from router.workers.stats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
 from router.workers.supervisor import WorkerContext
 
@@ -93,8 +93,15 @@ class KVRouter:
             client=self.client if config.remote_tokenize else None,
             backend_for=self._tokenize_backend if config.remote_tokenize else None,
         )
+        self.breakers = self.fleet.breakers
         self.service = RouterService(
-            self.index, self.membership, self.loads, self.policy, self.tokenizer, config.recent_decisions
+            self.index,
+            self.membership,
+            self.loads,
+            self.policy,
+            self.tokenizer,
+            config.recent_decisions,
+            self.breakers,
         )
         caches = [t.segments for t in loaded.values()]
         self.metrics = RouterMetrics(self.index, self.membership, self.loads, caches)
@@ -125,6 +132,7 @@ class KVRouter:
         if config.membership.kubernetes.enabled:
             self.pods = PodWatcher(config.membership.kubernetes, self.membership, config.kv_topic)
         self.metrics.add_collector(SourcesCollector(self.config_watcher, self.pods))
+        self.metrics.add_collector(BreakerCollector(self.breakers, self.membership))
         self._tasks: list[asyncio.Task[None]] = []
         self.api = self._build_api()
 
@@ -360,7 +368,11 @@ class KVRouter:
                 "predicted_blocks": self.index.predicted_blocks(),
                 "sources": [msgspec.to_builtins(s) for s in self.index.status()],
                 "backends": [
-                    {**b.describe(self.loads.local_active(b.targets)), "models": sorted(b.models)}
+                    {
+                        **b.describe(self.loads.local_active(b.targets)),
+                        "models": sorted(b.models),
+                        "breaker": self.breakers.state(b.name),
+                    }
                     for b in list(self.membership.members.values())
                 ],
                 "membership": self._membership_status(),

@@ -18,6 +18,7 @@ import msgspec
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
 from router.decision.policy import POLICIES, PolicyConfig
+from router.fleet.breaker import BreakerConfig
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,7 @@ class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Consecutive failed checks before a backend is skipped (its index is kept)."""
     scrape_metrics: bool = False
     """Also read vllm:num_requests_waiting/running and kv_cache_usage_perc from each engine's /metrics."""
+    breaker: BreakerConfig = BreakerConfig()
 
 
 Role = Literal["both", "prefill", "decode"]

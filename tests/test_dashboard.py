@@ -103,7 +103,9 @@ def test_dashboard_in_headless_chromium(live: tuple[RouterRunner, list[FakeEngin
             assert page.locator("#backends tbody tr[data-backend]").count() == 2
             assert page.locator("#sources tbody tr[data-source]").count() == 2
             # membership: both backends joined and became ready, shown as the latest changes
-            page.wait_for_selector("#membership tbody tr[data-change=ready][data-backend=beta]", timeout=30_000)
+            page.wait_for_selector(
+                "#membership tbody tr[data-change=ready][data-backend=beta]", timeout=30_000
+            )
             assert "ready 2" in (page.locator("#membership-counts").text_content() or "")
 
             def requests_total() -> float:

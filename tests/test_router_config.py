@@ -25,6 +25,7 @@ from router.config import (
     with_overrides,
 )
 from router.decision.policy import PolicyConfig
+from router.fleet.breaker import BreakerConfig
 from router.fleet.runtime import sources_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +111,7 @@ STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [
     ("index.subscriber.", SubscriberConfig),
     ("backends[].", BackendConfig),
     ("membership.", MembershipConfig),
+    ("health.breaker.", BreakerConfig),
     ("membership.kubernetes.", KubernetesConfig),
 ]
 

@@ -17,6 +17,7 @@ from index.kvindex import KVIndex, MatchReport
 from index.store import SourceMatch
 from router.decision.policy import Candidate, CandidateScore, Decision, Policy, explain
 from router.decision.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
+from router.fleet.breaker import Breakers
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
 from router.http.errors import ApiError, bad_request, not_found_model, unavailable
@@ -126,8 +127,10 @@ class RouterService:
         policy: Policy,
         tokenizer: RequestTokenizer,
         recent: int = 50,
+        breakers: Breakers | None = None,
     ) -> None:
         self.index = index
+        self.breakers = breakers or Breakers()
         self.membership = membership
         self.loads = loads
         self.policy = policy
@@ -135,14 +138,16 @@ class RouterService:
         self.recent: collections.deque[Route] = collections.deque(maxlen=recent)
 
     def candidates_for(self, model: str) -> list[Member]:
-        """Members that may take a request for a model now (ready and healthy): 404 if nobody serves
-        it, 503 if nobody can take it."""
+        """Members that may take a request for a model now (ready, healthy, not ejected by their
+        breaker; all of them if every one is ejected): 404 if nobody serves it, 503 if nobody can."""
         backends = self.membership.routable_for(model)
         if not backends:
             if not self.membership.known(model):
                 raise not_found_model(model)
             raise unavailable(f"No healthy backend serves `{model}`")
-        return backends
+        available = self.breakers.available
+        ok = [b for b in backends if available(b.name)]
+        return ok or backends
 
     async def decide(self, endpoint: Endpoint, body: dict[str, Any], *, dry_run: bool = False) -> Route:
         """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`).

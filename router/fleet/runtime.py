@@ -25,6 +25,7 @@ import httpx
 from index.kvindex import KVIndex
 from index.subscriber import SourceConfig
 from router.config import BackendConfig, HealthConfig, MembershipConfig, rank_endpoint
+from router.fleet.breaker import Breakers
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
@@ -69,6 +70,7 @@ class FleetRuntime:
         self.default_topic = default_topic
         self.membership = Membership(config)
         self.health = HealthChecker(self.membership, health, client, loads)
+        self.breakers = Breakers(health.breaker)
         self.membership.listeners.append(self)
         self._sources: dict[str, list[SourceConfig]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -90,6 +92,7 @@ class FleetRuntime:
             self.index.remove_source(source.source_id)
         for target in member.targets:
             self.loads.forget(target)
+        self.breakers.forget(member.name)
 
     # --- what tick() needs -------------------------------------------------------------------------
     def streams_ready(self, member: Member) -> bool:

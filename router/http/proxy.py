@@ -234,6 +234,8 @@ class ProxyHandler:
         route: Route,
     ) -> None:
         members = route.members
+        breakers = self.service.breakers
+        breakers.request()
         targets = [(route.backend, route.dp_rank)]
         last_error: ApiError | None = None
         attempt = 0
@@ -256,12 +258,14 @@ class ProxyHandler:
                         body,
                     )
                 except UpstreamTimeout:
+                    breakers.failure(backend.name)
                     self.metrics.error(backend.name, "timeout")
                     await send_error(
                         writer, gateway_timeout(f"backend {backend.name} did not answer in time")
                     )
                     return
                 except UpstreamError as exc:
+                    breakers.failure(backend.name)
                     if isinstance(exc, UpstreamConnectError):
                         self.health.mark_failed(backend, str(exc))
                     self.metrics.error(
@@ -271,6 +275,10 @@ class ProxyHandler:
                     self._add_retry(route, targets, attempt)
                     continue
                 status = resp.status
+                if status >= 500:
+                    breakers.failure(backend.name)
+                else:
+                    breakers.success(backend.name)
                 if status >= 500 and self._add_retry(route, targets, attempt):
                     await resp.aclose()
                     self.metrics.error(backend.name, "upstream_5xx")
@@ -293,7 +301,12 @@ class ProxyHandler:
         if attempt == 1 and len(targets) == 1:
             members = route.members
             first = targets[0][0]
-            targets += [t for t in route.ranked()[1:] if t[0] != first and members[t[0]].routable][:1]
+            available = self.service.breakers.available
+            nxt = [
+                t for t in route.ranked()[1:] if t[0] != first and members[t[0]].routable and available(t[0])
+            ]
+            if nxt and self.service.breakers.allow_retry():  # the budget keeps a failing fleet from a storm
+                targets.append(nxt[0])
         return attempt < len(targets)
 
     async def _stream(
@@ -330,6 +343,7 @@ class ProxyHandler:
                 await writer.send(chunk)
         except UpstreamError as exc:
             log.warning("backend %s broke the response stream: %s", backend, exc)
+            self.service.breakers.failure(backend)
             self.metrics.error(backend, "stream_broken")
             if sse:
                 # a clean end the client can read: every event it got was whole, then an error

@@ -187,7 +187,6 @@ class _Connection(asyncio.Protocol):
         self._reject: ApiError | None = None
         self._final: ApiError | None = None
         self._stop_reading = False
-        self._eof = False
         self._in_head = False
         self._head_seen = 0
         self._reset_message()
@@ -370,9 +369,6 @@ class _Connection(asyncio.Protocol):
         if not writer.ended or not req.keep_alive or self.server.stopping or self.gone:
             self.close()  # a response that did not end properly must look truncated
             return
-        if self._eof and not self.queue:
-            self.close()  # the client half-closed: every request it sent has its answer
-            return
         self.task = None
         if self.queue:
             self._next()
@@ -422,13 +418,11 @@ class _Connection(asyncio.Protocol):
         self._idle = self.loop.call_later(_LINGER_S, self.close)
 
     def eof_received(self) -> bool | None:
-        """The client finished sending (a half-close): answer what it asked, then close; close at once
-        if nothing is pending or we were lingering after a refusal."""
-        if self._stop_reading or (self.task is None and not self.queue):
-            self.close()
-            return None
-        self._eof = True
-        return True  # keep the transport open for the answers
+        """The client stopped sending. Treated as the client leaving (the request in flight is
+        cancelled, which aborts the backend's work): clients that half-close and still read are rare,
+        clients that time out and close are not, and vLLM must learn about the second at once."""
+        self.close()
+        return None
 
     # --- helpers ---------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:

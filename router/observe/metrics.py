@@ -367,6 +367,41 @@ class _StateCollector(Collector):
         return []
 
 
+class BreakerCollector(Collector):
+    """Passive ejections and the retry budget (router.fleet.breaker), read at scrape time."""
+
+    def __init__(self, breakers: Any, membership: Membership) -> None:
+        self.breakers = breakers
+        self.membership = membership
+
+    def collect(self) -> Iterable[Metric]:
+        ejections = CounterMetricFamily(
+            "kvrouter_backend_ejections",
+            "Backends ejected by their breaker after failed requests",
+            labels=["backend"],
+        )
+        for name, n in sorted(self.breakers.ejected_total.items()):
+            ejections.add_metric([name], n)
+        yield ejections
+        ejected = GaugeMetricFamily(
+            "kvrouter_backend_ejected", "Backend's breaker is open (1) or not (0)", labels=["backend"]
+        )
+        for name in list(self.membership.members):
+            ejected.add_metric([name], 1.0 if self.breakers.state(name) == "open" else 0.0)
+        yield ejected
+        retries = CounterMetricFamily(
+            "kvrouter_retries",
+            "Retries on another backend: allowed by the retry budget, or refused by it",
+            labels=["result"],
+        )
+        retries.add_metric(["allowed"], self.breakers.retries_allowed)
+        retries.add_metric(["refused"], self.breakers.retries_refused)
+        yield retries
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
 class SourcesCollector(Collector):
     """Membership sources: config reloads and Kubernetes discovery, read at scrape time."""
 
