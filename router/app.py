@@ -33,6 +33,7 @@ from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
 from router.decision.tokenizer import ChatTokenizer, RequestTokenizer
 from router.fleet.load import BoardView, LoadTracker
+from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
 from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth
 from router.fleet.sources.configfile import ConfigWatcher
@@ -42,7 +43,14 @@ from router.http.errors import ApiError, bad_request, unauthorized, unavailable
 from router.http.openapi import openapi_spec
 from router.http.proxy import PATHS, ProxyHandler, read_body
 from router.http.upstream import UpstreamPool
-from router.observe.metrics import BreakerCollector, RouterMetrics, SourcesCollector, dashboard_data
+from router.observe.checks import PredictionChecks, StreamStats
+from router.observe.metrics import (
+    BreakerCollector,
+    ChecksCollector,
+    RouterMetrics,
+    SourcesCollector,
+    dashboard_data,
+)
 from router.workers.stats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
 from router.workers.supervisor import WorkerContext
 
@@ -108,8 +116,9 @@ class KVRouter:
         self.pool = UpstreamPool(
             srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
         )
+        self.checks = PredictionChecks(config.checks, self._stream_stats) if config.checks.enabled else None
         self.proxy = ProxyHandler(
-            self.service, self.pool, self.metrics, self.loads, srv, self.authorize, self.health
+            self.service, self.pool, self.metrics, self.loads, srv, self.authorize, self.health, self.checks
         )
         self._keys = [k.encode() for k in config.api_keys]
         self._admin_keys = [k.encode() for k in config.admin_keys]
@@ -133,6 +142,9 @@ class KVRouter:
             self.pods = PodWatcher(config.membership.kubernetes, self.membership, config.kv_topic)
         self.metrics.add_collector(SourcesCollector(self.config_watcher, self.pods))
         self.metrics.add_collector(BreakerCollector(self.breakers, self.membership))
+        if self.checks is not None:
+            self.metrics.add_collector(ChecksCollector(self.checks))
+            self.membership.listeners.append(_ForgetChecks(self.checks))
         self._tasks: list[asyncio.Task[None]] = []
         self.api = self._build_api()
 
@@ -166,6 +178,17 @@ class KVRouter:
                 token = keys[0].encode()
         if not token or not any(hmac.compare_digest(token, k) for k in self._keys):
             raise unauthorized()
+
+    def _stream_stats(self, backend: str) -> StreamStats:
+        """What the index knows of a backend's event streams (for the prediction checks' diagnosis)."""
+        out = StreamStats(configured_block_size=self.config.block_size)
+        for s in self.index.status():
+            if s.instance == backend:
+                out.batches += s.batches
+                out.connected = out.connected or s.connected
+                out.lost += s.lost_batches
+                out.block_size = out.block_size or s.block_size
+        return out
 
     def _apply_config(self, new: RouterConfig) -> None:
         """A reloaded, valid config file: its backends, client keys and admin keys take effect."""
@@ -255,6 +278,7 @@ class KVRouter:
             self.loads,
             self.config.policy.name,
             [r.explain() for r in list(self.service.recent)[-20:]],
+            self.checks.diagnoses() if self.checks is not None else {},
         )
 
     async def _housekeeping(self) -> None:
@@ -376,6 +400,7 @@ class KVRouter:
                     for b in list(self.membership.members.values())
                 ],
                 "membership": self._membership_status(),
+                "predictions": self.checks.status() if self.checks is not None else None,
             }
             return Response(msgspec.json.encode(out), media_type="application/json")
 
@@ -440,6 +465,19 @@ class KVRouter:
 
     def _healthy_names(self) -> list[str]:
         return [b.name for b in self.membership.members.values() if b.routable]
+
+
+class _ForgetChecks:
+    """Drops a departed backend's prediction-check window (a MembershipListener)."""
+
+    def __init__(self, checks: PredictionChecks) -> None:
+        self.checks = checks
+
+    def joined(self, member: Member) -> None:
+        pass
+
+    def left(self, member: Member) -> None:
+        self.checks.forget(member.name)
 
 
 def _dashboard_page() -> str:

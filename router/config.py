@@ -19,6 +19,7 @@ from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
 from router.decision.policy import POLICIES, PolicyConfig
 from router.fleet.breaker import BreakerConfig
+from router.observe.checks import ChecksConfig
 
 
 class ConfigError(ValueError):
@@ -185,6 +186,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     recent_decisions: int = 50
     """Decisions kept for the dashboard."""
     membership: MembershipConfig = MembershipConfig()
+    checks: ChecksConfig = ChecksConfig()
 
 
 _PATH_RE = re.compile(r"\$\.?(.*)$")

@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import sys
+from pathlib import Path
 
 from sim.engine import EngineConfig
 from sim.fleet import Fleet
@@ -71,6 +72,12 @@ def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.Argume
         "--tokenizer", default=None, help="HF tokenizer dir or tokenizer.json (default: UTF-8 bytes)"
     )
     p.add_argument("--json", action="store_true", help="print the endpoints as one JSON document")
+    p.add_argument("--no-kv-events", action="store_true", help="publish no KV event (events off)")
+    p.add_argument("--lose-events", type=float, default=0.0, help="share of event batches lost for good")
+    p.add_argument(
+        "--no-prompt-tokens-details", action="store_true", help="usage without prompt_tokens_details"
+    )
+    p.add_argument("--chat-template-file", default=None, help="the engine's own chat template (Jinja)")
     p.set_defaults(func=run_mock_engine)
 
 
@@ -94,6 +101,10 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         time_scale=args.time_scale,
         tokenizer=args.tokenizer,
+        kv_events=not args.no_kv_events,
+        lose_events=args.lose_events,
+        prompt_tokens_details=not args.no_prompt_tokens_details,
+        chat_template=Path(args.chat_template_file).read_text() if args.chat_template_file else None,
     )
 
 

@@ -96,6 +96,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None
     """HF tokenizer dir or tokenizer.json (ChatTokenizer); None = UTF-8 bytes as token ids (and any
     non-negative id below 2**31 is accepted in token-id prompts)."""
+    # --- disagreeing with the router on purpose (the router's prediction checks must notice) ---
+    chat_template: str | None = None
+    """A chat template of the engine's own instead of the tokenizer's (a router with the model's
+    template then counts different prompt tokens on chat requests)."""
+    kv_events: bool = True
+    """False: publish no KV event at all (vLLM started without --kv-events-config)."""
+    lose_events: float = 0.0
+    """Share of event batches lost for good: neither sent nor kept for replay."""
+    prompt_tokens_details: bool = True
+    """False: usage without prompt_tokens_details (vLLM without --enable-prompt-tokens-details)."""
 
 
 class EngineError(Exception):
@@ -126,8 +136,10 @@ class EngineTokenizer:
     `role: content` lines), which keeps token-id tests meaningful without any files.
     """
 
-    def __init__(self, tokenizer: ChatTokenizer | None) -> None:
+    def __init__(self, tokenizer: ChatTokenizer | None, chat_template: str | None = None) -> None:
         self.tok = tokenizer
+        self.chat_template = chat_template
+        """The engine's own chat template, when it is not the tokenizer's."""
         if tokenizer is None:
             self.vocab_size = 2**31  # any id is a valid prompt token; text prompts use ids 0..255
             self._sample_space = list(range(97, 123))  # a..z: readable output
@@ -195,7 +207,7 @@ class EngineTokenizer:
                 chat_template_kwargs=body.get("chat_template_kwargs"),
                 continue_final_message=bool(body.get("continue_final_message", False)),
                 documents=body.get("documents"),
-                chat_template=body.get("chat_template"),
+                chat_template=body.get("chat_template") or self.chat_template,
                 add_special_tokens=bool(add_special),
             )
         except (TokenizerError, TokenizerUnavailable) as exc:
@@ -468,7 +480,7 @@ class MockEngine:
         self.config = config
         if tokenizer is None and config.tokenizer is not None:
             tokenizer = ChatTokenizer.from_path(config.tokenizer)
-        self.tokenizer = EngineTokenizer(tokenizer)
+        self.tokenizer = EngineTokenizer(tokenizer, config.chat_template)
         # A single request must always fit in one rank's cache, or it could wait forever.
         self.max_model_len = min(config.max_model_len, config.num_gpu_blocks * config.block_size)
         self.ranks: list[RankScheduler] = []
@@ -526,6 +538,9 @@ class MockEngine:
                     bind=cfg.kv_bind,
                     replay_frames=cfg.replay_frames,
                 )
+                publisher.silent = not cfg.kv_events
+                if cfg.lose_events:
+                    publisher.lose(cfg.lose_events, seed=cfg.hash_seed + rank)
                 sched = RankScheduler(cfg, rank, publisher, self.tokenizer)
                 self.ranks.append(sched)
                 sched.start()
@@ -638,12 +653,14 @@ class MockEngine:
         )
 
     def _usage(self, req: EngineRequest) -> dict[str, Any]:
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": len(req.prompt),
             "total_tokens": len(req.prompt) + len(req.outputs),
             "completion_tokens": len(req.outputs),
-            "prompt_tokens_details": {"cached_tokens": req.cached_tokens or 0},
         }
+        if self.config.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens or 0}
+        return usage
 
     # ---- generation ---------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ simulate what goes wrong in production: `drop_next` (live loss that replay can r
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import deque
@@ -201,6 +202,10 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._drop = 0
+        self._lose = 0.0
+        self._lose_rng = random.Random(0)
+        self.silent = False
+        """Publish nothing at all (an engine whose KV events are off): no seq, no buffer."""
         self._closed = False
 
         self._pub = self._ctx.socket(zmq.PUB)
@@ -243,12 +248,16 @@ class KVEventPublisher:
         """Send arbitrary payload bytes under the next seq (also buffered for replay)."""
         if self._closed:
             raise RuntimeError("publisher is closed")
+        if self.silent:
+            return -1
         with self._lock:
             seq = self._seq
             self._seq += 1
-            self._buffer.append((seq, payload))
-            drop = self._drop > 0
-            if drop:
+            lost = self._lose > 0 and self._lose_rng.random() < self._lose
+            if not lost:
+                self._buffer.append((seq, payload))
+            drop = lost or self._drop > 0
+            if drop and not lost:
                 self._drop -= 1
         if not drop:
             self._pub.send_multipart((self._topic_bytes, seq.to_bytes(8, "big"), payload))
@@ -260,6 +269,15 @@ class KVEventPublisher:
             raise ValueError("n must be >= 0")
         with self._lock:
             self._drop = n
+
+    def lose(self, ratio: float, seed: int = 0) -> None:
+        """From now on, this share of batches takes a seq but is neither sent nor kept for replay:
+        lost for good, as when the replay buffer is too small or off (a seeded, repeatable draw)."""
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError("ratio must be between 0 and 1")
+        with self._lock:
+            self._lose = ratio
+            self._lose_rng = random.Random(seed)
 
     def restart(self) -> None:
         """Behave like a restarted engine: seq back to 0 and nothing left to replay."""

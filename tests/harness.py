@@ -357,3 +357,37 @@ class RouterRunner:
 def keys_for(tokens: list[int], block_size: int) -> int:
     """Number of full blocks (for readability in assertions)."""
     return len(prompt_keys(tokens, block_size))
+
+
+class MockFleet:
+    """Mock vLLM engines (sim.engine, real HTTP and KV events) on their own event loop in a thread."""
+
+    def __init__(self, configs: list[Any]) -> None:
+        from sim.fleet import Fleet
+
+        self.fleet = Fleet(configs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.fleet.start(), self._loop).result(TIMEOUT)
+
+    def backend_toml(self, i: int, name: str, replay: bool = True) -> str:
+        e = self.fleet.engines[i]
+        out = f'[[backends]]\nname = "{name}"\nurl = "{e.url}"\nkv_events = "{e.kv_endpoints[0]}"\n'
+        if replay and e.replay_endpoints[0]:
+            out += f'kv_replay = "{e.replay_endpoints[0]}"\n'
+        return out + f"dp_size = {e.config.dp_size}\n"
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the fleet's loop (engines are not thread-safe) and return its result."""
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(TIMEOUT)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.fleet.stop(), self._loop).result(TIMEOUT)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(TIMEOUT)
+        self._loop.close()

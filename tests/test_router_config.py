@@ -27,6 +27,7 @@ from router.config import (
 from router.decision.policy import PolicyConfig
 from router.fleet.breaker import BreakerConfig
 from router.fleet.runtime import sources_of
+from router.observe.checks import ChecksConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKEND = {"name": "a", "url": "http://127.0.0.1:8000", "kv_events": "tcp://127.0.0.1:5557"}
@@ -112,6 +113,7 @@ STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [
     ("backends[].", BackendConfig),
     ("membership.", MembershipConfig),
     ("health.breaker.", BreakerConfig),
+    ("checks.", ChecksConfig),
     ("membership.kubernetes.", KubernetesConfig),
 ]
 

@@ -38,6 +38,7 @@ from router.http.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from router.observe.checks import PredictionChecks, strip_usage, usage_event, usage_in_json
 from router.observe.metrics import RouterMetrics
 
 log = logging.getLogger("kvrouter.proxy")
@@ -107,6 +108,15 @@ def _whole_events(data: bytes) -> tuple[bytes, bytes]:
     return data[:end], data[end:]
 
 
+def _sse_usage(events: bytes) -> dict[str, Any] | None:
+    """The usage carried by one of these whole SSE events, if any."""
+    for event in events.split(b"\n\n"):
+        usage = usage_event(event)
+        if usage is not None:
+            return usage
+    return None
+
+
 def _stream_error_event(message: str) -> bytes:
     """An SSE error event (OpenAI's error shape; the openai client raises it) and the end marker."""
     body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
@@ -125,9 +135,12 @@ class ProxyHandler:
         server: ServerConfig,
         authorize: Callable[[Scope], None],
         health: HealthChecker,
+        checks: PredictionChecks | None = None,
     ) -> None:
         self.service = service
         self.health = health
+        self.checks = checks
+        self._streams_seen = 0
         self.pool = pool
         self.metrics = metrics
         self.loads = loads
@@ -205,13 +218,49 @@ class ProxyHandler:
             route.prompt_blocks,
             decision_s,
         )
+        strip = False
+        if self.checks is not None and parsed.get("stream") is True:
+            body, strip = self._ask_for_usage(parsed, body)
         try:
-            await self._exchange(path, headers, writer, body, route)
+            await self._exchange(path, headers, writer, body, route, strip)
         except asyncio.CancelledError:
             if gone():
                 log.debug("client disconnected; upstream request to %s cancelled", route.backend)
                 self.metrics.error(route.backend, "client_disconnect")
             raise
+
+    def _ask_for_usage(self, parsed: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
+        """On one in ``checks.stream_usage_every`` client streams that did not ask for usage, ask the
+        engine for it (to check the prediction) and strip it from what the client receives: returns
+        (the body to send, whether to strip)."""
+        assert self.checks is not None
+        every = self.checks.config.stream_usage_every
+        opts = parsed.get("stream_options")
+        if every <= 0 or (isinstance(opts, dict) and opts.get("include_usage")):
+            return body, False
+        self._streams_seen += 1
+        if self._streams_seen % every:
+            return body, False
+        options = dict(opts) if isinstance(opts, dict) else {}
+        options["include_usage"] = True
+        return msgspec.json.encode({**parsed, "stream_options": options}), True
+
+    def _check(self, route: Route, target: tuple[str, int], usage: dict[str, Any] | None) -> None:
+        """One prediction check, after the response went out (scheduled, off the response path)."""
+        if self.checks is None:
+            return
+        predicted = next(
+            (c.blocks_by_medium for c in route.candidates if (c.backend, c.dp_rank) == target), {}
+        )
+        self.checks.observe(
+            target[0],
+            target[1],
+            route.endpoint,
+            route.prompt_tokens,
+            self.service.index.block_size_of(target),
+            predicted,
+            usage,
+        )
 
     def _headers(
         self, headers: Iterable[tuple[bytes, bytes]], backend_auth: dict[str, str], dp_size: int, rank: int
@@ -232,6 +281,7 @@ class ProxyHandler:
         writer: ResponseWriter,
         body: bytes,
         route: Route,
+        strip: bool = False,
     ) -> None:
         members = route.members
         breakers = self.service.breakers
@@ -285,9 +335,11 @@ class ProxyHandler:
                     self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
                     continue
                 try:
-                    await self._stream(writer, resp, ticket, backend.name, target[1], started)
+                    usage = await self._stream(writer, resp, ticket, backend.name, target[1], started, strip)
                 finally:
                     await resp.aclose()
+                if self.checks is not None and status == 200 and route.prompt_tokens:
+                    asyncio.get_running_loop().call_soon(self._check, route, target, usage)
                 self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
                 return
             finally:
@@ -317,7 +369,10 @@ class ProxyHandler:
         backend: str,
         rank: int,
         started: float,
-    ) -> None:
+        strip: bool = False,
+    ) -> dict[str, Any] | None:
+        """Pass the response through; returns the engine's ``usage`` when it reported one (for the
+        prediction check), after removing it from a stream when the router asked for it (``strip``)."""
         headers: Headers = [(k, v) for k, v in resp.headers if k not in _HOP_BY_HOP]
         sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
         headers.append((b"x-kvrouter-backend", backend.encode()))
@@ -327,20 +382,30 @@ class ProxyHandler:
             writer.flush()  # nothing came with the headers: pass them on now, as the backend did
         first = True
         partial = b""  # SSE: bytes of an event not complete yet (held so a break never splits one)
+        usage: dict[str, Any] | None = None
+        tail = b""  # a JSON body's last bytes (where vLLM puts usage)
         try:
             async for chunk in resp.aiter_raw():
                 if first:
                     first = False
                     self.loads.first_byte(ticket)
                     self.metrics.observe_ttft(backend, time.perf_counter() - started)
-                if resp.finished:
-                    await writer.end(partial + chunk if partial else chunk)  # small: one write
-                    return
                 if sse:
-                    chunk, partial = _whole_events(partial + chunk if partial else chunk)
-                    if not chunk:
-                        continue
-                await writer.send(chunk)
+                    if resp.finished:
+                        chunk, partial = (partial + chunk if partial else chunk), b""
+                    else:
+                        chunk, partial = _whole_events(partial + chunk if partial else chunk)
+                    if b'"usage"' in chunk:
+                        usage = _sse_usage(chunk) or usage
+                        if strip:
+                            chunk = strip_usage(chunk)
+                elif self.checks is not None:
+                    tail = (tail + chunk)[-8192:] if tail else chunk[-8192:]
+                if resp.finished:
+                    await writer.end(chunk)  # a whole small response goes out in one write
+                    return usage if sse else usage_in_json(tail)
+                if chunk:
+                    await writer.send(chunk)
         except UpstreamError as exc:
             log.warning("backend %s broke the response stream: %s", backend, exc)
             self.service.breakers.failure(backend)
@@ -351,5 +416,6 @@ class ProxyHandler:
                 await writer.end(_stream_error_event(f"backend {backend} broke the stream: {exc}"))
             # otherwise the status and length are committed: end without the final frame, so the
             # client sees a truncated response, never a complete-looking one
-            return
+            return None
         await writer.end(partial)
+        return usage if sse else usage_in_json(tail)

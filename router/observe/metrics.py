@@ -30,6 +30,7 @@ from index.kvindex import PREDICTED, KVIndex
 from router.decision.segments import SegmentCache
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Membership
+from router.observe.checks import ERROR_BUCKETS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25)
@@ -402,6 +403,54 @@ class BreakerCollector(Collector):
         return []
 
 
+class ChecksCollector(Collector):
+    """Prediction checks (router.observe.checks), read at scrape time."""
+
+    def __init__(self, checks: Any) -> None:
+        self.checks = checks
+
+    def collect(self) -> Iterable[Metric]:
+        c = self.checks
+        results = CounterMetricFamily(
+            "kvrouter_prediction_checks",
+            "Predicted cached tokens compared with the engine's usage.prompt_tokens_details.cached_tokens:"
+            " exact, within_block, over (predicted more), under (predicted less), no_usage",
+            labels=["backend", "result"],
+        )
+        for (backend, result), n in sorted(c.counts.items()):
+            results.add_metric([backend, result], n)
+        yield results
+        errors = HistogramMetricFamily(
+            "kvrouter_prediction_error_tokens",
+            "Engine's cached tokens minus the router's prediction, per checked request",
+        )
+        buckets, total = [], 0
+        for bound, n in zip((*ERROR_BUCKETS, float("inf")), c.error_buckets, strict=True):
+            total += n
+            buckets.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
+        errors.add_metric([], buckets, c.error_sum)
+        yield errors
+        mismatch = CounterMetricFamily(
+            "kvrouter_prompt_tokens_mismatch",
+            "Requests whose prompt token count differed from the engine's (tokenizer or chat template)",
+            labels=["backend"],
+        )
+        for backend, n in sorted(c.mismatched_prompts.items()):
+            mismatch.add_metric([backend], n)
+        yield mismatch
+        diagnosed = GaugeMetricFamily(
+            "kvrouter_prediction_diagnosis",
+            "A backend's predictions are systematically off (1; /debug/index names the cause)",
+            labels=["backend"],
+        )
+        for backend in sorted(c.diagnoses()):
+            diagnosed.add_metric([backend], 1.0)
+        yield diagnosed
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
 class SourcesCollector(Collector):
     """Membership sources: config reloads and Kubernetes discovery, read at scrape time."""
 
@@ -489,6 +538,7 @@ def dashboard_data(
     loads: LoadTracker,
     policy: str,
     recent: Iterable[dict[str, Any]],
+    diagnoses: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The JSON the built-in dashboard polls (cumulative counters; the page derives rates)."""
     backends = []
@@ -559,4 +609,5 @@ def dashboard_data(
         },
         "sources": sources,
         "recent_decisions": list(recent),
+        "diagnoses": diagnoses or {},
     }

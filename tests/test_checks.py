@@ -1,0 +1,288 @@
+"""The router checks its predictions against the engines' own cached-token counts.
+
+Unit level: classification, vLLM's last-token cap, finding usage in bodies and streams, stripping
+it. End to end: the real router in front of mock vLLM engines (sim.engine) that agree, or disagree on
+purpose (another chat template, another tokenizer, events off, events lost, another block size, no
+usage details); each misconfiguration must be named within 100 requests.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from harness import TIMEOUT, MockFleet, RouterRunner, wait_for
+
+from router.observe.checks import ChecksConfig, PredictionChecks, strip_usage, usage_in_json
+from sim.engine import EngineConfig
+
+# --- unit ---------------------------------------------------------------------------------------------
+
+
+def test_classification_and_the_last_token_cap() -> None:
+    c = PredictionChecks(ChecksConfig(min_checks=1))
+
+    def check(prompt: int, predicted: dict[str, int], cached: int | None) -> str:
+        usage = (
+            None
+            if cached is None
+            else {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
+        )
+        return c.observe("a", 0, "completions", prompt, 16, predicted, usage).result
+
+    assert check(100, {"GPU": 3}, 48) == "exact"
+    assert check(100, {"GPU": 2, "CPU": 1}, 48) == "exact"  # every medium counts
+    assert check(64, {"GPU": 4}, 48) == "exact"  # all 4 blocks cached: vLLM recomputes the last token
+    assert check(100, {"GPU": 3}, 40) == "within_block"
+    assert check(100, {"GPU": 3}, 16) == "over"
+    assert check(100, {"GPU": 1}, 48) == "under"
+    assert check(100, {"GPU": 1}, None) == "no_usage"
+    assert c.observe("a", 0, "chat", 100, 16, {}, {"prompt_tokens": 100}).result == "no_usage"
+    c.observe(
+        "a", 0, "chat", 100, 16, {}, {"prompt_tokens": 104, "prompt_tokens_details": {"cached_tokens": 0}}
+    )
+    assert c.mismatched_prompts == {"a": 1}
+    assert c.counts[("a", "exact")] == 4 and c.error_count == 7
+
+
+def test_usage_is_found_and_stripped() -> None:
+    body = json.dumps(
+        {
+            "id": "x",
+            "choices": [{"text": 'a {"usage": 1}'}],
+            "usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 4}},
+        }
+    ).encode()
+    assert usage_in_json(body) == {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 4}}
+    assert usage_in_json(b'{"usage": null}') is None and usage_in_json(b"{}") is None
+    stream = (
+        b'data: {"id":"x","choices":[{"text":"a"}],"usage":null}\n\n'
+        b'data: {"id":"x","choices":[{"text":"b"}], "usage": null}\n\n'
+        b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":5}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    out = strip_usage(stream)
+    assert b"usage" not in out and out.count(b"data: ") == 3 and out.endswith(b"data: [DONE]\n\n")
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in out.split(b"\n\n")[:2]] == ["a", "b"]
+
+
+def test_a_diagnosis_needs_a_systematic_problem() -> None:
+    c = PredictionChecks(ChecksConfig(min_checks=10, window=20, threshold=0.5))
+    ok = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 48}}
+    bad = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 0}}
+    for i in range(20):
+        c.observe("a", 0, "completions", 100, 16, {"GPU": 3}, bad if i % 4 == 0 else ok)
+    assert c.diagnosis("a") is None  # a quarter off: noise, not a cause
+    for _ in range(20):
+        c.observe("a", 0, "completions", 100, 16, {"GPU": 3}, bad)
+    assert "stale" in (c.diagnosis("a") or "")
+    for _ in range(20):
+        c.observe("a", 0, "completions", 100, 16, {"GPU": 3}, ok)
+    assert c.diagnosis("a") is None  # and it clears
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+BS = 16
+SYSTEM = "You are the assistant of a large hardware store. Answer in two short sentences. " * 6
+OTHER_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def engine(tokdir: Path | None, **kw: Any) -> EngineConfig:
+    cfg: dict[str, Any] = {
+        "time_scale": 0.02,
+        "num_gpu_blocks": 1024,
+        "block_size": BS,
+        "default_max_tokens": 4,
+    }
+    cfg.update(kw)
+    return EngineConfig(tokenizer=None if tokdir is None else str(tokdir), **cfg)
+
+
+@pytest.fixture
+def fleet_router(tmp_path: Path, tokdir: Path) -> Iterator[Any]:
+    made: list[Any] = []
+
+    def make(config: EngineConfig, replay: bool = True, extra: str = "") -> tuple[RouterRunner, MockFleet]:
+        fleet = MockFleet([config])
+        made.append(fleet)
+        toml = (
+            f'block_size = {BS}\ntokenizer = "{tokdir}"\n[health]\ninterval_s = 1.0\n'
+            "[checks]\nmin_checks = 10\nwindow = 40\nstream_usage_every = 2\n" + extra + "\n"
+        )
+        toml += fleet.backend_toml(0, "e", replay=replay)
+        router = RouterRunner(toml, tmp_path)
+        made.append(router)
+        return router, fleet
+
+    yield make
+    for thing in reversed(made):
+        thing.stop() if isinstance(thing, RouterRunner) else thing.close()
+
+
+def traffic(router: RouterRunner, n: int, seed: int = 0, chat_share: float = 0.5) -> None:
+    """Conversations that share a long system prompt, chat and completions: the engine hits its cache."""
+    rng = random.Random(seed)
+    with httpx.Client(timeout=TIMEOUT) as c:
+        for i in range(n):
+            q = f"question {rng.randrange(8)} about aisle {rng.randrange(4)}"
+            if rng.random() < chat_share:
+                body: dict[str, Any] = {
+                    "model": "mock-model",
+                    "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                }
+                path = "/v1/chat/completions"
+            else:
+                body = {"model": "mock-model", "prompt": SYSTEM + q}
+                path = "/v1/completions"
+            body["stream"] = i % 3 == 0
+            r = c.post(f"{router.url}{path}", json=body)
+            assert r.status_code == 200, r.text
+
+
+def predictions(router: RouterRunner) -> dict[str, Any]:
+    out: dict[str, Any] = httpx.get(f"{router.url}/debug/index", timeout=TIMEOUT).json()["predictions"]
+    return out
+
+
+def diagnosis(router: RouterRunner) -> str | None:
+    entry = predictions(router)["backends"].get("e", {})
+    d: str | None = entry.get("diagnosis")
+    return d
+
+
+def metric(router: RouterRunner, name: str, labels: str) -> float:
+    text = httpx.get(f"{router.url}/metrics", timeout=TIMEOUT).text
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_checked(router: RouterRunner, n: int) -> None:
+    wait_for(
+        lambda: sum(predictions(router)["backends"].get("e", {}).get("checks", {}).values()) >= n,
+        f"{n} checks",
+    )
+
+
+def test_an_engine_that_agrees_gets_no_diagnosis(fleet_router: Any, tokdir: Path) -> None:
+    router, _ = fleet_router(engine(tokdir))
+    traffic(router, 60)
+    wait_checked(router, 50)  # every non-stream request, half the streams (stream_usage_every = 2)
+    checks = predictions(router)["backends"]["e"]["checks"]
+    good = checks["exact"] + checks["within_block"]
+    assert good >= 0.9 * (sum(checks.values()) - checks["no_usage"]), checks
+    assert checks["no_usage"] <= 10  # the streams the router did not ask usage for
+    assert checks["exact"] > 0 and diagnosis(router) is None
+    assert (
+        metric(router, "kvrouter_prediction_checks_total", '{backend="e",result="exact"}') == checks["exact"]
+    )
+    assert metric(router, "kvrouter_prompt_tokens_mismatch_total", '{backend="e"}') == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "replay", "extra", "expected"),
+    [
+        (dict(chat_template=OTHER_TEMPLATE), True, "", "chat template"),
+        (dict(tokenizer=None), True, "", "tokenizer"),
+        (dict(kv_events=False), True, "", "no KV events arrive"),
+        (dict(lose_events=0.6, num_gpu_blocks=48), False, "", "lost"),
+        (dict(prompt_tokens_details=False), True, "", "--enable-prompt-tokens-details"),
+        (dict(block_size=32), True, "", "block size"),
+    ],
+    ids=["chat-template", "tokenizer", "events-off", "events-lost", "no-usage-details", "block-size"],
+)
+def test_each_misconfiguration_is_named_within_100_requests(
+    fleet_router: Any, tokdir: Path, config: dict[str, Any], replay: bool, extra: str, expected: str
+) -> None:
+    cfg = engine(tokdir)
+    cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in cfg.__struct_fields__}, **config})
+    router, _ = fleet_router(cfg, replay=replay, extra=extra)
+    sent = 0
+    while sent < 100 and expected not in (diagnosis(router) or ""):
+        traffic(router, 10, seed=sent)
+        sent += 10
+        wait_checked(router, int(sent * 0.8))
+    d = diagnosis(router)
+    print(f"\n{expected!r} after {sent} requests: {d}")
+    assert d is not None and expected in d, (sent, d, predictions(router)["backends"])
+    assert metric(router, "kvrouter_prediction_diagnosis", '{backend="e"}') == 1.0
+    if expected in ("chat template", "tokenizer"):
+        mism = predictions(router)["recent_mismatches"]
+        assert mism and mism[-1]["engine_prompt_tokens"] != mism[-1]["router_prompt_tokens"]
+
+
+def test_streams_get_usage_only_when_they_asked(fleet_router: Any, tokdir: Path) -> None:
+    router, _ = fleet_router(engine(tokdir))
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+    body = {
+        "model": "mock-model",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
+        "stream": True,
+    }
+    raw = []
+    with httpx.Client(timeout=TIMEOUT) as c:
+        for _ in range(6):  # stream_usage_every = 2: three of these were asked for usage by the router
+            with c.stream("POST", f"{router.url}/v1/chat/completions", json=body) as r:
+                raw.append(b"".join(r.iter_raw()))
+    assert all(b"usage" not in x for x in raw)  # stripped: the client receives what it asked for
+    assert all(x.endswith(b"data: [DONE]\n\n") for x in raw)
+    wait_checked(router, 3)
+    # a client that asks gets the usage intact, and it is checked too
+    chunks = list(
+        client.chat.completions.create(
+            model="mock-model",
+            messages=body["messages"],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert (
+        usage is not None
+        and usage.prompt_tokens_details is not None
+        and usage.prompt_tokens_details.cached_tokens
+    )
+    wait_checked(router, 4)
+
+
+def test_the_dashboard_names_the_misconfiguration(fleet_router: Any, tokdir: Path) -> None:
+    from test_dashboard import CHROMIUM, IN_CI
+
+    if CHROMIUM is None and not IN_CI:
+        pytest.skip("chromium is not installed (CI installs it)")
+    from playwright.sync_api import sync_playwright
+
+    cfg = engine(tokdir)
+    router, _ = fleet_router(
+        EngineConfig(**{**{f: getattr(cfg, f) for f in cfg.__struct_fields__}, "kv_events": False})
+    )
+    traffic(router, 30)
+    wait_for(lambda: diagnosis(router) is not None, "a diagnosis")
+    assert CHROMIUM is not None
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+            ],
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"{router.url}/dashboard")
+            page.wait_for_selector("#diagnoses div[data-backend=e]", timeout=30_000)
+            assert "no KV events arrive" in (page.locator("#diagnoses").text_content() or "")
+        finally:
+            browser.close()
