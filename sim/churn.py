@@ -24,12 +24,8 @@ engines on 127.0.0.1, and every request has a timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import random
-import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +33,8 @@ from typing import Any
 
 import httpx
 import msgspec
+
+from sim.procs import EngineProc
 
 
 class ChurnConfig(msgspec.Struct, kw_only=True):
@@ -62,16 +60,6 @@ class ChurnConfig(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None
     """A tokenizer directory both the engines and the router use (sim.toy_tokenizer)."""
     model: str = "mock-model"
-
-
-@dataclass
-class Engine:
-    name: str
-    proc: asyncio.subprocess.Process
-    url: str
-    kv_events: str
-    kv_replay: str | None
-    killed_at: float | None = None
 
 
 @dataclass
@@ -123,8 +111,8 @@ class Churn:
         self.client_headers = {"authorization": f"Bearer {client_key}"} if client_key else {}
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.engines: dict[str, Engine] = {}
-        self.gone: dict[str, Engine] = {}
+        self.engines: dict[str, EngineProc] = {}
+        self.gone: dict[str, EngineProc] = {}
         self.report = ChurnReport()
         self._n = 0
         self._changes = 0
@@ -132,42 +120,14 @@ class Churn:
         self._stop = asyncio.Event()
 
     # --- engines ---------------------------------------------------------------------------------
-    async def _spawn(self) -> Engine:
+    async def _spawn(self) -> EngineProc:
         self._n += 1
-        name = f"churn-{self._n}"
-        cmd = [
-            sys.executable, "-m", "router.cli", "mock-engine", "--engines", "1", "--port", "0",
-            "--kv-port", "0", "--replay-port", "0", "--json", "--time-scale", str(self.cfg.time_scale),
-            "--model", self.cfg.model, "--gpu-blocks", "4096",
-        ]  # fmt: skip
+        args = ["--time-scale", str(self.cfg.time_scale), "--model", self.cfg.model, "--gpu-blocks", "4096"]
         if self.cfg.tokenizer:
-            cmd += ["--tokenizer", self.cfg.tokenizer]
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True
-        )
-        assert proc.stdout is not None
-        text = b""
-        deadline = time.monotonic() + 60
-        while True:
-            line = await asyncio.wait_for(proc.stdout.readline(), max(deadline - time.monotonic(), 0.1))
-            if not line:
-                raise RuntimeError("mock engine exited before printing its endpoints")
-            text += line
-            with contextlib.suppress(json.JSONDecodeError):
-                info = json.loads(text)["engines"][0]
-                break
-        return Engine(name, proc, info["url"], info["kv_endpoints"][0], info["replay_endpoints"][0])
-
-    async def _stop_engine(self, e: Engine, kill: bool = False) -> None:
-        if e.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(e.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                await asyncio.wait_for(e.proc.wait(), 10)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(e.proc.pid, signal.SIGKILL)
-                await e.proc.wait()
+            args += ["--tokenizer", self.cfg.tokenizer]
+        e = EngineProc(f"churn-{self._n}", args)
+        await e.start()
+        return e
 
     async def _members(self, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
         r = await client.get(f"{self.url}/admin/backends", headers=self.admin)
@@ -194,7 +154,7 @@ class Churn:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} was not removed within 60 s")
             await asyncio.sleep(0.05)
-        await self._stop_engine(e)
+        await e.stop()
         self.gone[name] = e
         self.report.drains += 1
 
@@ -202,7 +162,7 @@ class Churn:
         e = self.engines.pop(name)
         e.killed_at = time.monotonic()
         self.gone[name] = e  # before the kill: its streams may end while we wait for the process
-        await self._stop_engine(e, kill=True)
+        await e.stop(kill=True)
         self.report.vanishes += 1
         await asyncio.sleep(self.cfg.interval_s / 2)  # the router notices by itself meanwhile
         await client.delete(f"{self.url}/admin/backends/{name}", headers=self.admin)
@@ -306,7 +266,7 @@ class Churn:
             finally:
                 self._stop.set()
                 for e in list(self.engines.values()):
-                    await self._stop_engine(e)
+                    await e.stop()
                 self.engines.clear()
         self.report.seconds = time.monotonic() - started
         return self.report

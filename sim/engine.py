@@ -300,6 +300,7 @@ class RankScheduler:
         self.steps = 0
         self.ttft = _Histogram()
         self.e2e = _Histogram()
+        self.announced: dict[str, Any] = {"rank": rank, "seq": -1, "blocks": {"GPU": 0}}
 
     def _new_cache(self) -> PrefixCache:
         c = self.config
@@ -378,6 +379,7 @@ class RankScheduler:
         self.prompt_tokens_total = self.generation_tokens_total = self.requests_finished = 0
         self.steps = 0
         self.ttft, self.e2e = _Histogram(), _Histogram()
+        self.announced = self._announced()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's reset: only succeeds when no request holds blocks, unless running ones are preempted."""
@@ -398,6 +400,18 @@ class RankScheduler:
         events = self.cache.take_events()
         if events and self.publisher is not None:
             self.publisher.publish(events)
+            self.announced = self._announced()
+
+    def _announced(self) -> dict[str, Any]:
+        """What the published events describe: distinct cached block hashes per medium, as of the
+        last published seq (what an index that applied every event must hold)."""
+        cache = self.cache
+        out: dict[str, Any] = {"rank": self.rank, "seq": -1, "blocks": {"GPU": len(cache._cached)}}
+        if self.publisher is not None:
+            out["seq"] = self.publisher.next_seq - 1
+        if self.config.cpu_blocks:
+            out["blocks"]["CPU"] = len({d for chunk in cache._cpu.values() for d in chunk.digests})
+        return out
 
     # ---- the step loop ------------------------------------------------------------------------------
 
@@ -489,6 +503,10 @@ class MockEngine:
         self._serve_task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
         self.created = int(time.time())
+        self.fail_status: int | None = None
+        """Fault: answer every completion with this status."""
+        self.reset_streams = 0
+        """Fault: tear down this many of the next streams after two tokens."""
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -679,6 +697,8 @@ class MockEngine:
             sched.abort(req)
 
     async def _complete(self, request: HttpRequest, chat: bool) -> Response:
+        if self.fail_status is not None:  # a fault: every request fails (its health probe passes)
+            return _error_response(EngineError(self.fail_status, "injected failure", "InternalServerError"))
         try:
             body = await self._json_body(request)
             self._check_model(body)
@@ -748,10 +768,15 @@ class MockEngine:
             else b""
         )
         count = 0
+        reset = self.reset_streams > 0  # a fault: this stream's connection is torn after two tokens
+        if reset:
+            self.reset_streams -= 1
         try:
             async with contextlib.aclosing(self._generate(sched, req)) as tokens:
                 async for token in tokens:
                     count += 1
+                    if reset and count > 2:
+                        raise ConnectionResetError("injected: stream reset mid-way")
                     finish = "length" if count >= req.max_tokens else None
                     text = self.tokenizer.text([token])
                     if chat:
@@ -977,6 +1002,68 @@ class MockEngine:
                 s.drop_next(n)
             return Response(
                 msgspec.json.encode({"dropping": n, "ranks": [s.rank for s in ranks]}),
+                media_type="application/json",
+            )
+
+        @app.post("/admin/fail")
+        async def admin_fail(request: HttpRequest) -> Response:
+            """{"status": 500} makes every completion fail with that status; {"status": null} heals."""
+            body = await self._json_body(request)
+            status = body.get("status")
+            if status is not None and (not isinstance(status, int) or not 400 <= status < 600):
+                return _error_response(EngineError(400, "status must be null or 400..599", param="status"))
+            self.fail_status = status
+            return Response(msgspec.json.encode({"status": status}), media_type="application/json")
+
+        @app.post("/admin/reset_streams")
+        async def admin_reset_streams(request: HttpRequest) -> Response:
+            """{"n": k}: the next k streams lose their connection after two tokens."""
+            body = await self._json_body(request)
+            n = body.get("n")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                return _error_response(EngineError(400, "n must be an integer >= 0", param="n"))
+            self.reset_streams = n
+            return Response(msgspec.json.encode({"n": n}), media_type="application/json")
+
+        @app.post("/admin/replay")
+        async def admin_replay(request: HttpRequest) -> Response:
+            """{"up": false} makes the replay sockets ignore requests; {"up": true} restores them."""
+            try:
+                body, ranks = await admin_body(request)
+            except EngineError as exc:
+                return _error_response(exc)
+            up = bool(body.get("up", True))
+            for s in ranks:
+                if s.publisher is not None:
+                    s.publisher.replay_down = not up
+            return Response(msgspec.json.encode({"up": up}), media_type="application/json")
+
+        @app.post("/admin/pause_events")
+        async def admin_pause(request: HttpRequest) -> Response:
+            """{"seconds": s, "hold": n}: the live stream stalls; n batches wait, later ones are dropped."""
+            try:
+                body, ranks = await admin_body(request)
+                seconds, hold = body.get("seconds"), body.get("hold", 100)
+                if (
+                    not isinstance(seconds, int | float)
+                    or seconds < 0
+                    or not isinstance(hold, int)
+                    or hold < 0
+                ):
+                    raise EngineError(400, "seconds >= 0 and hold >= 0 are required")
+            except EngineError as exc:
+                return _error_response(exc)
+            for s in ranks:
+                if s.publisher is not None:
+                    s.publisher.pause(float(seconds), hold)
+            return Response(msgspec.json.encode({"paused_s": seconds}), media_type="application/json")
+
+        @app.get("/admin/cache")
+        async def admin_cache() -> Response:
+            """Per rank: the distinct cached block hashes per medium as of the last published batch and
+            that batch's seq (an index that applied every event holds exactly this)."""
+            return Response(
+                msgspec.json.encode({"ranks": [s.announced for s in self.ranks]}),
                 media_type="application/json",
             )
 

@@ -206,6 +206,11 @@ class KVEventPublisher:
         self._lose_rng = random.Random(0)
         self.silent = False
         """Publish nothing at all (an engine whose KV events are off): no seq, no buffer."""
+        self.replay_down = False
+        """Ignore replay requests (the replay socket accepts, nobody answers: the consumer times out)."""
+        self._paused_until = 0.0
+        self._hold = 0
+        self._held: list[tuple[int, bytes]] = []
         self._closed = False
 
         self._pub = self._ctx.socket(zmq.PUB)
@@ -259,6 +264,16 @@ class KVEventPublisher:
             drop = lost or self._drop > 0
             if drop and not lost:
                 self._drop -= 1
+            if not drop and self._paused_until:
+                if time.monotonic() < self._paused_until:
+                    # a stalled stream: what fits under the high-water mark waits, the rest is dropped
+                    if len(self._held) < self._hold:
+                        self._held.append((seq, payload))
+                    return seq
+                self._paused_until = 0.0
+                held, self._held = self._held, []
+                for s, p in held:
+                    self._pub.send_multipart((self._topic_bytes, s.to_bytes(8, "big"), p))
         if not drop:
             self._pub.send_multipart((self._topic_bytes, seq.to_bytes(8, "big"), payload))
         return seq
@@ -269,6 +284,13 @@ class KVEventPublisher:
             raise ValueError("n must be >= 0")
         with self._lock:
             self._drop = n
+
+    def pause(self, seconds: float, hold: int) -> None:
+        """Stall the live stream for ``seconds``: the first ``hold`` batches wait (a high-water mark)
+        and go out when it resumes, later ones are dropped (they stay in the replay buffer)."""
+        with self._lock:
+            self._paused_until = time.monotonic() + seconds
+            self._hold = hold
 
     def lose(self, ratio: float, seed: int = 0) -> None:
         """From now on, this share of batches takes a seq but is neither sent nor kept for replay:
@@ -326,6 +348,8 @@ class KVEventPublisher:
     def _answer(self, router: zmq.Socket, frames: list[bytes]) -> None:  # type: ignore[type-arg]
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             return  # vLLM logs "Invalid replay request" and moves on
+        if self.replay_down:
+            return
         identity, start = frames[0], int.from_bytes(frames[2], "big")
         with self._lock:
             batches = [(s, p) for s, p in self._buffer if s >= start]
