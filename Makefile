@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench fuzz clean
+.PHONY: demo test lint typecheck unit bench fuzz soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ unit: $(STAMP)
 ## bench: micro-benchmarks of the index, router overhead and routing quality (see BENCHMARKS.md)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+## soak: the chaos soak, 10 minutes (SOAK_MINUTES); report and plot in bench/out/soak/
+SOAK_MINUTES ?= 10
+soak: $(STAMP)
+	$(BIN)/python bench/soak.py --minutes $(SOAK_MINUTES)
 
 ## fuzz: the long fuzz runs (bounded versions run in make test); counts go to fuzz-report.jsonl
 FUZZ_HTTP_CASES ?= 6000

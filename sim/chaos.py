@@ -1,0 +1,602 @@
+"""The chaos soak: the real router and a mock fleet under steady mixed load while faults come and go.
+
+One `kvrouter serve` process, ``engines`` mock-engine processes (sim.procs), clients sending chat and
+completions, streaming and not, long and short prompts, a few of them misbehaving (they stop reading,
+or disconnect mid-stream), and a rogue publisher sending malformed frames at a high rate on an event
+endpoint the router follows. Every ``fault_interval_s`` one fault of the schedule is applied to one
+engine, held for a while, then healed:
+
+| fault | what happens | healable |
+|---|---|---|
+| ``kill_restart`` | SIGKILL, then a new process on the same ports (its seq starts at 0) | yes |
+| ``gap_replayed`` | the next batches are not sent live (they stay in the replay buffer) | yes, no loss |
+| ``stream_stall`` | the live stream stalls longer than its high-water mark holds | yes, no loss |
+| ``gap_lost`` | replay down, batches dropped: lost for good; a prefix-cache reset heals | after the reset |
+| ``hang`` | SIGSTOP: connections are accepted, nothing answers; SIGCONT heals | yes |
+| ``fail_5xx`` | every completion answers 500 (its health probe passes) | yes |
+| ``reset_streams`` | streams lose their connection after two tokens | yes |
+
+Invariants, checked all along and reported at the end:
+
+- the router never exits; its RSS stays under ``rss_bound_mb``;
+- every request ends complete or with a clean, well-formed error (an OpenAI JSON error; an SSE stream
+  that ends with an error event and ``[DONE]``), never a hang past the timeouts, never a truncated
+  body; misbehaving clients are not judged (they leave), but what they leave behind must be released;
+- after each fault heals, the index converges to what the engines really hold: per engine, when the
+  router has applied the engine's last published batch, the distinct blocks it indexes equal the
+  distinct hashes the engine's own events describe (``/admin/cache``); the time from the heal to
+  that point is reported per fault; where replay is available nothing may be lost
+  (``lost_batches`` does not move);
+- a backend failing requests is ejected (``kvrouter_backend_ejections_total``) and readmitted.
+
+The report holds the figures and an SVG plot of hit ratio, error rate and divergence over time with
+the faults marked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import random
+import re
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import zmq
+import zmq.asyncio
+
+from sim.procs import EngineProc
+
+FAULTS = ("kill_restart", "gap_replayed", "stream_stall", "gap_lost", "hang", "fail_5xx", "reset_streams")
+ADMIN = "chaos-admin"
+
+
+class SoakConfig(msgspec.Struct, kw_only=True):
+    """One soak run."""
+
+    seconds: float = 600.0
+    engines: int = 3
+    clients: int = 4
+    fault_interval_s: float = 12.0
+    fault_hold_s: float = 4.0
+    faults: list[str] = list(FAULTS)
+    rss_bound_mb: float = 700.0
+    converge_bound_s: float = 2.0
+    """The stated bound: divergence back to 0 within this long of a heal."""
+    rogue_rate: float = 2000.0
+    """Malformed frames per second from the rogue publisher."""
+    time_scale: float = 0.05
+    gpu_blocks: int = 512
+    """Small caches: evictions keep the event streams busy."""
+    tokenizer: str | None = None
+    seed: int = 0
+    request_timeout_s: float = 30.0
+    model: str = "mock-model"
+
+
+@dataclass
+class Sample:
+    t: float
+    requests: int
+    clean_errors: int
+    bad: int
+    hit_ratio: float | None
+    divergence: int | None
+    rss_mb: float
+
+
+@dataclass
+class FaultRecord:
+    fault: str
+    engine: str
+    start: float
+    heal: float = 0.0
+    converged_s: float | None = None
+    lost_before: float = 0.0
+    lost_after: float = 0.0
+
+
+@dataclass
+class SoakReport:
+    requests: int = 0
+    ok: int = 0
+    clean_errors: int = 0
+    bad: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+    misbehaving_clients: int = 0
+    faults: list[FaultRecord] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    router_alive: bool = True
+    rss_max_mb: float = 0.0
+    ejections: float = 0.0
+    retries_refused: float = 0.0
+    decode_errors: float = 0.0
+    inflight_after: float = 0.0
+    seconds: float = 0.0
+
+    def summary(self, cfg: SoakConfig) -> dict[str, Any]:
+        per: dict[str, list[float | None]] = {}
+        for f in self.faults:
+            per.setdefault(f.fault, []).append(f.converged_s)
+        converge = {
+            k: {
+                "n": len(v),
+                "max_s": max((x for x in v if x is not None), default=None),
+                "not_converged": sum(1 for x in v if x is None),
+            }
+            for k, v in sorted(per.items())
+        }
+        replayed = [f for f in self.faults if f.fault in ("gap_replayed", "stream_stall", "kill_restart")]
+        return {
+            "seconds": round(self.seconds, 1),
+            "requests": self.requests,
+            "ok": self.ok,
+            "clean_errors": self.clean_errors,
+            "bad_responses": self.bad,
+            "bad_examples": self.bad_examples[:10],
+            "misbehaving_clients": self.misbehaving_clients,
+            "router_alive": self.router_alive,
+            "rss_max_mb": round(self.rss_max_mb, 1),
+            "rss_bound_mb": cfg.rss_bound_mb,
+            "faults": len(self.faults),
+            "converge_by_fault": converge,
+            "converge_bound_s": cfg.converge_bound_s,
+            "lost_batches_during_replayed_faults": sum(f.lost_after - f.lost_before for f in replayed),
+            "ejections": self.ejections,
+            "retries_refused": self.retries_refused,
+            "malformed_frames_counted": self.decode_errors,
+            "inflight_after": self.inflight_after,
+        }
+
+    def passed(self, cfg: SoakConfig) -> bool:
+        s = self.summary(cfg)
+        converged = all(
+            v["not_converged"] == 0 and (v["max_s"] is None or v["max_s"] <= cfg.converge_bound_s)
+            for v in s["converge_by_fault"].values()
+        )
+        return (
+            self.router_alive
+            and self.bad == 0
+            and self.rss_max_mb <= cfg.rss_bound_mb
+            and converged
+            and s["lost_batches_during_replayed_faults"] == 0
+            and self.inflight_after == 0
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Soak:
+    """Starts everything, runs the schedule and the load, watches the invariants."""
+
+    def __init__(self, cfg: SoakConfig, workdir: Path) -> None:
+        self.cfg = cfg
+        self.workdir = workdir
+        self.rng = random.Random(cfg.seed)
+        self.engines: list[EngineProc] = []
+        self.report = SoakReport()
+        self.router: asyncio.subprocess.Process | None = None
+        self.url = ""
+        self._stop = asyncio.Event()
+        self._t0 = 0.0
+        self.zctx = zmq.asyncio.Context()
+        self._rogue_endpoint = ""
+
+    # --- set-up ------------------------------------------------------------------------------------
+    async def _start(self) -> None:
+        cfg = self.cfg
+        args = [
+            "--time-scale",
+            str(cfg.time_scale),
+            "--model",
+            cfg.model,
+            "--gpu-blocks",
+            str(cfg.gpu_blocks),
+        ]
+        if cfg.tokenizer:
+            args += ["--tokenizer", cfg.tokenizer]
+        for i in range(cfg.engines):
+            e = EngineProc(f"engine-{i}", args)
+            await e.start()
+            self.engines.append(e)
+        self._rogue_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        tok = f'tokenizer = "{cfg.tokenizer}"\n' if cfg.tokenizer else ""
+        toml = (
+            f'{tok}block_size = 16\nadmin_keys = ["{ADMIN}"]\n'
+            f"[server]\nport = {port}\nread_timeout_s = 8\nwrite_timeout_s = 3\nconnect_timeout_s = 2\n"
+            "[health]\ninterval_s = 1.0\ntimeout_s = 1.0\nunhealthy_after = 1\n"
+            "[index.subscriber]\nreplay_timeout_s = 1.0\nreplay_retry_s = 1.0\n"
+        )
+        for e in self.engines:
+            toml += (
+                f'[[backends]]\nname = "{e.name}"\nurl = "{e.url}"\nkv_events = "{e.kv_events}"\n'
+                f'kv_replay = "{e.kv_replay}"\nmodels = ["{cfg.model}"]\n'
+            )
+        # the rogue: an event stream of garbage; its HTTP side answers nothing (never routed to)
+        toml += (
+            f'[[backends]]\nname = "rogue"\nurl = "http://127.0.0.1:{free_port()}"\n'
+            f'kv_events = "{self._rogue_endpoint}"\nmodels = ["{cfg.model}"]\n'
+        )
+        path = self.workdir / "router.toml"
+        path.write_text(toml)
+        log = (self.workdir / "router.log").open("wb")
+        self.router = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.cli", "serve", "--config", str(path), stdout=log, stderr=log
+        )
+        async with httpx.AsyncClient(timeout=5) as c:
+            deadline = time.monotonic() + 120
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    r = await c.get(f"{self.url}/ready")
+                    if r.status_code == 200 and len(r.json()["healthy_backends"]) == cfg.engines:
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError("router did not become ready")
+                await asyncio.sleep(0.1)
+
+    # --- load --------------------------------------------------------------------------------------
+    def _body(self, i: int) -> tuple[str, dict[str, Any]]:
+        rng = self.rng
+        long = rng.random() < 0.3
+        words = " ".join(f"w{rng.randrange(400)}" for _ in range(rng.randrange(150, 300) if long else 10))
+        system = f"You are assistant number {rng.randrange(6)} of the chaos soak. " * (3 if long else 1)
+        body: dict[str, Any] = {"model": self.cfg.model, "max_tokens": 12, "stream": rng.random() < 0.5}
+        if rng.random() < 0.5:
+            body["messages"] = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"{i} {words}"},
+            ]
+            return "/v1/chat/completions", body
+        body["prompt"] = f"{system}{i} {words}"
+        return "/v1/completions", body
+
+    def _bad(self, why: str) -> None:
+        self.report.bad += 1
+        if len(self.report.bad_examples) < 50:
+            self.report.bad_examples.append(why)
+
+    async def _one(self, client: httpx.AsyncClient, i: int) -> None:
+        path, body = self._body(i)
+        self.report.requests += 1
+        try:
+            if not body["stream"]:
+                r = await client.post(f"{self.url}{path}", json=body)
+                if r.status_code == 200:
+                    data = r.json()
+                    if not data.get("choices"):
+                        return self._bad(f"200 without choices: {r.text[:200]}")
+                    self.report.ok += 1
+                    return None
+                err = r.json().get("error")  # a clean error is OpenAI-shaped
+                if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+                    return self._bad(f"{r.status_code} malformed error: {r.text[:200]}")
+                self.report.clean_errors += 1
+                return None
+            async with client.stream("POST", f"{self.url}{path}", json=body) as r:
+                raw = b"".join([c async for c in r.aiter_raw()])
+                status = r.status_code
+            if status != 200:
+                err = json.loads(raw).get("error")
+                if not isinstance(err, dict):
+                    return self._bad(f"stream {status} malformed error: {raw[:200]!r}")
+                self.report.clean_errors += 1
+                return None
+            events = [e for e in raw.decode("utf-8", "replace").split("\n\n") if e]
+            if not events or events[-1] != "data: [DONE]" or not all(e.startswith("data: ") for e in events):
+                return self._bad(f"truncated or malformed stream: ...{raw[-200:]!r}")
+            if any('"error"' in e and "error" in json.loads(e[6:]) for e in events[:-1]):
+                self.report.clean_errors += 1
+            else:
+                self.report.ok += 1
+        except httpx.TimeoutException as exc:
+            self._bad(f"{path}: no answer within {self.cfg.request_timeout_s} s ({type(exc).__name__})")
+        except (httpx.HTTPError, ValueError) as exc:
+            self._bad(f"{path}: {type(exc).__name__}: {exc}")
+        return None
+
+    async def _clients(self, k: int) -> None:
+        timeout = httpx.Timeout(self.cfg.request_timeout_s)
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            i = k
+            while not self._stop.is_set():
+                await self._one(client, i)
+                i += self.cfg.clients
+
+    async def _misbehaving(self) -> None:
+        """Clients that stop reading a stream, or hang up in the middle of one."""
+        n = 0
+        while not self._stop.is_set():
+            await asyncio.sleep(1.0)
+            n += 1
+            path, body = self._body(10_000_000 + n)
+            body["stream"] = True
+            body["max_tokens"] = 200
+            payload = json.dumps(body).encode()
+            host, port = self.url.rsplit(":", 1)[0][7:], int(self.url.rsplit(":", 1)[1])
+            with contextlib.suppress(OSError, TimeoutError):
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+                writer.write(
+                    f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(payload)}\r\n\r\n".encode()
+                    + payload
+                )
+                await writer.drain()
+                if n % 2:
+                    await asyncio.wait_for(reader.read(200), 10)  # a little, then hang up
+                else:
+                    await asyncio.sleep(4)  # read nothing past the router's write timeout
+                writer.transport.abort()
+            self.report.misbehaving_clients += 1
+
+    async def _rogue(self) -> None:
+        """Malformed frames at a high rate on an event endpoint the router follows."""
+        pub = self.zctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(self._rogue_endpoint)
+        rng = random.Random(self.cfg.seed + 1)
+        seq = 0
+        try:
+            while not self._stop.is_set():
+                for _ in range(max(int(self.cfg.rogue_rate / 20), 1)):
+                    seq += 1
+                    junk = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
+                    frames = [b"", seq.to_bytes(8, "big"), b"\x93\xcb" + junk][: rng.randrange(1, 4)]
+                    with contextlib.suppress(zmq.ZMQError):
+                        await pub.send_multipart(frames, flags=zmq.NOBLOCK)
+                await asyncio.sleep(0.05)
+        finally:
+            pub.close(0)
+
+    # --- watching ----------------------------------------------------------------------------------
+    async def _divergence(self, c: httpx.AsyncClient, engines: list[EngineProc]) -> int | None:
+        """Sum over engines of |indexed - announced| blocks, where the router has applied the engine's
+        last batch; None while some engine's stream is behind (or the engine is down)."""
+        total = 0
+        try:
+            announced = {}
+            for e in engines:
+                r = await c.get(f"{e.url}/admin/cache", timeout=2)
+                announced[e.name] = r.json()["ranks"][0]
+            debug = (await c.get(f"{self.url}/debug/index", timeout=5)).json()
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            return None
+        sources = {s["instance"]: s for s in debug["sources"]}
+        for e in engines:
+            a, s = announced[e.name], sources.get(e.name)
+            if s is None or s["last_seq"] != a["seq"]:
+                return None
+            total += abs(s["blocks"].get("GPU", 0) - a["blocks"]["GPU"])
+        return total
+
+    async def _metric(self, c: httpx.AsyncClient, name: str, labels: str = "") -> float:
+        text = (await c.get(f"{self.url}/metrics", timeout=5)).text
+        pattern = rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$"
+        out = 0.0
+        for m in re.finditer(pattern, text, re.M):
+            if labels in (m.group(1) or ""):
+                out += float(m.group(2))
+        return out
+
+    def _rss_mb(self) -> float:
+        assert self.router is not None
+        try:
+            for line in Path(f"/proc/{self.router.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
+
+    async def _watch(self) -> None:
+        async with httpx.AsyncClient(timeout=5) as c:
+            last = (0.0, 0.0)
+            while not self._stop.is_set():
+                await asyncio.sleep(0.5)
+                assert self.router is not None
+                if self.router.returncode is not None:
+                    self.report.router_alive = False
+                rss = self._rss_mb()
+                self.report.rss_max_mb = max(self.report.rss_max_mb, rss)
+                with contextlib.suppress(httpx.HTTPError):
+                    prompt = await self._metric(c, "kvrouter_prompt_tokens_total")
+                    matched = await self._metric(c, "kvrouter_matched_tokens_total", 'medium="GPU"')
+                    hit = (matched - last[1]) / (prompt - last[0]) if prompt > last[0] else None
+                    last = (prompt, matched)
+                    div = await self._divergence(c, self.engines)
+                    self.report.samples.append(
+                        Sample(
+                            time.monotonic() - self._t0,
+                            self.report.requests,
+                            self.report.clean_errors,
+                            self.report.bad,
+                            hit,
+                            div,
+                            rss,
+                        )
+                    )
+
+    # --- faults ------------------------------------------------------------------------------------
+    async def _post(self, c: httpx.AsyncClient, e: EngineProc, path: str, body: dict[str, Any]) -> None:
+        r = await c.post(f"{e.url}{path}", json=body, timeout=5)
+        r.raise_for_status()
+
+    async def _fault(self, c: httpx.AsyncClient, fault: str, e: EngineProc) -> FaultRecord:
+        rec = FaultRecord(fault, e.name, time.monotonic() - self._t0)
+        rec.lost_before = await self._metric(c, "kvrouter_kv_lost_batches_total", f'source="{e.name}/dp0"')
+        hold = self.cfg.fault_hold_s
+        if fault == "kill_restart":
+            await e.stop(kill=True)
+            await asyncio.sleep(hold / 2)
+            await e.start()
+        elif fault == "gap_replayed":
+            await self._post(c, e, "/admin/drop_batches", {"n": 5})
+            await asyncio.sleep(hold)
+        elif fault == "stream_stall":
+            await self._post(c, e, "/admin/pause_events", {"seconds": hold / 2, "hold": 3})
+            await asyncio.sleep(hold)
+        elif fault == "gap_lost":
+            await self._post(c, e, "/admin/replay", {"up": False})
+            await self._post(c, e, "/admin/drop_batches", {"n": 3})
+            await asyncio.sleep(hold)
+            await self._post(c, e, "/admin/replay", {"up": True})
+            await self._post(c, e, "/admin/clear", {})  # the cure for lost events: a prefix-cache reset
+        elif fault == "hang":
+            e.signal(signal.SIGSTOP)
+            await asyncio.sleep(hold)
+            e.signal(signal.SIGCONT)
+        elif fault == "fail_5xx":
+            await self._post(c, e, "/admin/fail", {"status": 500})
+            await asyncio.sleep(hold)
+            await self._post(c, e, "/admin/fail", {"status": None})
+        elif fault == "reset_streams":
+            await self._post(c, e, "/admin/reset_streams", {"n": 5})
+            await asyncio.sleep(hold)
+        rec.heal = time.monotonic() - self._t0
+        rec.converged_s = await self._converge(c, e)
+        rec.lost_after = await self._metric(c, "kvrouter_kv_lost_batches_total", f'source="{e.name}/dp0"')
+        return rec
+
+    async def _converge(self, c: httpx.AsyncClient, e: EngineProc) -> float | None:
+        """Seconds from the heal until the index holds what the engine announced (None: not in 30 s)."""
+        start = time.monotonic()
+        while time.monotonic() - start < 30:
+            if await self._divergence(c, [e]) == 0:
+                return time.monotonic() - start
+            await asyncio.sleep(0.05)
+        return None
+
+    async def _schedule(self) -> None:
+        async with httpx.AsyncClient(timeout=10) as c:
+            k = 0
+            while not self._stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.cfg.fault_interval_s)
+                if self._stop.is_set():
+                    return
+                fault = self.cfg.faults[k % len(self.cfg.faults)]
+                engine = self.engines[k % len(self.engines)]
+                k += 1
+                self.report.faults.append(await self._fault(c, fault, engine))
+
+    # --- the run -----------------------------------------------------------------------------------
+    async def run(self) -> SoakReport:
+        try:
+            await self._start()
+            self._t0 = time.monotonic()
+            tasks = [asyncio.create_task(self._clients(k)) for k in range(self.cfg.clients)]
+            tasks += [
+                asyncio.create_task(self._misbehaving()),
+                asyncio.create_task(self._rogue()),
+                asyncio.create_task(self._watch()),
+                asyncio.create_task(self._schedule()),
+            ]
+            await asyncio.sleep(self.cfg.seconds)
+            self._stop.set()
+            await asyncio.gather(*tasks)
+            self.report.seconds = time.monotonic() - self._t0
+            async with httpx.AsyncClient(timeout=10) as c:
+                self.report.ejections = await self._metric(c, "kvrouter_backend_ejections_total")
+                self.report.retries_refused = await self._metric(
+                    c, "kvrouter_retries_total", 'result="refused"'
+                )
+                self.report.decode_errors = await self._metric(c, "kvrouter_kv_decode_errors_total")
+                deadline = time.monotonic() + 15  # what clients left behind must be released
+                while True:
+                    self.report.inflight_after = await self._metric(c, "kvrouter_inflight_requests")
+                    if self.report.inflight_after == 0 or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.2)
+            assert self.router is not None
+            self.report.router_alive = self.report.router_alive and self.router.returncode is None
+        finally:
+            self._stop.set()
+            if self.router is not None and self.router.returncode is None:
+                self.router.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(self.router.wait(), 60)
+                except TimeoutError:
+                    self.router.kill()
+            for e in self.engines:
+                await e.stop()
+            self.zctx.term()
+        return self.report
+
+
+def svg_plot(report: SoakReport, width: int = 960, height: int = 420) -> str:
+    """Hit ratio, error rate and divergence over time, faults marked (a self-contained SVG)."""
+    s = report.samples
+    if len(s) < 2:
+        return "<svg xmlns='http://www.w3.org/2000/svg'/>"
+    t_max = max(x.t for x in s) or 1.0
+    m = 40
+    panel_h = (height - 2 * m) / 3
+
+    def x(t: float) -> float:
+        return m + (width - 2 * m) * t / t_max
+
+    def series(values: list[tuple[float, float]], top: float, vmax: float, color: str) -> str:
+        pts = " ".join(f"{x(t):.1f},{top + panel_h - panel_h * min(v / vmax, 1.0):.1f}" for t, v in values)
+        return f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='{pts}'/>"
+
+    head = f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'"
+    out = [head + " font-family='sans-serif' font-size='11'>"]
+    out.append(f"<rect width='{width}' height='{height}' fill='white'/>")
+    hits = [(a.t, a.hit_ratio) for a in s if a.hit_ratio is not None]
+    errs = []
+    for a, b in itertools.pairwise(s):
+        n = b.requests - a.requests
+        errs.append((b.t, (b.clean_errors - a.clean_errors) / n if n > 0 else 0.0))
+    div = [(a.t, float(a.divergence)) for a in s if a.divergence is not None]
+    dmax = max([v for _, v in div] + [1.0])
+    for k, (name, values, vmax, color) in enumerate(
+        [
+            ("GPU hit ratio (routed prompt tokens)", hits, 1.0, "#2b7"),
+            ("clean error share of requests", errs, 1.0, "#d52"),
+            (f"index divergence, blocks (max {dmax:.0f})", div, dmax, "#36c"),
+        ]
+    ):
+        top = m + k * panel_h
+        out.append(f"<text x='{m}' y='{top + 12}'>{name}</text>")
+        out.append(
+            f"<line x1='{m}' y1='{top + panel_h}' x2='{width - m}' y2='{top + panel_h}' stroke='#ccc'/>"
+        )
+        if values:
+            out.append(series(values, top, vmax, color))
+    for f in report.faults:
+        w, h = max(x(f.heal) - x(f.start), 1), 3 * panel_h
+        out.append(
+            f"<rect x='{x(f.start):.1f}' y='{m}' width='{w:.1f}' height='{h:.1f}' fill='#fc3' opacity='.25'/>"
+        )
+        out.append(f"<text x='{x(f.start):.1f}' y='{m - 4}' font-size='9'>{f.fault}</text>")
+    out.append(f"<text x='{width - m}' y='{height - 10}' text-anchor='end'>{t_max:.0f} s</text>")
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def write_report(report: SoakReport, cfg: SoakConfig, out_dir: Path) -> dict[str, Any]:
+    """report.json and plot.svg in ``out_dir``; returns the summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = report.summary(cfg)
+    summary["passed"] = report.passed(cfg)
+    (out_dir / "report.json").write_text(json.dumps(summary, indent=2))
+    (out_dir / "plot.svg").write_text(svg_plot(report))
+    return summary
+
+
+__all__ = ["FAULTS", "Soak", "SoakConfig", "SoakReport", "svg_plot", "write_report"]
