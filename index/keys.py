@@ -23,7 +23,6 @@ same arithmetic. Collisions only mis-route (the engine computes its own hashes),
 from __future__ import annotations
 
 import hashlib
-import operator
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +31,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from index.rawtokens import contents
+import index._kvcore as _kvcore
 
 M64 = (1 << 64) - 1
 CHAIN_MUL = 0x9E3779B97F4A7C15  # odd: invertible mod 2^64
@@ -56,9 +55,6 @@ def _splitmix(seed: int, n: int) -> list[int]:
 
 _POSITION_MULS_PY = _splitmix(0x6B76726F75746572, _MAX_BLOCK_SIZE)
 _POSITION_MULS: U64 = np.array(_POSITION_MULS_PY, dtype=np.uint64)
-_SCALAR_MAX_BLOCKS = 4
-"""Prompts of at most this many blocks are hashed with Python ints: numpy's fixed cost per call
-(~25 us for the ~10 calls of the vector path) is larger than the arithmetic there (BENCHMARKS.md)."""
 
 
 def fmix64(x: int) -> int:
@@ -157,11 +153,13 @@ def block_contents(tokens: Sequence[int] | array[int], block_size: int) -> U64:
 def u64_block_contents(tokens: U64, block_size: int) -> U64:
     """:func:`block_contents` of a uint64 token array, compiled (same values, no temporaries).
 
-    The ingest path: decoded events carry their ids in such arrays (:mod:`index.rawtokens`).
+    The Python ingest path, for decoded events whose ids are such arrays.
     """
     if not 0 < block_size <= _MAX_BLOCK_SIZE:
         raise ValueError(f"block_size {block_size} outside 1..{_MAX_BLOCK_SIZE}")
-    return contents(tokens, block_size, _POSITION_MULS)
+    if not tokens.flags.c_contiguous:
+        tokens = np.ascontiguousarray(tokens)
+    return np.frombuffer(bytearray(_kvcore.block_contents(tokens, block_size)), dtype=np.uint64)
 
 
 def chain(parent: int, contents: Sequence[int]) -> list[int]:
@@ -193,32 +191,26 @@ def prompt_keys_both(
     *,
     lora_name: str | None = None,
     extra_keys: dict[int, Sequence[Any]] | None = None,
-) -> tuple[list[int], U64]:
-    """:func:`prompt_keys` as a list and as a uint64 array: the store's lookup takes the array
-    (converting a long list back costs ~10 us per 512 keys), predictions take the list."""
-    n = len(tokens) // block_size if block_size > 0 else 0
-    if 0 < n <= _SCALAR_MAX_BLOCKS and block_size <= _MAX_BLOCK_SIZE:
-        ks = _prompt_keys_scalar(tokens, block_size, n, lora_name, extra_keys)
-        return ks, np.array(ks, dtype=np.uint64)
-    arr = _prompt_keys_vec(tokens, block_size, lora_name, extra_keys)
-    return arr.tolist(), arr
+) -> tuple[list[int], bytes]:
+    """:func:`prompt_keys` as a list and as the raw uint64 buffer the store's lookup takes (one C
+    pass over the token list: no numpy on the request path)."""
+    raw = _prompt_keys_raw(tokens, block_size, lora_name, extra_keys)
+    return memoryview(raw).cast("Q").tolist(), raw
 
 
-def _prompt_keys_vec(
+def _prompt_keys_raw(
     tokens: Sequence[int],
     block_size: int,
     lora_name: str | None,
     extra_keys: dict[int, Sequence[Any]] | None,
-) -> U64:
-    try:
-        m = block_contents(tokens, block_size)
-    except (OverflowError, TypeError):
-        raise ValueError("token ids must be integers in 0..2^64-1") from None
+) -> bytes:
+    extras = None
     if extra_keys:
-        for i, items in extra_keys.items():
-            if 0 <= i < len(m) and items:
-                m[i] ^= np.uint64(extra_hash(items))
-    return chain_vec(lora_root(lora_name), m)
+        extras = [(i, extra_hash(items)) for i, items in extra_keys.items() if items]
+    if not isinstance(tokens, list | tuple):
+        tokens = list(tokens)
+    raw: bytes = _kvcore.prompt_keys(tokens, block_size, lora_root(lora_name), extras)
+    return raw
 
 
 def prompt_keys(
@@ -233,29 +225,13 @@ def prompt_keys(
     ``extra_keys`` maps a block index to that block's extra key items (e.g. ``{0: [cache_salt]}``).
     Raises ValueError for token ids outside 0..2^64-1.
     """
-    return prompt_keys_both(tokens, block_size, lora_name=lora_name, extra_keys=extra_keys)[0]
+    return memoryview(_prompt_keys_raw(tokens, block_size, lora_name, extra_keys)).cast("Q").tolist()
 
 
-def _prompt_keys_scalar(
-    tokens: Sequence[int],
-    block_size: int,
-    n: int,
-    lora_name: str | None,
-    extra_keys: dict[int, Sequence[Any]] | None,
-) -> list[int]:
-    """:func:`prompt_keys` for a few blocks with Python ints (same keys; checked by the tests)."""
-    try:
-        buf = array("Q", tokens[: n * block_size])  # validates the range like the vector path
-    except (OverflowError, TypeError):
-        raise ValueError("token ids must be integers in 0..2^64-1") from None
-    muls = _POSITION_MULS_PY[:block_size]
-    mul = operator.mul
-    contents = []
-    for i in range(n):
-        m = fmix64(sum(map(mul, buf[i * block_size : (i + 1) * block_size], muls)) & M64)
-        if extra_keys:
-            items = extra_keys.get(i)
-            if items:
-                m ^= extra_hash(items)
-        contents.append(m)
-    return chain(lora_root(lora_name), contents)
+def unknown_root(sidx: int, parent: int) -> int:
+    """The chain root of a block whose parent the source never reported: derived from (source,
+    parent hash), never a prompt's root (those are the base and LoRA roots), so such chains can never
+    match a prompt while their children still chain and their removals resolve (the C ingest
+    computes the same value)."""
+    root: int = _kvcore.unknown_root(sidx, parent)
+    return root

@@ -20,7 +20,6 @@ from typing import Any
 import msgspec
 import zmq
 
-from index import rawtokens
 from index.ingest import Ingestor
 from index.keys import prompt_keys, prompt_keys_both
 from index.store import PrefixStore, SourceId, SourceMatch
@@ -60,10 +59,7 @@ class KVIndex:
 
     def __init__(self, config: IndexConfig | None = None, ctx: zmq.Context[Any] | None = None) -> None:
         self.config = config or IndexConfig()
-        # compile (or load from numba's cache) the decode kernels here, at start-up: the first
-        # message would otherwise compile them in the subscriber thread, holding the GIL for seconds
-        rawtokens.warm_up()
-        self.store = PrefixStore(self.config.max_residencies)  # warms its own kernels likewise
+        self.store = PrefixStore(self.config.max_residencies)
         self.ingestor = Ingestor(self.store, self.config.block_size)
         self.subscriber = EventSubscriber(self.ingestor, config=self.config.subscriber, ctx=ctx)
         self.ingestor.on_reset = self._forget_predictions

@@ -38,7 +38,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from index.ingest import Ingestor
 from index.store import SourceId
-from index.wire import END_SEQ, Batch, WireError, decode_message, decode_payload, split_replay_reply
+from index.wire import END_SEQ, Batch, RawBatch, WireError, decode_seq, peek_message, split_replay_reply
 
 log = logging.getLogger("kvrouter.subscriber")
 
@@ -133,7 +133,7 @@ class _Source:
         self.last_seq = -1
         self.last_ts = 0.0
         self.replay: _Replay | None = None
-        self.held: list[tuple[int, Batch]] = []
+        self.held: list[tuple[int, Batch | RawBatch]] = []
         self.replay_failed_at = 0.0
         self.gaps = 0
         self.replays = 0
@@ -306,7 +306,7 @@ class EventSubscriber:
             except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
                 log.error("poll failed: %s", exc)
                 break
-            chunk: list[tuple[int, Batch | None]] = []
+            chunk: list[tuple[int, Batch | bytes | None]] = []
             for sock in ready:
                 kind, src = self._by_socket.get(sock, ("", None))
                 if src is None:
@@ -340,7 +340,7 @@ class EventSubscriber:
             elif op == "remove":
                 self._close_source(arg)
 
-    def _drain_live(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+    def _drain_live(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         sub = src.sub
         assert sub is not None
         for _ in range(self.config.max_chunk):
@@ -349,7 +349,10 @@ class EventSubscriber:
             except zmq.Again:
                 return
             try:
-                topic, batch = decode_message(frames)
+                if len(frames) != 3:
+                    raise WireError(f"message has {len(frames)} frames, expected 3 [topic, seq, payload]")
+                topic = frames[0]
+                batch = peek_message(frames[2], decode_seq(frames[1]))
             except WireError as exc:
                 self._decode_error(src, exc, frames)
                 continue
@@ -383,7 +386,11 @@ class EventSubscriber:
                 src.last_seq = seq
 
     def _accept(
-        self, src: _Source, batch: Batch, chunk: list[tuple[int, Batch | None]], allow_replay: bool
+        self,
+        src: _Source,
+        batch: Batch | RawBatch,
+        chunk: list[tuple[int, Batch | bytes | None]],
+        allow_replay: bool,
     ) -> None:
         """The per-source state machine for one batch in arrival order."""
         seq = batch.seq
@@ -419,7 +426,7 @@ class EventSubscriber:
             if last >= 0:  # before first contact the engine's history is not ours to lose
                 src.lost += missing
                 log.warning("source %s: %d batches lost (seq %d..%d)", src.name, missing, expected, seq - 1)
-        chunk.append((src.sidx, batch))
+        chunk.append((src.sidx, batch.payload if isinstance(batch, RawBatch) else batch))
         src.last_seq = seq
         src.last_ts = batch.ts
 
@@ -436,7 +443,7 @@ class EventSubscriber:
         src.replays += 1
         src.dealer.send_multipart([b"", start.to_bytes(8, "big")])
 
-    def _on_replay_reply(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+    def _on_replay_reply(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         dealer = src.dealer
         while dealer is not None:
             try:
@@ -456,7 +463,7 @@ class EventSubscriber:
             src.replay.replies.append((seq, payload))
 
     def _finish_replay(
-        self, src: _Source, chunk: list[tuple[int, Batch | None]], finished: bool = False
+        self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]], finished: bool = False
     ) -> None:
         replay = src.replay
         if replay is None:
@@ -469,11 +476,10 @@ class EventSubscriber:
             if seq < replay.start or (replay.until is not None and seq >= replay.until):
                 continue
             try:
-                batch = decode_payload(payload)
+                batch = peek_message(payload, seq)
             except WireError as exc:
                 self._decode_error(src, exc, [])
                 continue
-            batch.seq = seq
             src.replayed_batches += 1
             self._accept(src, batch, chunk, allow_replay=False)
         held, src.held = src.held, []
@@ -483,7 +489,7 @@ class EventSubscriber:
                 src.held.extend(held[i + 1 :])
                 return
 
-    def _on_monitor(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+    def _on_monitor(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         monitor = src.monitor
         assert monitor is not None
         while True:
