@@ -1593,6 +1593,32 @@ static PyObject *mod_unknown_root(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(unknown_root(sidx, parent));
 }
 
+/* check_ids(list, max_id or None) -> index of the first id that is not an exact int in 0..max (-1: none) */
+static PyObject *mod_check_ids(PyObject *self, PyObject *args) {
+    PyObject *lo, *mo;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &lo, &mo)) return NULL;
+    u64 max = (u64)-1;
+    if (mo != Py_None) {
+        long long m = PyLong_AsLongLong(mo);
+        if (m == -1 && PyErr_Occurred()) return NULL;
+        max = m < 0 ? 0 : (u64)m;
+        if (m < 0) return PyLong_FromLong(PyList_GET_SIZE(lo) ? 0 : -1);
+    }
+    Py_ssize_t n = PyList_GET_SIZE(lo);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = PyList_GET_ITEM(lo, i);
+        if (!PyLong_CheckExact(it)) return PyLong_FromSsize_t(i);
+        u64 v = PyLong_AsUnsignedLongLong(it);
+        if (v == (u64)-1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* negative or beyond 64 bits */
+            if (_PyLong_Sign(it) < 0 || mo != Py_None) return PyLong_FromSsize_t(i);
+            continue; /* a huge id with no vocabulary bound: as valid as before */
+        }
+        if (v > max) return PyLong_FromSsize_t(i);
+    }
+    return PyLong_FromLong(-1);
+}
+
 static PyObject *mod_muls(PyObject *self, PyObject *noarg) {
     return PyBytes_FromStringAndSize((const char *)MULS, sizeof(MULS));
 }
@@ -1602,6 +1628,7 @@ static PyMethodDef mod_methods[] = {
     {"block_contents", mod_block_contents, METH_VARARGS, "block_contents(u64 tokens, block_size) -> bytes"},
     {"unknown_root", mod_unknown_root, METH_VARARGS, "unknown_root(sidx, parent_hash) -> root"},
     {"position_muls", mod_muls, METH_NOARGS, "the per-position multipliers R as bytes"},
+    {"check_ids", mod_check_ids, METH_VARARGS, "check_ids(ids, max_id) -> first bad index or -1"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -235,3 +235,10 @@ def unknown_root(sidx: int, parent: int) -> int:
     computes the same value)."""
     root: int = _kvcore.unknown_root(sidx, parent)
     return root
+
+
+def check_token_ids(ids: list[Any], max_id: int | None) -> int:
+    """Index of the first id that is not a plain int (bools are not) in 0..``max_id``, -1 when all
+    are: one C loop (a Python loop cost ~60 ns per id, 2 ms for a 32k-token prompt)."""
+    bad: int = _kvcore.check_ids(ids, max_id)
+    return bad

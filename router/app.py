@@ -250,27 +250,15 @@ class KVRouter:
 
         @api.get("/health")
         async def health() -> dict[str, Any]:
-            if self.worker is not None:
-                return {"status": "ok", "worker": self.worker.index, "pid": os.getpid()}
-            return {"status": "ok"}
+            return self.health_body()
 
         @api.get("/ready")
         async def ready() -> Response:
-            if not self.registry.any_healthy():
-                raise unavailable("no healthy backend")
-            return JSONResponse({"status": "ready", "healthy_backends": self._healthy_names()})
+            return JSONResponse(self.ready_body())
 
         @api.get("/v1/models")
         async def models() -> dict[str, Any]:
-            data = []
-            for model, backends in self.registry.models().items():
-                parent = next((b.lora_parents[model] for b in backends if model in b.lora_parents), None)
-                card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "kvrouter"}
-                if parent:
-                    card["parent"] = parent
-                card["backends"] = [b.name for b in backends]
-                data.append(card)
-            return {"object": "list", "data": data}
+            return self.models_body()
 
         @api.post("/route")
         async def route(request: Request) -> Response:
@@ -278,18 +266,8 @@ class KVRouter:
                 raw = await read_body(request.scope, request.receive, self.config.server.max_body_bytes)
             except asyncio.CancelledError:
                 return Response(status_code=499)
-            try:
-                body = msgspec.json.decode(raw)
-            except msgspec.DecodeError as exc:
-                raise bad_request(f"The body is not valid JSON: {exc}") from None
-            endpoint: Endpoint
-            q = request.query_params.get("endpoint")
-            if q in ("chat", "completions"):
-                endpoint = q  # type: ignore[assignment]
-            else:
-                endpoint = "chat" if isinstance(body, dict) and "messages" in body else "completions"
-            decided = await self.service.decide(endpoint, body, dry_run=True)
-            return Response(msgspec.json.encode(decided.explain()), media_type="application/json")
+            answer = await self.route_answer(raw, request.scope.get("query_string", b""))
+            return Response(answer, media_type="application/json")
 
         @api.get("/debug/index")
         async def debug_index() -> Response:
@@ -339,6 +317,47 @@ class KVRouter:
             return Response(msgspec.json.encode(data), media_type="application/json")
 
         return api
+
+    # --- answers shared by the FastAPI routes and the native ones (router/http/native.py) ----------
+    def health_body(self) -> dict[str, Any]:
+        """``GET /health``."""
+        if self.worker is not None:
+            return {"status": "ok", "worker": self.worker.index, "pid": os.getpid()}
+        return {"status": "ok"}
+
+    def ready_body(self) -> dict[str, Any]:
+        """``GET /ready``; 503 when no backend is healthy."""
+        if not self.registry.any_healthy():
+            raise unavailable("no healthy backend")
+        return {"status": "ready", "healthy_backends": self._healthy_names()}
+
+    def models_body(self) -> dict[str, Any]:
+        """``GET /v1/models``: every model some backend serves, with the backends serving it."""
+        data = []
+        for model, backends in self.registry.models().items():
+            parent = next((b.lora_parents[model] for b in backends if model in b.lora_parents), None)
+            card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "kvrouter"}
+            if parent:
+                card["parent"] = parent
+            card["backends"] = [b.name for b in backends]
+            data.append(card)
+        return {"object": "list", "data": data}
+
+    async def route_answer(self, raw: bytes, query: bytes) -> bytes:
+        """``POST /route``: the decision for a request body, explained (nothing is sent); raises
+        :class:`ApiError` for a bad body."""
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"The body is not valid JSON: {exc}") from None
+        endpoint: Endpoint
+        q = parse_qs(query.decode("latin-1")).get("endpoint", [None])[-1] if query else None
+        if q in ("chat", "completions"):
+            endpoint = q  # type: ignore[assignment]
+        else:
+            endpoint = "chat" if isinstance(body, dict) and "messages" in body else "completions"
+        decided = await self.service.decide(endpoint, body, dry_run=True)
+        return msgspec.json.encode(decided.explain())
 
     def _healthy_names(self) -> list[str]:
         return [b.name for b in self.registry.backends.values() if b.healthy]

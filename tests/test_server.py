@@ -379,3 +379,65 @@ def test_asgi_requests_after_one_that_waited_for_a_disconnect(setup: tuple[Route
             s.sendall(b"GET /test/stream HTTP/1.1\r\nhost: t\r\n\r\n")
             status, _, body = _read_response(s, buf)
             assert status == 200 and body == b"part 0\npart 1\npart 2\n"
+
+
+def test_native_lookup_endpoints_answer_as_the_framework_does(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    """/health, /ready, /v1/models and /route are served without FastAPI (router/http/native.py):
+    the same requests through the FastAPI routes give the same statuses and bytes (/route: the same
+    JSON apart from the timing values)."""
+    router, engine = setup
+    tokens = [5 + i for i in range(32)]
+    engine.announce(tokens[:16], 4)
+    wait_for(lambda: _route(router, {"model": "toy", "prompt": tokens})[1]["matched_blocks"] == 4, "index")
+    cases: list[tuple[str, str, bytes]] = [
+        ("GET", "/health", b""),
+        ("GET", "/ready", b""),
+        ("GET", "/v1/models", b""),
+        ("POST", "/route", json.dumps({"model": "toy", "prompt": tokens}).encode()),
+        (
+            "POST",
+            "/route?endpoint=chat",
+            json.dumps({"model": "toy", "messages": [{"role": "user"}]}).encode(),
+        ),
+        (
+            "POST",
+            "/route",
+            json.dumps({"model": "toy", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        ),
+        ("POST", "/route", b"{not json"),
+        ("POST", "/route", json.dumps({"prompt": tokens}).encode()),
+        ("POST", "/route", json.dumps({"model": "nope", "prompt": tokens}).encode()),
+        ("POST", "/route", json.dumps({"model": "toy", "prompt": [True, 1]}).encode()),
+        ("POST", "/route", json.dumps({"model": "toy", "prompt": [10**9]}).encode()),
+    ]
+
+    def answers() -> list[tuple[int, Any]]:
+        out: list[tuple[int, Any]] = []
+        for method, path, body in cases:
+            r = httpx.request(method, f"{router.url}{path}", content=body or None, timeout=10)
+            assert r.headers["content-type"] == "application/json"
+            if path.startswith("/route") and r.status_code == 200:
+                data = r.json()
+                data["timings_us"] = sorted(data["timings_us"])
+                data["time"] = 0
+                out.append((200, data))
+            else:
+                out.append((r.status_code, r.content))
+        return out
+
+    server = cast(NativeServer, router.server).server
+    native = answers()
+    routes, server.native.routes = server.native.routes, {}  # everything through FastAPI now
+    try:
+        framework = answers()
+    finally:
+        server.native.routes = routes
+    assert native == framework
+    assert [status for status, _ in native] == [200, 200, 200, 200, 200, 200, 400, 400, 404, 400, 400]
+
+
+def _route(router: RouterRunner, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    r = httpx.post(f"{router.url}/route", json=body, timeout=10)
+    return r.status_code, r.json()

@@ -50,6 +50,7 @@ import jinja2.sandbox
 import msgspec
 from tokenizers import Tokenizer, processors
 
+from index.keys import check_token_ids
 from router.decision.segments import SegmentCache
 
 __all__ = [
@@ -764,7 +765,10 @@ def _check_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
 def _validate_ids(ids: list[Any], max_token_id: int | None) -> list[int]:
     if not ids:
         raise TokenizerError("prompt token list is empty")
-    for tid in ids:
+    bad = check_token_ids(ids, max_token_id)  # the loop below, in C; it only words the error
+    if bad < 0:
+        return ids
+    for tid in ids[bad:]:
         # bool is an int subclass; JSON true must not pass as token 1.
         if type(tid) is not int or tid < 0:
             raise TokenizerError(f"prompt token ids must be non-negative integers, got {tid!r}")

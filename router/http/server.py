@@ -1,5 +1,6 @@
-"""kvrouter's own HTTP/1.1 server (asyncio + httptools' C parser): the two proxied endpoints run
-natively, everything else goes through the FastAPI app over a minimal ASGI bridge.
+"""kvrouter's own HTTP/1.1 server (asyncio + httptools' C parser): the two proxied endpoints and
+the lookup endpoints (/health, /ready, /v1/models, /route: :mod:`router.http.native`) run natively,
+everything else goes through the FastAPI app over a minimal ASGI bridge.
 
 Why not uvicorn for the hot path (measured, BENCHMARKS.md): under uvicorn every proxied response
 costs two socket writes (status line and headers, then the body) plus ASGI message dicts and a task
@@ -41,6 +42,7 @@ import httptools
 
 from router.http.asgi import Headers, Message
 from router.http.errors import ApiError, bad_request, head_too_large, internal_error, too_large
+from router.http.native import NativeEndpoints
 from router.http.proxy import PATHS, send_error
 
 if TYPE_CHECKING:
@@ -467,6 +469,7 @@ class HttpServer:
         self.write_timeout = srv.write_timeout_s
         self.drain_timeout = srv.drain_timeout_s
         self.access_log = srv.access_log
+        self.native = NativeEndpoints(app)
         self.connections: set[_Connection] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
@@ -482,9 +485,14 @@ class HttpServer:
         return self._date
 
     async def dispatch(self, req: _Request, writer: _Writer, conn: _Connection) -> None:
-        """The proxied endpoints natively, everything else through the ASGI app."""
+        """The proxied endpoints and the lookup endpoints (:mod:`router.http.native`) natively,
+        everything else through the ASGI app."""
         if req.method == "POST" and req.path in PATHS:
             await self.app.proxy.handle(req.path, req.headers, req.body, writer, lambda: conn.gone)
+            return
+        native = self.native.get(req.method, req.path)
+        if native is not None:
+            await native(req.headers, req.query, req.body, writer)
         else:
             await self._asgi(req, writer, conn)
 
