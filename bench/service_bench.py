@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -539,34 +540,44 @@ def wait_http(svc: Service, timeout: float = 120) -> float:
 
 
 def wait_visible(
-    svcs: list[Service], targets: list[tuple[int, list[int], int]], timeout: float, between: float = 0.0
+    svcs: list[Service], targets: list[tuple[int, list[int], int]], timeout: float, between: float = 0.002
 ) -> dict[str, float]:
-    """Poll every service until each (source, tokens, blocks) target is fully matched; the time each
-    service finished (perf_counter)."""
-    clients = {svc.name: Http(svc.port) for svc in svcs}
-    left = {svc.name: list(targets) for svc in svcs}
+    """Poll every service (one thread each, ``between`` seconds apart, so a slow endpoint delays
+    neither the other's detection nor loads its own process much) until each (source, tokens,
+    blocks) target is fully matched; the time each service finished (perf_counter)."""
     done: dict[str, float] = {}
-    deadline = time.monotonic() + timeout
-    while len(done) < len(svcs):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not visible in {timeout}s: {[(k, len(v)) for k, v in left.items()]}")
-        for svc in svcs:
-            if svc.name in done:
-                continue
-            todo = left[svc.name]
-            source, tokens, blocks = todo[-1]
-            try:
-                got = svc.lookup(clients[svc.name], tokens).get(source, 0)
-            except (OSError, ConnectionError):
-                got = -1
-            if got == blocks:
-                todo.pop()
-                if not todo:
-                    done[svc.name] = time.perf_counter()
-        if between:
-            time.sleep(between)
-    for c in clients.values():
-        c.close()
+    errors: list[str] = []
+
+    def poll(svc: Service) -> None:
+        http = Http(svc.port)
+        todo = list(targets)
+        deadline = time.monotonic() + timeout
+        try:
+            while todo:
+                if time.monotonic() > deadline:
+                    errors.append(f"{svc.name}: {len(todo)} targets not visible in {timeout}s")
+                    return
+                source, tokens, blocks = todo[-1]
+                try:
+                    got = svc.lookup(http, tokens).get(source, 0)
+                except (OSError, ConnectionError):
+                    got = -1
+                if got == blocks:
+                    todo.pop()
+                    continue
+                if between:
+                    time.sleep(between)
+            done[svc.name] = time.perf_counter()
+        finally:
+            http.close()
+
+    threads = [threading.Thread(target=poll, args=(svc,)) for svc in svcs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError("; ".join(errors))
     return done
 
 
@@ -587,7 +598,7 @@ def subscribe(svcs: list[Service], pubs: Publishers, sources: int, timeout: floa
     while True:
         pubs.command("probe")
         try:
-            wait_visible(svcs, targets, timeout=1.0)
+            wait_visible(svcs, targets, timeout=1.0, between=0.01)
             return
         except RuntimeError:
             if time.monotonic() > deadline:
@@ -604,10 +615,23 @@ def drain(
     time.sleep(0.5)
     cpu0 = {svc.name: svc.cpu() for svc in svcs}
     targets = [(c.source, chain_tokens(c.family, c.seed, c.blocks), c.blocks) for c in stream.last]
+    spy = None
+    if os.environ.get("KVBENCH_PYSPY"):  # profile kvrouter's drain: KVBENCH_PYSPY=/path/to/py-spy
+        assert svcs[0].proc is not None
+        spy = subprocess.Popen(
+            [os.environ["KVBENCH_PYSPY"], "record", "-p", str(svcs[0].proc.pid), "-r", "2000", "-f", "raw"]  # noqa: RUF005
+            + ["-o", f"/tmp/kvbench-pyspy-{stream.blocks}.txt", "--nonblocking", "--threads"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(1.0)
     t0 = time.perf_counter()
     for svc in svcs:
         svc.signal(signal.SIGCONT)
     done = wait_visible(svcs, targets, timeout=300)
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
     out: dict[str, dict[str, Any]] = {}
     for svc in svcs:
         secs = done[svc.name] - t0
@@ -685,7 +709,7 @@ def paced(svcs: list[Service], pubs: Publishers, stream: Stream, rate: float) ->
     pubs.command(f"pace {rate / len(pubs.procs)}")
     t_sent = time.perf_counter()
     targets = [(c.source, chain_tokens(c.family, c.seed, c.blocks), c.blocks) for c in stream.last]
-    done = wait_visible(svcs, targets, timeout=120, between=0.002)
+    done = wait_visible(svcs, targets, timeout=120)
     out = {}
     for svc in svcs:
         cpu = svc.cpu() - cpu0[svc.name]
@@ -738,7 +762,7 @@ def startup(dynamo_py: str | None, mock_port: int, tmp: Path, rounds: int) -> di
                         while True:
                             pubs.command("probe")
                             try:
-                                done = wait_visible([svc], target, timeout=0.05)
+                                done = wait_visible([svc], target, timeout=0.05, between=0.005)
                                 break
                             except RuntimeError:
                                 if time.monotonic() > deadline:

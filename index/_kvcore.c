@@ -37,6 +37,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 typedef uint64_t u64;
 typedef int64_t i64;
@@ -1619,6 +1622,17 @@ static PyObject *mod_check_ids(PyObject *self, PyObject *args) {
     return PyLong_FromLong(-1);
 }
 
+/* trim(): give the heap's free memory back to the OS (glibc keeps it after bursts of messages) */
+static PyObject *mod_trim(PyObject *self, PyObject *noarg) {
+    int freed = 0;
+#ifdef __GLIBC__
+    Py_BEGIN_ALLOW_THREADS
+    freed = malloc_trim(0);
+    Py_END_ALLOW_THREADS
+#endif
+    return PyBool_FromLong(freed);
+}
+
 static PyObject *mod_muls(PyObject *self, PyObject *noarg) {
     return PyBytes_FromStringAndSize((const char *)MULS, sizeof(MULS));
 }
@@ -1628,6 +1642,7 @@ static PyMethodDef mod_methods[] = {
     {"block_contents", mod_block_contents, METH_VARARGS, "block_contents(u64 tokens, block_size) -> bytes"},
     {"unknown_root", mod_unknown_root, METH_VARARGS, "unknown_root(sidx, parent_hash) -> root"},
     {"position_muls", mod_muls, METH_NOARGS, "the per-position multipliers R as bytes"},
+    {"trim", mod_trim, METH_NOARGS, "trim() -> whether the heap gave memory back to the OS"},
     {"check_ids", mod_check_ids, METH_VARARGS, "check_ids(ids, max_id) -> first bad index or -1"},
     {NULL, NULL, 0, NULL},
 };

@@ -336,6 +336,8 @@ class Ingestor:
         """Register a source with the store and give it counters."""
         sidx = self.store.add_source(source)
         self.stats[sidx] = SourceStats()
+        if self.on_reset is not None:
+            self.on_reset(sidx)  # a reused slot starts without the previous holder's predictions
         return sidx
 
     def source_name(self, sidx: int) -> str:

@@ -36,6 +36,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+import index._kvcore as _kvcore
 from index.ingest import Ingestor
 from index.store import SourceId
 from index.wire import END_SEQ, Batch, RawBatch, WireError, decode_seq, peek_message, split_replay_reply
@@ -105,15 +106,20 @@ class SourceStatus(msgspec.Struct):
     block_size: int | None
     block_size_mismatch: bool
     blocks: dict[str, int]
+    bootstrap: str = "none"
+    """The first-contact replay: "pending" (waiting for the engine, or in flight), "done", "failed"
+    (timed out or abandoned; live events are applied all the same), "none" (no replay endpoint)."""
 
 
 class _Replay:
-    __slots__ = ("deadline", "replies", "start", "until")
+    __slots__ = ("bootstrap", "deadline", "replies", "start", "until")
 
-    def __init__(self, start: int, until: int | None, deadline: float) -> None:
+    def __init__(self, start: int, until: int | None, deadline: float, bootstrap: bool = False) -> None:
         self.start = start
         self.until = until
         self.deadline = deadline
+        self.bootstrap = bootstrap
+        """A (re)connection's replay from seq 0, not a gap's."""
         self.replies: list[tuple[int, bytes]] = []
 
 
@@ -142,6 +148,9 @@ class _Source:
         self.restarts = 0
         self.duplicates = 0
         self.foreign_topic = 0
+        self.bootstrap = "pending" if cfg.replay_endpoint is not None else "none"
+        self.bootstrapped = cfg.replay_endpoint is None
+        """The first bootstrap attempt has ended (or none is configured): the source is ready."""
 
 
 class EventSubscriber:
@@ -164,6 +173,8 @@ class EventSubscriber:
         self._thread: threading.Thread | None = None
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket[Any], tuple[str, _Source]] = {}
+        self._busy = False
+        """Something was ingested since the heap was last trimmed."""
         for cfg in sources or []:
             self.add_source(cfg)
 
@@ -232,9 +243,15 @@ class EventSubscriber:
                     block_size=st.block_size,
                     block_size_mismatch=st.block_size_mismatch > 0,
                     blocks=self.ingestor.store.source_blocks(src.sidx),
+                    bootstrap=src.bootstrap,
                 )
             )
         return out
+
+    def source_ready(self, source: SourceId) -> bool:
+        """Whether a followed source's first bootstrap attempt has ended (or none is configured)."""
+        src = self._sources.get(source)
+        return src is not None and src.bootstrapped
 
     def sidx_of(self, source: SourceId) -> int | None:
         """Store index of a followed source."""
@@ -288,8 +305,9 @@ class EventSubscriber:
         if src.monitor is not None:
             src.monitor.close(0)
         if forget:
-            self.ingestor.store.remove_source(source)
+            self.ingestor.store.remove_source(source)  # in slices, without the GIL (index/store.py)
             self.ingestor.stats.pop(src.sidx, None)
+            self._busy = True  # trim the heap once idle: the source's tables are gone
 
     # --- the loop -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -306,6 +324,10 @@ class EventSubscriber:
             except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
                 log.error("poll failed: %s", exc)
                 break
+            if not ready and self._busy:
+                # idle after a burst: the heap gives back what the messages took (glibc keeps it)
+                self._busy = False
+                _kvcore.trim()
             chunk: list[tuple[int, Batch | bytes | None]] = []
             for sock in ready:
                 kind, src = self._by_socket.get(sock, ("", None))
@@ -324,6 +346,7 @@ class EventSubscriber:
                     src.replay_failed_at = now
                     self._finish_replay(src, chunk)
             if chunk:
+                self._busy = True
                 try:
                     self.ingestor.apply_chunk(chunk)
                 except Exception:  # never let one bad chunk kill ingestion
@@ -343,16 +366,29 @@ class EventSubscriber:
     def _drain_live(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         sub = src.sub
         assert sub is not None
+        recv = sub.recv
         for _ in range(self.config.max_chunk):
+            # three plain receives instead of recv_multipart, whose RCVMORE query per frame cost ~4 us
+            # a message (BENCHMARKS.md); only the last frame's own flag is read: a message of another
+            # frame count shows as a seq frame that is not 8 bytes or a last frame with more behind it
             try:
-                frames = sub.recv_multipart(zmq.NOBLOCK)
+                topic = recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                if len(frames) != 3:
-                    raise WireError(f"message has {len(frames)} frames, expected 3 [topic, seq, payload]")
-                topic = frames[0]
-                batch = peek_message(frames[2], decode_seq(frames[1]))
+                seq_frame = recv(zmq.NOBLOCK)
+                last = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # (a message is delivered whole: fewer frames, nothing after them)
+                self._decode_error(src, WireError("message has fewer than 3 frames"), [])
+                continue
+            if last.more or len(seq_frame) != 8:
+                while sub.get(zmq.RCVMORE):  # skip to the end of whatever message this is
+                    recv(zmq.NOBLOCK)
+                self._decode_error(src, WireError("message is not 3 frames [topic, seq, payload]"), [])
+                continue
+            frames = [topic, seq_frame, last.bytes]
+            try:
+                batch = peek_message(frames[2], decode_seq(seq_frame))
             except WireError as exc:
                 self._decode_error(src, exc, frames)
                 continue
@@ -430,7 +466,7 @@ class EventSubscriber:
         src.last_seq = seq
         src.last_ts = batch.ts
 
-    def _start_replay(self, src: _Source, start: int, until: int | None) -> None:
+    def _start_replay(self, src: _Source, start: int, until: int | None, bootstrap: bool = False) -> None:
         if src.dealer is None:
             dealer = self.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
@@ -439,7 +475,9 @@ class EventSubscriber:
             src.dealer = dealer
             self._poller.register(dealer, zmq.POLLIN)
             self._by_socket[dealer] = ("dealer", src)
-        src.replay = _Replay(start, until, time.monotonic() + self.config.replay_timeout_s)
+        src.replay = _Replay(start, until, time.monotonic() + self.config.replay_timeout_s, bootstrap)
+        if bootstrap:
+            src.bootstrap = "pending"
         src.replays += 1
         src.dealer.send_multipart([b"", start.to_bytes(8, "big")])
 
@@ -469,6 +507,9 @@ class EventSubscriber:
         if replay is None:
             return
         src.replay = None
+        if replay.bootstrap:
+            src.bootstrap = "done" if finished else "failed"
+            src.bootstrapped = True
         if not finished:
             # replies of an abandoned request could still arrive and be mistaken for the next one's
             self._close_dealer(src)
@@ -502,6 +543,6 @@ class EventSubscriber:
                 src.peers += 1
                 if src.cfg.replay_endpoint is not None and src.replay is None:
                     # bootstrap: fetch what the engine still buffers (duplicates are skipped by seq/ts)
-                    self._start_replay(src, 0, None)
+                    self._start_replay(src, 0, None, bootstrap=True)
             elif event == zmq.EVENT_DISCONNECTED:
                 src.peers = max(0, src.peers - 1)
