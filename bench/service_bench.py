@@ -296,6 +296,14 @@ class Publishers:
             out.append(line)
         return out
 
+    def cpu(self) -> float:
+        """CPU seconds of the publisher processes (all threads)."""
+        total = 0.0
+        for p in self.procs:
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / TICK
+        return total
+
     def close(self) -> None:
         for p in self.procs:
             try:
@@ -415,6 +423,19 @@ class Service:
         assert self.proc is not None
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / TICK
+
+    def threads(self) -> dict[str, float]:
+        """CPU seconds per thread (tid:comm), to see where a service spends."""
+        assert self.proc is not None
+        out = {}
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                comm = (task / "comm").read_text().strip()
+            except OSError:
+                continue
+            out[f"{task.name}:{comm}"] = (int(fields[11]) + int(fields[12])) / TICK
+        return out
 
     def rss(self) -> int:
         assert self.proc is not None
@@ -614,6 +635,8 @@ def drain(
     sent = pubs.command("go")
     time.sleep(0.5)
     cpu0 = {svc.name: svc.cpu() for svc in svcs}
+    pub0 = pubs.cpu()
+    threads0 = {svc.name: svc.threads() for svc in svcs}
     targets = [(c.source, chain_tokens(c.family, c.seed, c.blocks), c.blocks) for c in stream.last]
     spy = None
     if os.environ.get("KVBENCH_PYSPY"):  # profile kvrouter's drain: KVBENCH_PYSPY=/path/to/py-spy
@@ -629,10 +652,11 @@ def drain(
     for svc in svcs:
         svc.signal(signal.SIGCONT)
     done = wait_visible(svcs, targets, timeout=300)
+    pub_cpu = pubs.cpu() - pub0
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(30)
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {}
     for svc in svcs:
         secs = done[svc.name] - t0
         cpu = svc.cpu() - cpu0[svc.name]
@@ -644,6 +668,11 @@ def drain(
             "rss_before_mb": round(rss0[svc.name] / 2**20, 1),
             "rss_after_mb": round(svc.rss() / 2**20, 1),
             "rss_per_block_b": round((svc.rss() - rss0[svc.name]) / stream.blocks, 1),
+            "thread_cpu_s": {
+                k: round(v - threads0[svc.name].get(k, 0.0), 3)
+                for k, v in svc.threads().items()
+                if v - threads0[svc.name].get(k, 0.0) > 0.005
+            },
         }
     rng = random.Random(seed)
     picks = rng.sample(stream.chains, min(sample, len(stream.chains)))
@@ -656,7 +685,7 @@ def drain(
         http.close()
         out[svc.name]["sampled_chains"] = len(picks)
         out[svc.name]["chains_missing"] = bad
-    out["_publish_s"] = {"sent": sent}  # type: ignore[dict-item]
+    out["_publishers"] = {"sent": sent, "cpu_s_during_drain": round(pub_cpu, 3)}
     return out
 
 

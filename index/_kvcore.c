@@ -49,8 +49,11 @@ typedef int64_t i64;
 #define CHAIN_MUL 0x9E3779B97F4A7C15ULL
 #define MIN_CAP 64
 #define MAX_MEDIA 16
+#define MAX_WORDS 64 /* 64-source words: at most 4,096 source slots (slots are reused) */
+#define MAX_SOURCES (MAX_WORDS * 64)
 #define MAX_BLOCK_SIZE 4096
 #define SLICE 4096     /* em rows per locked step of a clear or drop */
+#define AHEAD 16       /* rows a rebuild prefetches ahead */
 #define BIG 65536      /* allocations at least this large are mmap'ed */
 
 enum { G_TOTAL, G_EVICTIONS, G_KT_LIVE, G_RT_USED, G_RT_LIVE, G_MAX, G_SIZE };
@@ -147,7 +150,7 @@ typedef struct {
     size_t kcap;
     int kw;
     unsigned kshift;
-    i64 *col_of; /* [MAX_MEDIA][nw] */
+    i64 *col_of; /* [MAX_MEDIA][MAX_WORDS], never moved: columns of the words in use (nw) */
     int nm, nw;
     u64 *rt;
     size_t rcap;
@@ -164,7 +167,7 @@ typedef struct {
 } Store;
 
 #define KT(s, i, c) ((s)->kt[(size_t)(i) * (size_t)(s)->kw + (size_t)(c)])
-#define COL(s, m, w) ((s)->col_of[(size_t)(m) * (size_t)(s)->nw + (size_t)(w)])
+#define COL(s, m, w) ((s)->col_of[(size_t)(m) * MAX_WORDS + (size_t)(w)])
 
 static inline void lock(Store *s) { pthread_mutex_lock(&s->mu); }
 static inline void unlock(Store *s) { pthread_mutex_unlock(&s->mu); }
@@ -226,6 +229,8 @@ static void kt_copy(const u64 *old, size_t ocap, int ow, u64 *new, size_t ncap, 
     unsigned shift = shift_of(ncap);
     size_t mask = ncap - 1;
     for (size_t r = 0; r < ocap; r++) {
+        if (r + AHEAD < ocap) /* the new home of a row further on: its cache miss overlaps */
+            __builtin_prefetch(new + (home(old[(r + AHEAD) * (size_t)ow], shift) & mask) * (size_t)nw, 1);
         if (!kt_live_row(old, ow, r)) continue;
         u64 key = old[r * (size_t)ow];
         size_t i = home(key, shift) & mask;
@@ -279,8 +284,6 @@ static void em_delete(Src *src, size_t i) {
     em[i * 3 + 2] = 0;
 }
 
-#define AHEAD 64
-
 static int em_rebuild(Store *s, Src *src, size_t cap) {
     u64 *new = zalloc(cap * 3 * sizeof(u64));
     if (!new) return -1;
@@ -288,6 +291,7 @@ static int em_rebuild(Store *s, Src *src, size_t cap) {
     size_t mask = cap - 1;
     for (size_t r = 0; r < src->ecap; r++) {
         u64 *row = src->em + r * 3;
+        if (r + AHEAD < src->ecap) __builtin_prefetch(new + (home(row[AHEAD * 3], shift) & mask) * 3, 1);
         if (row[2] < 2) continue;
         size_t i = home(row[0], shift) & mask;
         while (new[i * 3 + 2]) i = (i + 1) & mask;
@@ -311,14 +315,22 @@ static int log_compact(Store *s, Src *src, size_t size) {
     u64 *new = zalloc(size * sizeof(u64));
     if (!new) return -1;
     size_t mask = src->ecap - 1;
-    i64 q = 0, tail = src->ss[S_TAIL];
-    volatile u64 acc = 0;
+    i64 q = 0, head = src->ss[S_HEAD], tail = src->ss[S_TAIL];
     pthread_mutex_lock(&s->emu);
-    for (i64 base = src->ss[S_HEAD]; base < tail; base += AHEAD) {
-        i64 stop = base + AHEAD < tail ? base + AHEAD : tail;
-        u64 a = 0;
-        for (i64 p = base; p < stop; p++) a ^= src->em[(home(src->log[p], src->eshift) & mask) * 3 + 2];
-        acc ^= a;
+    if (tail - head == src->ss[S_EM_LIVE]) {
+        /* every entry is current (each live mapping has exactly one): a copy, and when the head
+         * moved, one linear pass renumbering the rows; no probing */
+        memcpy(new, src->log + head, (size_t)(tail - head) * sizeof(u64));
+        if (head)
+            for (size_t i = 0; i < src->ecap; i++)
+                if (src->em[i * 3 + 2] >= 2) src->em[i * 3 + 2] -= (u64)head;
+        q = tail - head;
+        tail = head; /* (skip the loop below) */
+    }
+    for (i64 base = head; base < tail; base += 64) {
+        i64 stop = base + 64 < tail ? base + 64 : tail;
+        for (i64 p = base; p < stop; p++)
+            __builtin_prefetch(src->em + (home(src->log[p], src->eshift) & mask) * 3);
         for (i64 p = base; p < stop; p++) {
             i64 i = em_find(src, src->log[p]);
             if (i >= 0 && src->em[i * 3 + 2] == (u64)(p + 2)) {
@@ -491,19 +503,15 @@ static void forget(Store *s, Src *src, i64 sidx, u64 key) {
     if (r >= 0) kt_settle(s, (size_t)r);
 }
 
-static u64 touch_sink;
-
 /* One BlockStored (room already made): returns 1 when the total went over the cap. */
 static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *keys, i64 n, unsigned char *fresh) {
     Src *src = s->src[sidx];
     i64 col = COL(s, m, sidx >> 6);
     size_t emask = src->ecap - 1;
-    if (n > 1) {
-        u64 acc = 0;
+    if (n > 1) { /* every block's home slots first: their cache misses overlap */
         size_t kmask = s->kcap - 1;
-        for (i64 j = 0; j < n; j++) acc ^= src->em[(home(ehs[j], src->eshift) & emask) * 3 + 2];
-        for (i64 j = 0; j < n; j++) acc ^= KT(s, home(keys[j], s->kshift) & kmask, 1);
-        touch_sink ^= acc;
+        for (i64 j = 0; j < n; j++) __builtin_prefetch(src->em + (home(ehs[j], src->eshift) & emask) * 3, 1);
+        for (i64 j = 0; j < n; j++) __builtin_prefetch(&KT(s, home(keys[j], s->kshift) & kmask, 0), 1);
     }
     i64 tail = src->ss[S_TAIL];
     i64 nfresh = 0;
@@ -789,14 +797,15 @@ static int Store_init(Store *s, PyObject *args, PyObject *kw) {
     s->base_root = base_root;
     s->nm = 3;
     s->nw = 1;
-    s->col_of = malloc(sizeof(i64) * MAX_MEDIA);
+    s->col_of = malloc(sizeof(i64) * MAX_MEDIA * MAX_WORDS);
+    s->src = calloc(MAX_SOURCES, sizeof(Src *)); /* never moved: an ingest may run meanwhile */
     s->kt = zalloc(MIN_CAP * 2 * sizeof(u64));
     s->rt = zalloc(MIN_CAP * 3 * sizeof(u64));
-    if (!s->col_of || !s->kt || !s->rt) {
+    if (!s->col_of || !s->src || !s->kt || !s->rt) {
         PyErr_NoMemory();
         return -1;
     }
-    for (int i = 0; i < MAX_MEDIA; i++) s->col_of[i] = -1;
+    for (int i = 0; i < MAX_MEDIA * MAX_WORDS; i++) s->col_of[i] = -1;
     s->col_of[0] = 1; /* GPU, sources 0..63: column 1 */
     s->kcap = MIN_CAP;
     s->kw = 2;
@@ -827,38 +836,22 @@ static int check_medium(Store *s, long long m) {
     return 0;
 }
 
-/* slot(): a new source slot (the Python side reuses freed ones by index) */
+/* new_slot(): a new source slot (the Python side reuses freed ones by index). The slot array and
+ * the column layout never move, so this is safe while an ingest runs in another thread. */
 static PyObject *Store_new_slot(Store *s, PyObject *noarg) {
-    Src *src = calloc(1, sizeof(Src));
-    Src **arr = realloc(s->src, sizeof(Src *) * (size_t)(s->nsrc + 1));
-    if (!src || !arr) {
-        free(src);
-        if (arr) s->src = arr;
-        return PyErr_NoMemory();
+    if (s->nsrc >= MAX_SOURCES) {
+        PyErr_Format(PyExc_ValueError, "at most %d event sources at once", MAX_SOURCES);
+        return NULL;
     }
-    s->src = arr;
-    src->ecap = 0;
+    Src *src = calloc(1, sizeof(Src));
+    if (!src) return PyErr_NoMemory();
     if (src_reset_map(s, src)) {
         free(src);
         return PyErr_NoMemory();
     }
     int idx = s->nsrc;
     int words = (idx >> 6) + 1;
-    if (words > s->nw) { /* every source's word has a column entry (-1) */
-        i64 *col = malloc(sizeof(i64) * MAX_MEDIA * (size_t)words);
-        if (!col) {
-            free(src);
-            return PyErr_NoMemory();
-        }
-        for (int m = 0; m < MAX_MEDIA; m++)
-            for (int w = 0; w < words; w++) col[m * words + w] = w < s->nw ? s->col_of[m * s->nw + w] : -1;
-        lock(s);
-        i64 *old = s->col_of;
-        s->col_of = col;
-        s->nw = words;
-        unlock(s);
-        free(old);
-    }
+    if (words > s->nw) s->nw = words; /* their column entries are -1 already */
     s->src[idx] = src;
     s->nsrc = idx + 1;
     return PyLong_FromLong(idx);
@@ -1510,6 +1503,38 @@ static PyObject *mod_prompt_keys(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "block_size %lld outside 1..%d", bs, MAX_BLOCK_SIZE);
         return NULL;
     }
+    if (PyBytes_Check(to)) { /* ids as native uint64 (a TokenBuffer's bytes): no Python ints */
+        Py_ssize_t nb = PyBytes_GET_SIZE(to) / 8 / bs;
+        const u64 *t = (const u64 *)PyBytes_AS_STRING(to);
+        PyObject *out = PyBytes_FromStringAndSize(NULL, nb * 8);
+        if (!out) return NULL;
+        u64 *keys = (u64 *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t b = 0; b < nb; b++) keys[b] = block_content(t + b * bs, (size_t)bs);
+        if (xo != Py_None) {
+            PyObject *xs = PySequence_Fast(xo, "extras must be a sequence");
+            if (!xs) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(xs); i++) {
+                long long xb;
+                unsigned long long x;
+                if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(xs, i), "LK", &xb, &x)) {
+                    Py_DECREF(xs);
+                    Py_DECREF(out);
+                    return NULL;
+                }
+                if (xb >= 0 && xb < nb) keys[xb] ^= x;
+            }
+            Py_DECREF(xs);
+        }
+        u64 sm = root;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            sm = sm * CHAIN_MUL + keys[b];
+            keys[b] = sm;
+        }
+        return out;
+    }
     PyObject *seq = PySequence_Fast(to, "tokens must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t nt = PySequence_Fast_GET_SIZE(seq);
@@ -1622,6 +1647,192 @@ static PyObject *mod_check_ids(PyObject *self, PyObject *args) {
     return PyLong_FromLong(-1);
 }
 
+/* parse a JSON array of non-negative integers in 0..2^64-1 at p (no sign, fraction, exponent or
+ * leading zero; whitespace allowed), as msgspec would decode it to a list of ints: the position
+ * after it and the ids (malloc'ed, *n of them), or NULL when it is anything else */
+static const uint8_t *parse_ids(const uint8_t *p, const uint8_t *end, u64 **out, size_t *nout) {
+    u64 *ids = NULL;
+    size_t n = 0, cap = 0;
+#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
+    WS();
+    if (p >= end || *p != '[') return NULL;
+    p++;
+    WS();
+    if (p < end && *p == ']') return NULL; /* empty: the generic path words the error */
+    size_t guess = (size_t)(end - p) / 4 + 16;
+    for (;;) {
+        if (p >= end || *p < '0' || *p > '9') goto none;
+        if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') goto none; /* leading zero */
+        u64 x = 0;
+        const uint8_t *first = p;
+        while (p < end && (unsigned)(*p - '0') < 10 && p - first < 19) x = x * 10 + (u64)(*p++ - '0');
+        if (p < end && (unsigned)(*p - '0') < 10) { /* a 20th digit: may overflow */
+            u64 d = (u64)(*p++ - '0');
+            if (__builtin_mul_overflow(x, 10, &x) || __builtin_add_overflow(x, d, &x)) goto none;
+            if (p < end && (unsigned)(*p - '0') < 10) goto none;
+        }
+        if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) goto none;
+        if (n == cap) {
+            size_t nc = cap ? cap * 2 : guess;
+            u64 *ni = realloc(ids, nc * sizeof(u64));
+            if (!ni) goto none;
+            ids = ni;
+            cap = nc;
+        }
+        ids[n++] = x;
+        if (p < end && *p == ',') { /* the usual separator first */
+            p++;
+            WS();
+            continue;
+        }
+        WS();
+        if (p < end && *p == ',') {
+            p++;
+            WS();
+            continue;
+        }
+        if (p < end && *p == ']') {
+            p++;
+            break;
+        }
+        goto none;
+    }
+#undef WS
+    *out = ids;
+    *nout = n;
+    return p;
+none:
+    free(ids);
+    return NULL;
+}
+
+/* json_ids(raw) -> bytes of uint64 ids, or None: `raw` is exactly such an array (see parse_ids) */
+static PyObject *mod_json_ids(PyObject *self, PyObject *arg) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE)) return NULL;
+    const uint8_t *p = v.buf, *end = p + v.len;
+    u64 *ids = NULL;
+    size_t n = 0;
+    p = parse_ids(p, end, &ids, &n);
+    while (p && p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    PyObject *out = NULL;
+    if (p == end && ids) out = PyBytes_FromStringAndSize((const char *)ids, (Py_ssize_t)(n * sizeof(u64)));
+    else {
+        out = Py_None;
+        Py_INCREF(out);
+    }
+    free(ids);
+    PyBuffer_Release(&v);
+    return out;
+}
+
+/* the end of the JSON value at p (lenient: msgspec validates what is not the prompt), NULL if cut */
+static const uint8_t *json_skip(const uint8_t *p, const uint8_t *end) {
+    int depth = 0;
+    while (p < end) {
+        uint8_t c = *p;
+        if (c == '"') {
+            p++;
+            while (p < end && *p != '"') p += (*p == '\\') ? 2 : 1;
+            if (p >= end) return NULL;
+            p++;
+        } else if (c == '[' || c == '{') {
+            depth++;
+            p++;
+        } else if (c == ']' || c == '}') {
+            if (depth == 0) return p; /* the end of the enclosing container */
+            depth--;
+            p++;
+        } else if (c == ',' && depth == 0) {
+            return p;
+        } else {
+            p++;
+        }
+        if (depth == 0 && (c == '"' || c == ']' || c == '}')) return p;
+    }
+    return depth == 0 ? p : NULL;
+}
+
+/* json_prompt(raw) -> (start, end, ids) when the top-level "prompt" member of a JSON object (its
+ * only occurrence, spelled without escapes) is an array of token ids (see parse_ids), else None */
+static PyObject *mod_json_prompt(PyObject *self, PyObject *arg) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE)) return NULL;
+    const uint8_t *base = v.buf, *p = base, *end = base + v.len;
+    Py_ssize_t start = -1, stop = -1;
+    int found = 0;
+    u64 *ids = NULL;
+    size_t nids = 0;
+#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
+    WS();
+    if (p >= end || *p != '{') goto none;
+    p++;
+    for (;;) {
+        WS();
+        if (p < end && *p == '}') break;
+        if (p >= end || *p != '"') goto none;
+        const uint8_t *key = ++p;
+        while (p < end && *p != '"') {
+            if (*p == '\\') goto none; /* an escaped key: the generic path */
+            p++;
+        }
+        if (p >= end) goto none;
+        int is_prompt = (p - key == 6 && memcmp(key, "prompt", 6) == 0);
+        p++;
+        WS();
+        if (p >= end || *p != ':') goto none;
+        p++;
+        WS();
+        const uint8_t *value = p;
+        if (is_prompt) {
+            if (found) goto none; /* twice: the generic path */
+            found = 1;
+            p = parse_ids(p, end, &ids, &nids);
+            if (!p) goto none;
+            start = value - base;
+            stop = p - base;
+        } else {
+            p = json_skip(p, end);
+            if (!p || p == value) goto none;
+        }
+        WS();
+        if (p < end && *p == ',') {
+            p++;
+            continue;
+        }
+        if (p < end && *p == '}') break;
+        goto none;
+    }
+#undef WS
+    PyBuffer_Release(&v);
+    if (!found) Py_RETURN_NONE;
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)ids, (Py_ssize_t)(nids * sizeof(u64)));
+    free(ids);
+    if (!raw) return NULL;
+    return Py_BuildValue("(nnN)", start, stop, raw);
+none:
+    free(ids);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+/* first_above(uint64 buffer, max) -> index of the first id above max, -1 when none */
+static PyObject *mod_first_above(PyObject *self, PyObject *args) {
+    PyObject *bo;
+    unsigned long long max;
+    if (!PyArg_ParseTuple(args, "OK", &bo, &max)) return NULL;
+    U64Arg b;
+    if (u64arg(bo, &b)) return NULL;
+    Py_ssize_t at = -1;
+    for (Py_ssize_t i = 0; i < b.n; i++)
+        if (b.data[i] > max) {
+            at = i;
+            break;
+        }
+    u64arg_free(&b);
+    return PyLong_FromSsize_t(at);
+}
+
 /* trim(): give the heap's free memory back to the OS (glibc keeps it after bursts of messages) */
 static PyObject *mod_trim(PyObject *self, PyObject *noarg) {
     int freed = 0;
@@ -1642,6 +1853,9 @@ static PyMethodDef mod_methods[] = {
     {"block_contents", mod_block_contents, METH_VARARGS, "block_contents(u64 tokens, block_size) -> bytes"},
     {"unknown_root", mod_unknown_root, METH_VARARGS, "unknown_root(sidx, parent_hash) -> root"},
     {"position_muls", mod_muls, METH_NOARGS, "the per-position multipliers R as bytes"},
+    {"json_prompt", mod_json_prompt, METH_O, "(start, end, uint64 ids) of a body's token-id prompt, or None"},
+    {"json_ids", mod_json_ids, METH_O, "json_ids(raw JSON array) -> uint64 bytes or None"},
+    {"first_above", mod_first_above, METH_VARARGS, "first_above(u64 buffer, max) -> index or -1"},
     {"trim", mod_trim, METH_NOARGS, "trim() -> whether the heap gave memory back to the OS"},
     {"check_ids", mod_check_ids, METH_VARARGS, "check_ids(ids, max_id) -> first bad index or -1"},
     {NULL, NULL, 0, NULL},

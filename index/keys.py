@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import msgspec
 import numpy as np
@@ -185,6 +185,54 @@ def chain_vec(root: int, contents: U64) -> U64:
     return keys
 
 
+class TokenBuffer(Sequence[int]):
+    """A prompt's token ids as native uint64 bytes (parsed from JSON by :func:`parse_token_ids`):
+    hashing and matching read the bytes directly, so a long prompt never becomes Python ints."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        """The ids, 8 bytes each, native byte order."""
+
+    def __len__(self) -> int:
+        return len(self.raw) // 8
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        view = memoryview(self.raw).cast("Q")
+        return view[index].tolist() if isinstance(index, slice) else int(view[index])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(memoryview(self.raw).cast("Q").tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenBuffer):
+            return self.raw == other.raw
+        if isinstance(other, list):
+            return memoryview(self.raw).cast("Q").tolist() == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # list semantics
+
+    def first_above(self, max_id: int) -> int:
+        """Index of the first id above ``max_id`` (-1: none), in one C loop."""
+        at: int = _kvcore.first_above(self.raw, max_id)
+        return at
+
+
+def parse_token_ids(raw: bytes | memoryview) -> TokenBuffer | None:
+    """A JSON array of non-negative ints (the bytes of one JSON value) as a :class:`TokenBuffer`, or
+    None when it is anything else (the caller decodes it the generic way, which decides)."""
+    ids = _kvcore.json_ids(raw)
+    return None if ids is None else TokenBuffer(ids)
+
+
 def prompt_keys_both(
     tokens: Sequence[int],
     block_size: int,
@@ -207,9 +255,13 @@ def _prompt_keys_raw(
     extras = None
     if extra_keys:
         extras = [(i, extra_hash(items)) for i, items in extra_keys.items() if items]
-    if not isinstance(tokens, list | tuple):
-        tokens = list(tokens)
-    raw: bytes = _kvcore.prompt_keys(tokens, block_size, lora_root(lora_name), extras)
+    if type(tokens) is TokenBuffer:
+        src: Any = tokens.raw
+    elif isinstance(tokens, list | tuple):
+        src = tokens
+    else:
+        src = list(tokens)
+    raw: bytes = _kvcore.prompt_keys(src, block_size, lora_root(lora_name), extras)
     return raw
 
 

@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -79,6 +80,8 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     """Live messages of one source held while its replay is in flight; beyond, the replay is abandoned."""
     poll_ms: int = 100
     """Poll timeout; bounds how late stop() and replay timeouts are noticed."""
+    apply_queue: int = 4
+    """Chunks received but not yet applied, at most (the ingest thread applies them in order)."""
 
 
 class SourceStatus(msgspec.Struct):
@@ -171,6 +174,8 @@ class EventSubscriber:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._applier: threading.Thread | None = None
+        self._apply_q: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=self.config.apply_queue)
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket[Any], tuple[str, _Source]] = {}
         self._busy = False
@@ -197,6 +202,8 @@ class EventSubscriber:
         """Start the subscriber thread."""
         if self._thread is not None:
             return
+        self._applier = threading.Thread(target=self._apply_loop, name="kv-ingest", daemon=True)
+        self._applier.start()
         self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
         self._thread.start()
 
@@ -206,6 +213,10 @@ class EventSubscriber:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self._applier is not None:
+            self._apply_q.put(None)  # after everything handed over
+            self._applier.join(timeout)
+            self._applier = None
         for source in list(self._sources):
             self._close_source(source, forget=False)
         if self._own_ctx:
@@ -305,8 +316,13 @@ class EventSubscriber:
         if src.monitor is not None:
             src.monitor.close(0)
         if forget:
-            self.ingestor.store.remove_source(source)  # in slices, without the GIL (index/store.py)
-            self.ingestor.stats.pop(src.sidx, None)
+            ingestor = self.ingestor
+
+            def forget_source() -> None:
+                ingestor.stats.pop(src.sidx, None)  # (first: the slot may be reused right after)
+                ingestor.store.remove_source(source)  # in slices, without the GIL (index/store.py)
+
+            self._submit(forget_source)  # after the source's chunks already handed over
             self._busy = True  # trim the heap once idle: the source's tables are gone
 
     # --- the loop -------------------------------------------------------------------------------
@@ -347,10 +363,30 @@ class EventSubscriber:
                     self._finish_replay(src, chunk)
             if chunk:
                 self._busy = True
-                try:
-                    self.ingestor.apply_chunk(chunk)
-                except Exception:  # never let one bad chunk kill ingestion
-                    log.exception("indexing a chunk of %d batches failed", len(chunk))
+                self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
+
+    def _apply(self, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
+        try:
+            self.ingestor.apply_chunk(chunk)
+        except Exception:  # never let one bad chunk kill ingestion
+            log.exception("indexing a chunk of %d batches failed", len(chunk))
+
+    def _submit(self, work: Callable[[], None]) -> None:
+        """Hand work to the ingest thread (in order; waits while ``apply_queue`` chunks are queued,
+        so the backlog stays in ZMQ's bounded queues), or do it now before the threads run."""
+        if self._applier is None:
+            work()
+        else:
+            self._apply_q.put(work)
+
+    def _apply_loop(self) -> None:
+        """The ingest thread: store work in stream order. The C ingest runs without the GIL, so
+        receiving (this module's other thread) and applying overlap, on two cores when there are."""
+        while True:
+            work = self._apply_q.get()
+            if work is None:
+                return
+            work()
 
     def _drain_commands(self) -> None:
         while True:

@@ -26,6 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from index._kvcore import json_prompt
+from index.keys import TokenBuffer
 from index.kvindex import KVIndex
 from index.subscriber import SourceConfig
 from router.config import RouterConfig, rank_endpoint
@@ -346,10 +348,12 @@ class KVRouter:
     async def route_answer(self, raw: bytes, query: bytes) -> bytes:
         """``POST /route``: the decision for a request body, explained (nothing is sent); raises
         :class:`ApiError` for a bad body."""
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise bad_request(f"The body is not valid JSON: {exc}") from None
+        body = _token_prompt_body(raw)
+        if body is None:
+            try:
+                body = msgspec.json.decode(raw)
+            except msgspec.DecodeError as exc:
+                raise bad_request(f"The body is not valid JSON: {exc}") from None
         endpoint: Endpoint
         q = parse_qs(query.decode("latin-1")).get("endpoint", [None])[-1] if query else None
         if q in ("chat", "completions"):
@@ -361,6 +365,26 @@ class KVRouter:
 
     def _healthy_names(self) -> list[str]:
         return [b.name for b in self.registry.backends.values() if b.healthy]
+
+
+def _token_prompt_body(raw: bytes) -> dict[str, Any] | None:
+    """A /route body whose top-level ``prompt`` is a JSON array of token ids, with that array
+    parsed straight into uint64s (:class:`index.keys.TokenBuffer`) and the rest by msgspec: decoding
+    a 32k-token array into Python ints was ~0.8 ms of a ~1.5 ms decision. Any other body (or any
+    doubt) returns None and takes the generic path, so answers and errors are unchanged (the native
+    endpoint test compares both)."""
+    found = json_prompt(raw)
+    if found is None:
+        return None
+    start, end, ids = found
+    try:
+        body = msgspec.json.decode(raw[:start] + b"0" + raw[end:])
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    body["prompt"] = TokenBuffer(ids)
+    return body
 
 
 def _dashboard_page() -> str:

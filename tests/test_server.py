@@ -411,6 +411,13 @@ def test_native_lookup_endpoints_answer_as_the_framework_does(
         ("POST", "/route", json.dumps({"model": "nope", "prompt": tokens}).encode()),
         ("POST", "/route", json.dumps({"model": "toy", "prompt": [True, 1]}).encode()),
         ("POST", "/route", json.dumps({"model": "toy", "prompt": [10**9]}).encode()),
+        ("POST", "/route", b'{"model": "toy", "prompt": [ 5, 6 ,7,\n8 ], "cache_salt": "s"}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [5, 6.0]}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [5, 06]}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [5, -6]}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [18446744073709551616]}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": []}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [5], "prompt": [6, 7]}'),
     ]
 
     def answers() -> list[tuple[int, Any]]:
@@ -435,7 +442,18 @@ def test_native_lookup_endpoints_answer_as_the_framework_does(
     finally:
         server.native.routes = routes
     assert native == framework
-    assert [status for status, _ in native] == [200, 200, 200, 200, 200, 200, 400, 400, 404, 400, 400]
+    # token-id prompts parsed straight into uint64s (router.app._token_prompt_body) against the
+    # generic JSON decode
+    import router.app as app_module
+
+    fast = app_module._token_prompt_body
+    app_module._token_prompt_body = lambda raw: None  # type: ignore[assignment]
+    try:
+        generic = answers()
+    finally:
+        app_module._token_prompt_body = fast
+    assert native == generic
+    assert [status for status, _ in native][:11] == [200, 200, 200, 200, 200, 200, 400, 400, 404, 400, 400]
 
 
 def _route(router: RouterRunner, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
