@@ -38,10 +38,27 @@ class NativeEndpoints:
             ("GET", "/v1/models"): self._models,
             ("POST", "/route"): self._route,
         }
+        self.sync: dict[tuple[str, str], Callable[[], Any]] = {
+            ("GET", "/health"): app.health_body,
+            ("GET", "/ready"): app.ready_body,
+            ("GET", "/v1/models"): app.models_body,
+        }
 
     def get(self, method: str, path: str) -> Handler | None:
         """The handler of a request, or None when the web framework serves it."""
         return self.routes.get((method, path))
+
+    def answer_now(self, method: str, path: str, headers: Headers, query: bytes) -> tuple[int, bytes] | None:
+        """(status, JSON body) of a request whose answer needs no waiting (the probes and
+        /v1/models), so the server writes it without a task; None for every other request."""
+        make = self.sync.get((method, path)) if self.routes else None
+        if make is None:
+            return None
+        try:
+            self.app.authorize({"path": path, "headers": headers, "query_string": query})
+            return 200, msgspec.json.encode(make())
+        except ApiError as err:
+            return err.status, err.body()
 
     async def _answer(
         self, path: str, headers: Headers, query: bytes, writer: ResponseWriter, make: Callable[[], Any]

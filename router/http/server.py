@@ -337,8 +337,40 @@ class _Connection(asyncio.Protocol):
 
     # --- requests --------------------------------------------------------------------------------
     def _next(self) -> None:
-        req = self.queue.popleft()
-        self.task = self.loop.create_task(self._run(req))
+        while True:
+            req = self.queue.popleft()
+            answer = self.server.native.answer_now(req.method, req.path, req.headers, req.query)
+            if answer is None or self.server.access_log:
+                self.task = self.loop.create_task(self._run(req))
+                return
+            # a probe or lookup answered at once (/health, /ready, /v1/models): no task, one write
+            self._write_now(req, *answer)
+            if not req.keep_alive or self.server.stopping or self.gone:
+                self.close()
+                return
+            if not self.queue:
+                break
+        if self._final is not None:
+            self._answer_and_close(self._final)
+            return
+        if self.read_paused and self.transport is not None:
+            self.read_paused = False
+            self.transport.resume_reading()
+        self._arm_idle()
+
+    def _write_now(self, req: _Request, status: int, body: bytes) -> None:
+        """A complete JSON response in one write, framed as :class:`_Writer` frames one."""
+        if self.server.stopping:
+            req.keep_alive = False
+        conn = b""
+        if not req.keep_alive:
+            conn = b"connection: close\r\n"
+        elif req.version == "1.0":
+            conn = b"connection: keep-alive\r\n"
+        self.write(
+            b"HTTP/1.1 %d %s\r\n%scontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+            % (status, _REASONS.get(status, b""), self.server.date_line(), len(body), conn, body)
+        )
 
     async def _run(self, req: _Request) -> None:
         writer = _Writer(self, req)
