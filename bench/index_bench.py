@@ -8,7 +8,7 @@ document and a markdown table; the figures in BENCHMARKS.md come from here.
 - lookup: an index of 1M residencies over 8 or 64 sources; prompts of 1k/8k/32k tokens whose first
   half is cached on some sources; hash + match per call (KVIndex.match), p50/p99.
 - memory: RSS growth per residency while indexing 1M blocks (the store's kernels are loaded first:
-  numba's fixed cost is reported apart, as ``fixed_bytes``).
+  the first index's fixed cost is reported apart, as ``fixed_bytes``).
 
 ``--store dict`` runs everything on the dict store (:mod:`index.store_dict`) instead of the compact
 one; ``--ab`` compares the two in one process: ingest runs interleaved, and both indexes built side
@@ -234,7 +234,7 @@ def bench_memory(n_res: int, store: str = "compact") -> dict[str, Any]:
 def _memory_here(n_res: int) -> dict[str, Any]:
     gc.collect()
     start = rss_bytes()
-    build_index(64, 2)[0].match(list(range(64)), [("e0", 0)])  # load the store's kernels (fixed cost)
+    build_index(64, 2)[0].match(list(range(64)), [("e0", 0)])  # the first index (fixed cost)
     gc.collect()
     before = rss_bytes()
     idx, _ = build_index(n_res, 8, keep_docs=False)

@@ -321,9 +321,9 @@ class EventSubscriber:
             def forget_source() -> None:
                 ingestor.stats.pop(src.sidx, None)  # (first: the slot may be reused right after)
                 ingestor.store.remove_source(source)  # in slices, without the GIL (index/store.py)
+                _kvcore.trim()  # the tables are unmapped already; the heap's free pages go back too
 
             self._submit(forget_source)  # after the source's chunks already handed over
-            self._busy = True  # trim the heap once idle: the source's tables are gone
 
     # --- the loop -------------------------------------------------------------------------------
     def _run(self) -> None:
