@@ -33,15 +33,13 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
-
+from index._lazy import LazyModule
 from index.keys import (
     BASE_ROOT,
     CHAIN_MUL,
     M64,
-    U64,
     block_contents,
     extra_hash,
     lora_root,
@@ -59,8 +57,12 @@ _OP_STORE = OP_STORE
 _OP_REMOVE = OP_REMOVE
 _OP_CLEAR = 2  # an AllBlocksCleared: a row that marks where the store clears (never given to the store)
 _ROW = 5  # op row: kind, medium, first, count, group number (the store reads the first four)
-_NO_ROWS = np.empty((0, _ROW), dtype=np.int64)
-_NO_U64: U64 = np.empty(0, dtype=np.uint64)
+if TYPE_CHECKING:
+    import numpy as np
+
+    from index.keys import U64
+else:
+    np = LazyModule("numpy")  # the Python path only (what the C core hands over)
 _NO_COUNTS = (0, 0, 0, 0)
 
 
@@ -574,7 +576,7 @@ class Ingestor:
             return
 
         # pass 2: runs of one source's events, one store call each, in stream order
-        rows = np.frombuffer(ops, dtype=np.int64).reshape(-1, _ROW) if ops else _NO_ROWS
+        rows = np.frombuffer(ops, dtype=np.int64).reshape(-1, _ROW) if ops else np.empty((0, _ROW), np.int64)
         if media:
             mids = [store.medium_index(name) for name in media]  # registered in first-use order
             if mids != list(range(len(mids))):
@@ -589,8 +591,8 @@ class Ingestor:
             is_store = rows[:, 0] == _OP_STORE
             rows[is_store, 2] += offsets[rows[is_store, 4]]
         else:
-            ehs = keys = _NO_U64
-        removed = np.frombuffer(rems, dtype=np.uint64) if rems else _NO_U64
+            ehs = keys = np.empty(0, dtype=np.uint64)
+        removed = np.frombuffer(rems, dtype=np.uint64) if rems else np.empty(0, dtype=np.uint64)
         now = time.time()
         lag = self.lag_observer
         run = -1  # the source of the op rows not applied yet, ``lo`` to ``upto``

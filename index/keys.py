@@ -22,23 +22,29 @@ same arithmetic. Collisions only mis-route (the engine computes its own hashes),
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
 import index._kvcore as _kvcore
+from index._lazy import LazyModule
 
 M64 = (1 << 64) - 1
 CHAIN_MUL = 0x9E3779B97F4A7C15  # odd: invertible mod 2^64
 _CHAIN_INV = pow(CHAIN_MUL, -1, 1 << 64)
 _MAX_BLOCK_SIZE = 4096
 
-U64 = npt.NDArray[np.uint64]
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    U64 = npt.NDArray[np.uint64]
+else:
+    np = LazyModule("numpy")  # the Python ingest path only; prompts are hashed in C
 
 
 def _splitmix(seed: int, n: int) -> list[int]:
@@ -54,7 +60,11 @@ def _splitmix(seed: int, n: int) -> list[int]:
 
 
 _POSITION_MULS_PY = _splitmix(0x6B76726F75746572, _MAX_BLOCK_SIZE)
-_POSITION_MULS: U64 = np.array(_POSITION_MULS_PY, dtype=np.uint64)
+
+
+@functools.cache
+def _position_muls() -> U64:
+    return np.array(_POSITION_MULS_PY, dtype=np.uint64)
 
 
 def fmix64(x: int) -> int:
@@ -66,20 +76,21 @@ def fmix64(x: int) -> int:
     return x ^ (x >> 33)
 
 
-_S33 = np.uint64(33)
-_FMIX_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_FMIX_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = 33
+_FMIX_M1 = 0xFF51AFD7ED558CCD
+_FMIX_M2 = 0xC4CEB9FE1A85EC53
 
 
 def _fmix64_vec(x: U64) -> U64:
     """:func:`fmix64` of every item; in place on two temporaries (512 items: ~4.6 vs ~6.5 us)."""
-    y = x >> _S33
+    s33, m1, m2 = np.uint64(_S33), np.uint64(_FMIX_M1), np.uint64(_FMIX_M2)
+    y = x >> s33
     y ^= x
-    y *= _FMIX_M1
-    t = y >> _S33
+    y *= m1
+    t = y >> s33
     y ^= t
-    y *= _FMIX_M2
-    np.right_shift(y, _S33, out=t)
+    y *= m2
+    np.right_shift(y, s33, out=t)
     y ^= t
     return y
 
@@ -111,13 +122,14 @@ class _Powers:
     """Cached powers of C and C^-1 mod 2^64, grown on demand (shared per process, read-mostly)."""
 
     def __init__(self) -> None:
-        self.fwd: U64 = np.ones(1, dtype=np.uint64)
-        self.inv: U64 = np.ones(1, dtype=np.uint64)
+        self.fwd: U64 = None  # type: ignore[assignment]  # (made on first use: numpy is lazy)
+        self.inv: U64 = None  # type: ignore[assignment]
 
     def ensure(self, n: int) -> None:
-        if len(self.fwd) >= n:
+        have = 0 if self.fwd is None else len(self.fwd)
+        if have >= n:
             return
-        size = max(n, 2 * len(self.fwd), 1024)
+        size = max(n, 2 * have, 1024)
         fwd = [1] * size
         inv = [1] * size
         for i in range(1, size):
@@ -147,7 +159,7 @@ def block_contents(tokens: Sequence[int] | array[int], block_size: int) -> U64:
         else:
             buf.extend(tokens)
     mat = np.frombuffer(buf, dtype=np.uint64, count=n * block_size).reshape(n, block_size)
-    return _fmix64_vec(mat @ _POSITION_MULS[:block_size])
+    return _fmix64_vec(mat @ _position_muls()[:block_size])
 
 
 def u64_block_contents(tokens: U64, block_size: int) -> U64:

@@ -9,13 +9,15 @@ tools use to hand it uint64 arrays.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
-U64 = npt.NDArray[np.uint64]
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    U64 = npt.NDArray[np.uint64]
 
 _list_decoder = msgspec.msgpack.Decoder(list[int])
 

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import importlib.resources
 import logging
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
 
 import httpx
 import msgspec
 import zmq
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from index._kvcore import json_prompt
 from index.keys import TokenBuffer
@@ -37,8 +33,8 @@ from router.decision.tokenizer import ChatTokenizer, RequestTokenizer
 from router.fleet.backends import BackendRegistry
 from router.fleet.load import LoadTracker
 from router.http.asgi import Receive, Scope, Send
-from router.http.errors import ApiError, bad_request, unauthorized, unavailable
-from router.http.proxy import PATHS, ProxyHandler, read_body
+from router.http.errors import bad_request, unauthorized, unavailable
+from router.http.proxy import PATHS, ProxyHandler
 from router.http.upstream import UpstreamPool
 from router.observe.metrics import RouterMetrics, dashboard_data
 from router.workers.stats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
@@ -119,7 +115,6 @@ class KVRouter:
         self.proxy = ProxyHandler(self.service, self.pool, self.metrics, self.loads, srv, self.authorize)
         self._keys = [k.encode() for k in config.api_keys]
         self._tasks: list[asyncio.Task[None]] = []
-        self.api = self._build_api()
 
     # --- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -216,109 +211,15 @@ class KVRouter:
             self.index.purge_predictions()
 
     # --- the FastAPI part ----------------------------------------------------------------------
-    def _build_api(self) -> FastAPI:
-        @contextlib.asynccontextmanager
-        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            await self.startup()
-            try:
-                yield
-            finally:
-                await self.shutdown()
+    @functools.cached_property
+    def api(self) -> Any:
+        """The FastAPI app (:mod:`router.http.framework`), built on first use: ``kvrouter serve``
+        answers every usual endpoint natively and needs it only for odd requests (unknown paths,
+        other methods, HEAD), so it is not even imported unless one comes (~30 MB and ~0.4 s of
+        start-up); ASGI servers use it for everything."""
+        from router.http.framework import build_api
 
-        api = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-        @api.exception_handler(ApiError)
-        async def _api_error(_: Request, exc: ApiError) -> Response:
-            return Response(exc.body(), status_code=exc.status, media_type="application/json")
-
-        @api.exception_handler(RequestValidationError)
-        async def _validation(_: Request, exc: RequestValidationError) -> Response:
-            err = bad_request(f"invalid request: {exc.errors()}")
-            return Response(err.body(), status_code=400, media_type="application/json")
-
-        @api.exception_handler(StarletteHTTPException)
-        async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-            err = ApiError(exc.status_code, str(exc.detail), "invalid_request_error", "not_found")
-            return Response(err.body(), status_code=exc.status_code, media_type="application/json")
-
-        @api.middleware("http")
-        async def _auth(request: Request, call_next: Any) -> Response:
-            try:
-                self.authorize(request.scope)
-            except ApiError as err:
-                return Response(err.body(), status_code=err.status, media_type="application/json")
-            response: Response = await call_next(request)
-            return response
-
-        @api.get("/health")
-        async def health() -> dict[str, Any]:
-            return self.health_body()
-
-        @api.get("/ready")
-        async def ready() -> Response:
-            return JSONResponse(self.ready_body())
-
-        @api.get("/v1/models")
-        async def models() -> dict[str, Any]:
-            return self.models_body()
-
-        @api.post("/route")
-        async def route(request: Request) -> Response:
-            try:
-                raw = await read_body(request.scope, request.receive, self.config.server.max_body_bytes)
-            except asyncio.CancelledError:
-                return Response(status_code=499)
-            answer = await self.route_answer(raw, request.scope.get("query_string", b""))
-            return Response(answer, media_type="application/json")
-
-        @api.get("/debug/index")
-        async def debug_index() -> Response:
-            out = {
-                "worker": self.worker.index if self.worker is not None else None,
-                "block_size": self.config.block_size,
-                "residencies": self.index.store.total,
-                "max_residencies": self.index.config.max_residencies,
-                "evictions": self.index.evictions,
-                "predicted_blocks": self.index.predicted_blocks(),
-                "sources": [msgspec.to_builtins(s) for s in self.index.status()],
-                "backends": [
-                    {
-                        "name": b.name,
-                        "url": b.url,
-                        "healthy": b.healthy,
-                        "failures": b.failures,
-                        "last_error": b.last_error,
-                        "checked_at": b.checked_at,
-                        "models": sorted(b.models),
-                        "dp_size": b.cfg.dp_size,
-                    }
-                    for b in self.registry.backends.values()
-                ],
-            }
-            return Response(msgspec.json.encode(out), media_type="application/json")
-
-        @api.get("/metrics")
-        async def metrics() -> Response:
-            if self.worker is not None:
-                text = render_merged(read_snapshots(self.worker.run_dir))
-            else:
-                text = self.metrics.render()
-            return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-        page = _dashboard_page()
-
-        @api.get("/dashboard")
-        async def dashboard() -> HTMLResponse:
-            return HTMLResponse(page)
-
-        @api.get("/dashboard/data")
-        async def dashboard_json() -> Response:
-            data = self._dashboard_live()
-            if self.worker is not None:
-                data = merge_dashboard(data, read_snapshots(self.worker.run_dir))
-            return Response(msgspec.json.encode(data), media_type="application/json")
-
-        return api
+        return build_api(self)
 
     # --- answers shared by the FastAPI routes and the native ones (router/http/native.py) ----------
     def health_body(self) -> dict[str, Any]:
@@ -362,6 +263,49 @@ class KVRouter:
             endpoint = "chat" if isinstance(body, dict) and "messages" in body else "completions"
         decided = await self.service.decide(endpoint, body, dry_run=True)
         return msgspec.json.encode(decided.explain())
+
+    def debug_index_body(self) -> dict[str, Any]:
+        """``GET /debug/index``: the index and every source's stream health, the backends."""
+        return {
+            "worker": self.worker.index if self.worker is not None else None,
+            "block_size": self.config.block_size,
+            "residencies": self.index.store.total,
+            "max_residencies": self.index.config.max_residencies,
+            "evictions": self.index.evictions,
+            "predicted_blocks": self.index.predicted_blocks(),
+            "sources": [msgspec.to_builtins(s) for s in self.index.status()],
+            "backends": [
+                {
+                    "name": b.name,
+                    "url": b.url,
+                    "healthy": b.healthy,
+                    "failures": b.failures,
+                    "last_error": b.last_error,
+                    "checked_at": b.checked_at,
+                    "models": sorted(b.models),
+                    "dp_size": b.cfg.dp_size,
+                }
+                for b in self.registry.backends.values()
+            ],
+        }
+
+    def metrics_text(self) -> bytes:
+        """``GET /metrics``: Prometheus text (every worker's figures merged when there are several)."""
+        if self.worker is not None:
+            return render_merged(read_snapshots(self.worker.run_dir))
+        return self.metrics.render()
+
+    @functools.cached_property
+    def dashboard_page(self) -> str:
+        """``GET /dashboard``: the page (static HTML)."""
+        return _dashboard_page()
+
+    def dashboard_body(self) -> dict[str, Any]:
+        """``GET /dashboard/data``: the live figures the page polls."""
+        data = self._dashboard_live()
+        if self.worker is not None:
+            data = merge_dashboard(data, read_snapshots(self.worker.run_dir))
+        return data
 
     def _healthy_names(self) -> list[str]:
         return [b.name for b in self.registry.backends.values() if b.healthy]

@@ -1,19 +1,21 @@
-"""The lookup endpoints served natively by kvrouter's own server, without the web framework.
+"""The usual endpoints served natively by kvrouter's own server, without the web framework.
 
-``GET /health``, ``GET /ready``, ``GET /v1/models`` and ``POST /route`` are what external schedulers
-and probes call, often per request: through FastAPI each paid ~0.4 ms of framework work (routing,
-middleware, request and response objects) on top of the answer itself (BENCHMARKS.md, service
-section). Here each is one dictionary lookup away from the request, and the answers are the very
-same bytes: both paths build them with :class:`router.app.KVRouter`'s ``health_body``,
-``ready_body``, ``models_body`` and ``route_answer``, and errors are the same OpenAI-shaped bodies
-with the same statuses. Everything else (the dashboard, /metrics, /debug/index) stays on FastAPI,
-and the FastAPI app keeps these routes too, so the router still runs complete under any ASGI server.
+``POST /route``, ``GET /health``, ``/ready``, ``/v1/models`` (what external schedulers and probes
+call, often per request), ``/metrics``, ``/debug/index``, ``/dashboard`` and ``/dashboard/data``:
+through FastAPI each paid ~0.4 ms of framework work (routing, middleware, request and response
+objects) on top of the answer itself (BENCHMARKS.md, service section), and the framework cost ~30 MB
+and ~0.4 s of start-up. Here each is one dictionary lookup away from the request; the GETs are
+answered in one write without a task. The answers are the very same bytes: both paths build them
+with the same :class:`router.app.KVRouter` methods, errors are the same OpenAI-shaped bodies with
+the same statuses, and a test compares the two. Anything else (unknown paths, other methods, HEAD)
+goes to the FastAPI app (:mod:`router.http.framework`), built on first use, which also keeps every
+route so the router runs complete under any ASGI server.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
     from router.app import KVRouter
 
 Handler = Callable[[Headers, bytes, bytes, ResponseWriter], Awaitable[None]]
+JSON = b"application/json"
+METRICS = b"text/plain; version=0.0.4; charset=utf-8"
+HTML = b"text/html; charset=utf-8"
 
 
 class NativeEndpoints:
@@ -32,53 +37,44 @@ class NativeEndpoints:
 
     def __init__(self, app: KVRouter) -> None:
         self.app = app
-        self.routes: dict[tuple[str, str], Handler] = {
-            ("GET", "/health"): self._health,
-            ("GET", "/ready"): self._ready,
-            ("GET", "/v1/models"): self._models,
-            ("POST", "/route"): self._route,
+        self.routes: dict[tuple[str, str], Handler] = {("POST", "/route"): self._route}
+        self.sync: dict[tuple[str, str], Callable[[], tuple[bytes, bytes]]] = {
+            ("GET", "/health"): lambda: (JSON, msgspec.json.encode(app.health_body())),
+            ("GET", "/ready"): lambda: (JSON, msgspec.json.encode(app.ready_body())),
+            ("GET", "/v1/models"): lambda: (JSON, msgspec.json.encode(app.models_body())),
+            ("GET", "/debug/index"): lambda: (JSON, msgspec.json.encode(app.debug_index_body())),
+            ("GET", "/dashboard/data"): lambda: (JSON, msgspec.json.encode(app.dashboard_body())),
+            ("GET", "/metrics"): lambda: (METRICS, app.metrics_text()),
+            ("GET", "/dashboard"): lambda: (HTML, app.dashboard_page.encode()),
         }
-        self.sync: dict[tuple[str, str], Callable[[], Any]] = {
-            ("GET", "/health"): app.health_body,
-            ("GET", "/ready"): app.ready_body,
-            ("GET", "/v1/models"): app.models_body,
-        }
+        for path in self.sync:  # (what the server does not answer at once, e.g. with access logs on)
+            self.routes[path] = lambda h, q, r, w, p=path[1]: self._get(p, h, q, w)  # type: ignore[misc]
 
     def get(self, method: str, path: str) -> Handler | None:
         """The handler of a request, or None when the web framework serves it."""
         return self.routes.get((method, path))
 
-    def answer_now(self, method: str, path: str, headers: Headers, query: bytes) -> tuple[int, bytes] | None:
-        """(status, JSON body) of a request whose answer needs no waiting (the probes and
-        /v1/models), so the server writes it without a task; None for every other request."""
+    def answer_now(
+        self, method: str, path: str, headers: Headers, query: bytes
+    ) -> tuple[int, bytes, bytes] | None:
+        """(status, content type, body) of a request whose answer needs no waiting (every GET
+        above), so the server writes it without a task; None for every other request."""
         make = self.sync.get((method, path)) if self.routes else None
         if make is None:
             return None
         try:
             self.app.authorize({"path": path, "headers": headers, "query_string": query})
-            return 200, msgspec.json.encode(make())
+            ctype, body = make()
+            return 200, ctype, body
         except ApiError as err:
-            return err.status, err.body()
+            return err.status, JSON, err.body()
 
-    async def _answer(
-        self, path: str, headers: Headers, query: bytes, writer: ResponseWriter, make: Callable[[], Any]
-    ) -> None:
-        try:
-            self.app.authorize({"path": path, "headers": headers, "query_string": query})
-            body = make()
-        except ApiError as err:
-            await send_error(writer, err)
-            return
-        await write_json(writer, 200, body if type(body) is bytes else msgspec.json.encode(body))
-
-    async def _health(self, headers: Headers, query: bytes, raw: bytes, writer: ResponseWriter) -> None:
-        await self._answer("/health", headers, query, writer, self.app.health_body)
-
-    async def _ready(self, headers: Headers, query: bytes, raw: bytes, writer: ResponseWriter) -> None:
-        await self._answer("/ready", headers, query, writer, self.app.ready_body)
-
-    async def _models(self, headers: Headers, query: bytes, raw: bytes, writer: ResponseWriter) -> None:
-        await self._answer("/v1/models", headers, query, writer, self.app.models_body)
+    async def _get(self, path: str, headers: Headers, query: bytes, writer: ResponseWriter) -> None:
+        answer = self.answer_now("GET", path, headers, query)
+        assert answer is not None
+        status, ctype, body = answer
+        await writer.start(status, [(b"content-type", ctype), (b"content-length", b"%d" % len(body))])
+        await writer.end(body)
 
     async def _route(self, headers: Headers, query: bytes, raw: bytes, writer: ResponseWriter) -> None:
         try:

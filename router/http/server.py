@@ -343,7 +343,7 @@ class _Connection(asyncio.Protocol):
             if answer is None or self.server.access_log:
                 self.task = self.loop.create_task(self._run(req))
                 return
-            # a probe or lookup answered at once (/health, /ready, /v1/models): no task, one write
+            # a GET answered at once (/health, /ready, /v1/models, /metrics, ...): no task, one write
             self._write_now(req, *answer)
             if not req.keep_alive or self.server.stopping or self.gone:
                 self.close()
@@ -358,8 +358,8 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         self._arm_idle()
 
-    def _write_now(self, req: _Request, status: int, body: bytes) -> None:
-        """A complete JSON response in one write, framed as :class:`_Writer` frames one."""
+    def _write_now(self, req: _Request, status: int, ctype: bytes, body: bytes) -> None:
+        """A complete response in one write, framed as :class:`_Writer` frames one."""
         if self.server.stopping:
             req.keep_alive = False
         conn = b""
@@ -368,8 +368,8 @@ class _Connection(asyncio.Protocol):
         elif req.version == "1.0":
             conn = b"connection: keep-alive\r\n"
         self.write(
-            b"HTTP/1.1 %d %s\r\n%scontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
-            % (status, _REASONS.get(status, b""), self.server.date_line(), len(body), conn, body)
+            b"HTTP/1.1 %d %s\r\n%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s"
+            % (status, _REASONS.get(status, b""), self.server.date_line(), ctype, len(body), conn, body)
         )
 
     async def _run(self, req: _Request) -> None:
