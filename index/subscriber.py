@@ -178,8 +178,9 @@ class EventSubscriber:
         self._apply_q: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=self.config.apply_queue)
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket[Any], tuple[str, _Source]] = {}
-        self._busy = False
-        """Something was ingested since the heap was last trimmed."""
+        self._busy = True
+        """Something was ingested since the heap was last trimmed (True at first: start-up's own
+        garbage goes back to the OS at the first idle moment)."""
         for cfg in sources or []:
             self.add_source(cfg)
 
