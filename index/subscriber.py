@@ -1,9 +1,12 @@
 """The ZeroMQ subscriber: one SUB socket per source (instance, DP rank), kept exactly in step.
 
-Runs in one dedicated thread with a ``zmq.Poller``: receiving releases the GIL, decoding and indexing
-happen off the router's event loop, and every wake-up drains what is queued (up to ``max_chunk``
-messages) so a busy fleet is indexed in vectorised chunks. A thread was chosen over ``zmq.asyncio``
-because indexing is CPU work that would otherwise run on the HTTP event loop (BENCHMARKS.md).
+Two threads, off the router's event loop: the receiving thread (a ``zmq.Poller`` over every socket)
+drains what is queued at each wake-up (up to ``max_chunk`` messages per socket), does the sequence
+bookkeeping below reading only each payload's seq and timestamp, and hands the raw payloads, in
+order, to the ingest thread, which applies them with one C call per chunk without the GIL
+(:meth:`index.ingest.Ingestor.apply_chunk`). So receiving, ingesting and the HTTP loop overlap on
+two cores; at most ``apply_queue`` chunks wait between the two threads (beyond, the backlog stays in
+ZMQ's bounded queues). Source removal goes through the same queue, after the source's last chunk.
 
 Per source it tracks the sequence number of the last applied batch:
 
