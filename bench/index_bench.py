@@ -8,7 +8,7 @@ document and a markdown table; the figures in BENCHMARKS.md come from here.
 - lookup: an index of 1M residencies over 8 or 64 sources; prompts of 1k/8k/32k tokens whose first
   half is cached on some sources; hash + match per call (KVIndex.match), p50/p99.
 - memory: RSS growth per residency while indexing 1M blocks (the store's kernels are loaded first:
-  numba's fixed cost is reported apart, as ``fixed_bytes``).
+  the first index's fixed cost is reported apart, as ``fixed_bytes``).
 
 ``--store dict`` runs everything on the dict store (:mod:`index.store_dict`) instead of the compact
 one; ``--ab`` compares the two in one process: ingest runs interleaved, and both indexes built side
@@ -35,7 +35,6 @@ from index.ingest import Ingestor
 from index.kvindex import IndexConfig, KVIndex
 from index.store import PrefixStore
 from index.store_dict import DictPrefixStore
-from index.wire import decode_payload
 from sim.publisher import BlockRemoved, BlockStored, encode_batch
 
 BS = 16
@@ -94,16 +93,10 @@ def bench_ingest(n_blocks: int, chunk: int = 64) -> dict[str, Any]:
         t0 = time.perf_counter()
         c0 = time.process_time()
         for i in range(0, len(payloads), chunk):
-            ing.apply_chunk([(sidx, decode_payload(p)) for p in payloads[i : i + chunk]])
+            ing.apply_chunk([(sidx, p) for p in payloads[i : i + chunk]])  # raw, as the subscriber
         runs.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     best = statistics.median(runs)
-    decode_only = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for p in payloads:
-            decode_payload(p)
-        decode_only.append(time.perf_counter() - t0)
     return {
         "blocks": n_blocks,
         "batches": len(payloads),
@@ -111,7 +104,6 @@ def bench_ingest(n_blocks: int, chunk: int = 64) -> dict[str, Any]:
         # CPU time of this process: on a shared machine, closer to what one free core would do
         "blocks_per_s_cpu_median": round(n_blocks / statistics.median(cpu)),
         "blocks_per_s_runs": [round(n_blocks / r) for r in runs],
-        "decode_share": round(statistics.median(decode_only) / best, 2),
     }
 
 
@@ -128,10 +120,8 @@ def build_index(n_res: int, sources: int, keep_docs: bool = True) -> tuple[KVInd
         if keep_docs:
             docs.append(tokens)
         hashes: list[int | bytes] = [rng.getrandbits(64) for _ in range(64)]
-        idx.ingestor.apply(
-            sidxs[s % sources],
-            decode_payload(encode_batch([BlockStored(hashes, None, tokens, BS, None, "GPU", None)], 1.0, 0)),
-        )
+        payload = encode_batch([BlockStored(hashes, None, tokens, BS, None, "GPU", None)], 1.0, 0)
+        idx.ingestor.apply_chunk([(sidxs[s % sources], payload)])
         made += 64
         s += 1
     return idx, docs
@@ -205,7 +195,7 @@ def bench_ab_ingest(n_blocks: int, chunk: int = 64, runs: int = 3) -> dict[str, 
             gc.collect()
             t0 = time.perf_counter()
             for i in range(0, len(payloads), chunk):
-                ing.apply_chunk([(sidx, decode_payload(p)) for p in payloads[i : i + chunk]])
+                ing.apply_chunk([(sidx, p) for p in payloads[i : i + chunk]])  # raw, as the subscriber
             rates[name].append(n_blocks / (time.perf_counter() - t0))
     return {
         f"{name} blocks_per_s": {"median": round(statistics.median(v)), "runs": [round(x) for x in v]}
@@ -234,7 +224,7 @@ def bench_memory(n_res: int, store: str = "compact") -> dict[str, Any]:
 def _memory_here(n_res: int) -> dict[str, Any]:
     gc.collect()
     start = rss_bytes()
-    build_index(64, 2)[0].match(list(range(64)), [("e0", 0)])  # load the store's kernels (fixed cost)
+    build_index(64, 2)[0].match(list(range(64)), [("e0", 0)])  # the first index (fixed cost)
     gc.collect()
     before = rss_bytes()
     idx, _ = build_index(n_res, 8, keep_docs=False)

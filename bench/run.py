@@ -1,8 +1,11 @@
 """`make bench`: every benchmark in BENCHMARKS.md, one after the other (never two heavy jobs at once on
-the 2-core box). ``--quick`` runs the short variants; ``--only index,router,quality`` picks some.
+the 2-core box). ``--quick`` runs the short variants; ``--only service,index,router,quality`` picks
+some.
 
 Each benchmark prints its own figures; this script only sequences them and stops at the first
-failure. The router benchmark needs ``wrk`` (skipped with a message when it is missing).
+failure. The service benchmark compares with Dynamo's indexer when ``--dynamo`` names the python of
+a venv holding ``ai-dynamo-runtime==1.6.1`` (skipped with a message otherwise); the router benchmark
+needs ``wrk`` (skipped with a message when it is missing).
 """
 
 from __future__ import annotations
@@ -19,12 +22,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="short variants (minutes instead of tens)")
-    ap.add_argument("--only", default="index,router,quality,membership,churn", help="comma-separated subset")
+    ap.add_argument(
+        "--only", default="service,index,router,quality,membership,churn", help="comma-separated subset"
+    )
     ap.add_argument("--vllm-router", default=None, help="a vllm-router binary to measure in the same run")
+    ap.add_argument("--dynamo", default=None, help="python of a venv with ai-dynamo-runtime==1.6.1")
     args = ap.parse_args()
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
     py = sys.executable
     plan: list[tuple[str, list[str]]] = []
+    if "service" in wanted:
+        cmd = [py, "bench/service_bench.py", *(["--quick"] if args.quick else [])]
+        cmd += ["--dynamo", args.dynamo] if args.dynamo else []
+        plan.append(("service", cmd))
+        quick = ["--blocks", "200000"] if args.quick else []
+        plan.append(("remove", [py, "bench/remove_bench.py", *quick]))
     if "index" in wanted:
         plan.append(("index", [py, "bench/index_bench.py", *(["--quick"] if args.quick else [])]))
     if "router" in wanted:

@@ -33,25 +33,23 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
-
+from index._lazy import LazyModule
 from index.keys import (
     BASE_ROOT,
     CHAIN_MUL,
     M64,
-    U64,
     block_contents,
     extra_hash,
     lora_root,
     powers,
-    stable_hash,
     u64_block_contents,
+    unknown_root,
 )
 from index.rawtokens import TokenIds
 from index.store import OP_REMOVE, OP_STORE, PrefixStore, SourceId
-from index.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from index.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, WireError, decode_payload
 
 log = logging.getLogger("kvrouter.index")
 
@@ -59,8 +57,12 @@ _OP_STORE = OP_STORE
 _OP_REMOVE = OP_REMOVE
 _OP_CLEAR = 2  # an AllBlocksCleared: a row that marks where the store clears (never given to the store)
 _ROW = 5  # op row: kind, medium, first, count, group number (the store reads the first four)
-_NO_ROWS = np.empty((0, _ROW), dtype=np.int64)
-_NO_U64: U64 = np.empty(0, dtype=np.uint64)
+if TYPE_CHECKING:
+    import numpy as np
+
+    from index.keys import U64
+else:
+    np = LazyModule("numpy")  # the Python path only (what the C core hands over)
 _NO_COUNTS = (0, 0, 0, 0)
 
 
@@ -326,6 +328,8 @@ class Ingestor:
         """Called with now - batch.ts for every applied batch (metrics)."""
         self.on_reset: Callable[[int], None] | None = None
         """Called with the source index when a source's GPU blocks are cleared or the source restarted."""
+        self._core: Any = getattr(store, "core", None)
+        """The compiled store the raw payloads go to (None: the dict store; everything is decoded)."""
         self.batched = callable(getattr(store, "apply_ops", None))
         """Apply runs of events with one store call (:meth:`PrefixStore.apply_ops`); False: one call per
         event (the dict store has no batch call; tests compare both)."""
@@ -334,6 +338,8 @@ class Ingestor:
         """Register a source with the store and give it counters."""
         sidx = self.store.add_source(source)
         self.stats[sidx] = SourceStats()
+        if self.on_reset is not None:
+            self.on_reset(sidx)  # a reused slot starts without the previous holder's predictions
         return sidx
 
     def source_name(self, sidx: int) -> str:
@@ -344,8 +350,86 @@ class Ingestor:
         """Apply one batch."""
         self.apply_chunk([(sidx, batch)])
 
-    def apply_chunk(self, items: Sequence[tuple[int, Batch | None]]) -> None:
-        """Apply batches in order; ``None`` in place of a batch drops that source (a restart).
+    def apply_chunk(self, items: Sequence[tuple[int, Batch | bytes | None]]) -> None:
+        """Apply items in stream order: a raw payload (bytes), a decoded batch, or ``None`` (that
+        source restarted: its residencies are dropped).
+
+        Raw payloads go to the C core (:meth:`index._kvcore.Store.ingest`: parse, keys and store
+        operations in one call per run of payloads, without the GIL); a payload it does not take
+        (LoRA, extra keys, a block size or medium not seen before, anything unusual or malformed)
+        changes nothing there and is decoded and applied here instead, in order, so the result is
+        the Python path's (tests/test_index_cingest.py compares the two). Counters of the C path
+        are merged per chunk; the event-lag metric is then observed once per source and chunk,
+        for its latest batch.
+        """
+        core = self._core
+        todo = items if type(items) is list else list(items)
+        n = len(todo)
+        i = 0
+        while i < n:
+            if core is not None:
+                nxt, status = core.ingest(todo, i)
+                if nxt > i:
+                    self._merge_core_stats(core)
+                if status == 0:
+                    return
+                i = nxt
+            # what the core did not take: this item, and the decoded batches and restarts after it
+            j = i + 1
+            while j < n and type(todo[j][1]) is not bytes:
+                j += 1
+            if core is None:
+                j = n
+            run: list[tuple[int, Batch | None]] = []
+            for sidx, item in todo[i:j]:
+                if type(item) is bytes:
+                    try:
+                        run.append((sidx, decode_payload(item)))
+                    except WireError as exc:
+                        self._decode_error(sidx, exc)
+                else:
+                    run.append((sidx, item))  # type: ignore[arg-type]  # (not bytes)
+            if run:
+                self._apply_decoded(run)
+            i = j
+
+    def _merge_core_stats(self, core: Any) -> None:
+        now = time.time()
+        lag = self.lag_observer
+        for sidx, batches, se, sb, re, rb, cleared, unknown, placeholders, ts in core.take_stats():
+            st = self.stats.get(sidx)
+            if st is None:
+                continue
+            st.batches += batches
+            st.stored_events += se
+            st.blocks_stored += sb
+            st.removed_events += re
+            st.blocks_removed += rb
+            st.cleared += cleared
+            st.unknown_parents += unknown
+            st.placeholders += placeholders
+            st.last_ts = ts
+            st.last_applied = now
+            if cleared and self.on_reset is not None:
+                self.on_reset(sidx)
+            if lag is not None:
+                lag(max(0.0, now - ts))
+
+    def _decode_error(self, sidx: int, exc: Exception) -> None:
+        st = self.stats.get(sidx)
+        if st is None:
+            return
+        st.decode_errors += 1
+        if st.decode_errors <= 5 or st.decode_errors % 1000 == 0:
+            log.warning(
+                "source %s: malformed message skipped (%d so far): %s",
+                self.source_name(sidx),
+                st.decode_errors,
+                exc,
+            )
+
+    def _apply_decoded(self, items: Sequence[tuple[int, Batch | None]]) -> None:
+        """Apply decoded batches in order; ``None`` in place of a batch drops that source (a restart).
 
         Keys are computed for the whole chunk at once: every BlockStored's token ids go through one
         vectorised content hash per block size, and the chain recurrence is solved for all blocks
@@ -474,7 +558,7 @@ class Ingestor:
                         known = store.key_of(sidx, parent)
                         if known is None:
                             st.unknown_parents += 1
-                            root = stable_hash(["unknown-parent", sidx, parent])
+                            root = unknown_root(sidx, parent)
                         else:
                             root = known
                 g.roots.append(root)
@@ -492,7 +576,7 @@ class Ingestor:
             return
 
         # pass 2: runs of one source's events, one store call each, in stream order
-        rows = np.frombuffer(ops, dtype=np.int64).reshape(-1, _ROW) if ops else _NO_ROWS
+        rows = np.frombuffer(ops, dtype=np.int64).reshape(-1, _ROW) if ops else np.empty((0, _ROW), np.int64)
         if media:
             mids = [store.medium_index(name) for name in media]  # registered in first-use order
             if mids != list(range(len(mids))):
@@ -507,8 +591,8 @@ class Ingestor:
             is_store = rows[:, 0] == _OP_STORE
             rows[is_store, 2] += offsets[rows[is_store, 4]]
         else:
-            ehs = keys = _NO_U64
-        removed = np.frombuffer(rems, dtype=np.uint64) if rems else _NO_U64
+            ehs = keys = np.empty(0, dtype=np.uint64)
+        removed = np.frombuffer(rems, dtype=np.uint64) if rems else np.empty(0, dtype=np.uint64)
         now = time.time()
         lag = self.lag_observer
         run = -1  # the source of the op rows not applied yet, ``lo`` to ``upto``
@@ -625,6 +709,8 @@ class Ingestor:
                 "source %s: block size changed from %d to %d", self.source_name(sidx), st.block_size, bs
             )
         st.block_size = bs
+        if self._core is not None:
+            self._core.set_block_size(sidx, bs)  # the C path takes this source's events of this size now
         if self.block_size is not None and bs != self.block_size:
             st.block_size_mismatch += 1
             log.error(

@@ -22,24 +22,29 @@ same arithmetic. Collisions only mis-route (the engine computes its own hashes),
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import operator
 from array import array
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
-from index.rawtokens import contents
+import index._kvcore as _kvcore
+from index._lazy import LazyModule
 
 M64 = (1 << 64) - 1
 CHAIN_MUL = 0x9E3779B97F4A7C15  # odd: invertible mod 2^64
 _CHAIN_INV = pow(CHAIN_MUL, -1, 1 << 64)
 _MAX_BLOCK_SIZE = 4096
 
-U64 = npt.NDArray[np.uint64]
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    U64 = npt.NDArray[np.uint64]
+else:
+    np = LazyModule("numpy")  # the Python ingest path only; prompts are hashed in C
 
 
 def _splitmix(seed: int, n: int) -> list[int]:
@@ -55,10 +60,11 @@ def _splitmix(seed: int, n: int) -> list[int]:
 
 
 _POSITION_MULS_PY = _splitmix(0x6B76726F75746572, _MAX_BLOCK_SIZE)
-_POSITION_MULS: U64 = np.array(_POSITION_MULS_PY, dtype=np.uint64)
-_SCALAR_MAX_BLOCKS = 4
-"""Prompts of at most this many blocks are hashed with Python ints: numpy's fixed cost per call
-(~25 us for the ~10 calls of the vector path) is larger than the arithmetic there (BENCHMARKS.md)."""
+
+
+@functools.cache
+def _position_muls() -> U64:
+    return np.array(_POSITION_MULS_PY, dtype=np.uint64)
 
 
 def fmix64(x: int) -> int:
@@ -70,20 +76,21 @@ def fmix64(x: int) -> int:
     return x ^ (x >> 33)
 
 
-_S33 = np.uint64(33)
-_FMIX_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_FMIX_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = 33
+_FMIX_M1 = 0xFF51AFD7ED558CCD
+_FMIX_M2 = 0xC4CEB9FE1A85EC53
 
 
 def _fmix64_vec(x: U64) -> U64:
     """:func:`fmix64` of every item; in place on two temporaries (512 items: ~4.6 vs ~6.5 us)."""
-    y = x >> _S33
+    s33, m1, m2 = np.uint64(_S33), np.uint64(_FMIX_M1), np.uint64(_FMIX_M2)
+    y = x >> s33
     y ^= x
-    y *= _FMIX_M1
-    t = y >> _S33
+    y *= m1
+    t = y >> s33
     y ^= t
-    y *= _FMIX_M2
-    np.right_shift(y, _S33, out=t)
+    y *= m2
+    np.right_shift(y, s33, out=t)
     y ^= t
     return y
 
@@ -115,13 +122,14 @@ class _Powers:
     """Cached powers of C and C^-1 mod 2^64, grown on demand (shared per process, read-mostly)."""
 
     def __init__(self) -> None:
-        self.fwd: U64 = np.ones(1, dtype=np.uint64)
-        self.inv: U64 = np.ones(1, dtype=np.uint64)
+        self.fwd: U64 = None  # type: ignore[assignment]  # (made on first use: numpy is lazy)
+        self.inv: U64 = None  # type: ignore[assignment]
 
     def ensure(self, n: int) -> None:
-        if len(self.fwd) >= n:
+        have = 0 if self.fwd is None else len(self.fwd)
+        if have >= n:
             return
-        size = max(n, 2 * len(self.fwd), 1024)
+        size = max(n, 2 * have, 1024)
         fwd = [1] * size
         inv = [1] * size
         for i in range(1, size):
@@ -151,17 +159,19 @@ def block_contents(tokens: Sequence[int] | array[int], block_size: int) -> U64:
         else:
             buf.extend(tokens)
     mat = np.frombuffer(buf, dtype=np.uint64, count=n * block_size).reshape(n, block_size)
-    return _fmix64_vec(mat @ _POSITION_MULS[:block_size])
+    return _fmix64_vec(mat @ _position_muls()[:block_size])
 
 
 def u64_block_contents(tokens: U64, block_size: int) -> U64:
     """:func:`block_contents` of a uint64 token array, compiled (same values, no temporaries).
 
-    The ingest path: decoded events carry their ids in such arrays (:mod:`index.rawtokens`).
+    The Python ingest path, for decoded events whose ids are such arrays.
     """
     if not 0 < block_size <= _MAX_BLOCK_SIZE:
         raise ValueError(f"block_size {block_size} outside 1..{_MAX_BLOCK_SIZE}")
-    return contents(tokens, block_size, _POSITION_MULS)
+    if not tokens.flags.c_contiguous:
+        tokens = np.ascontiguousarray(tokens)
+    return np.frombuffer(bytearray(_kvcore.block_contents(tokens, block_size)), dtype=np.uint64)
 
 
 def chain(parent: int, contents: Sequence[int]) -> list[int]:
@@ -187,38 +197,84 @@ def chain_vec(root: int, contents: U64) -> U64:
     return keys
 
 
+class TokenBuffer(Sequence[int]):
+    """A prompt's token ids as native uint64 bytes (parsed from JSON by :func:`parse_token_ids`):
+    hashing and matching read the bytes directly, so a long prompt never becomes Python ints."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        """The ids, 8 bytes each, native byte order."""
+
+    def __len__(self) -> int:
+        return len(self.raw) // 8
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        view = memoryview(self.raw).cast("Q")
+        return view[index].tolist() if isinstance(index, slice) else int(view[index])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(memoryview(self.raw).cast("Q").tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenBuffer):
+            return self.raw == other.raw
+        if isinstance(other, list):
+            return memoryview(self.raw).cast("Q").tolist() == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # list semantics
+
+    def first_above(self, max_id: int) -> int:
+        """Index of the first id above ``max_id`` (-1: none), in one C loop."""
+        at: int = _kvcore.first_above(self.raw, max_id)
+        return at
+
+
+def parse_token_ids(raw: bytes | memoryview) -> TokenBuffer | None:
+    """A JSON array of non-negative ints (the bytes of one JSON value) as a :class:`TokenBuffer`, or
+    None when it is anything else (the caller decodes it the generic way, which decides)."""
+    ids = _kvcore.json_ids(raw)
+    return None if ids is None else TokenBuffer(ids)
+
+
 def prompt_keys_both(
     tokens: Sequence[int],
     block_size: int,
     *,
     lora_name: str | None = None,
     extra_keys: dict[int, Sequence[Any]] | None = None,
-) -> tuple[list[int], U64]:
-    """:func:`prompt_keys` as a list and as a uint64 array: the store's lookup takes the array
-    (converting a long list back costs ~10 us per 512 keys), predictions take the list."""
-    n = len(tokens) // block_size if block_size > 0 else 0
-    if 0 < n <= _SCALAR_MAX_BLOCKS and block_size <= _MAX_BLOCK_SIZE:
-        ks = _prompt_keys_scalar(tokens, block_size, n, lora_name, extra_keys)
-        return ks, np.array(ks, dtype=np.uint64)
-    arr = _prompt_keys_vec(tokens, block_size, lora_name, extra_keys)
-    return arr.tolist(), arr
+) -> tuple[list[int], bytes]:
+    """:func:`prompt_keys` as a list and as the raw uint64 buffer the store's lookup takes (one C
+    pass over the token list: no numpy on the request path)."""
+    raw = _prompt_keys_raw(tokens, block_size, lora_name, extra_keys)
+    return memoryview(raw).cast("Q").tolist(), raw
 
 
-def _prompt_keys_vec(
+def _prompt_keys_raw(
     tokens: Sequence[int],
     block_size: int,
     lora_name: str | None,
     extra_keys: dict[int, Sequence[Any]] | None,
-) -> U64:
-    try:
-        m = block_contents(tokens, block_size)
-    except (OverflowError, TypeError):
-        raise ValueError("token ids must be integers in 0..2^64-1") from None
+) -> bytes:
+    extras = None
     if extra_keys:
-        for i, items in extra_keys.items():
-            if 0 <= i < len(m) and items:
-                m[i] ^= np.uint64(extra_hash(items))
-    return chain_vec(lora_root(lora_name), m)
+        extras = [(i, extra_hash(items)) for i, items in extra_keys.items() if items]
+    if type(tokens) is TokenBuffer:
+        src: Any = tokens.raw
+    elif isinstance(tokens, list | tuple):
+        src = tokens
+    else:
+        src = list(tokens)
+    raw: bytes = _kvcore.prompt_keys(src, block_size, lora_root(lora_name), extras)
+    return raw
 
 
 def prompt_keys(
@@ -233,29 +289,20 @@ def prompt_keys(
     ``extra_keys`` maps a block index to that block's extra key items (e.g. ``{0: [cache_salt]}``).
     Raises ValueError for token ids outside 0..2^64-1.
     """
-    return prompt_keys_both(tokens, block_size, lora_name=lora_name, extra_keys=extra_keys)[0]
+    return memoryview(_prompt_keys_raw(tokens, block_size, lora_name, extra_keys)).cast("Q").tolist()
 
 
-def _prompt_keys_scalar(
-    tokens: Sequence[int],
-    block_size: int,
-    n: int,
-    lora_name: str | None,
-    extra_keys: dict[int, Sequence[Any]] | None,
-) -> list[int]:
-    """:func:`prompt_keys` for a few blocks with Python ints (same keys; checked by the tests)."""
-    try:
-        buf = array("Q", tokens[: n * block_size])  # validates the range like the vector path
-    except (OverflowError, TypeError):
-        raise ValueError("token ids must be integers in 0..2^64-1") from None
-    muls = _POSITION_MULS_PY[:block_size]
-    mul = operator.mul
-    contents = []
-    for i in range(n):
-        m = fmix64(sum(map(mul, buf[i * block_size : (i + 1) * block_size], muls)) & M64)
-        if extra_keys:
-            items = extra_keys.get(i)
-            if items:
-                m ^= extra_hash(items)
-        contents.append(m)
-    return chain(lora_root(lora_name), contents)
+def unknown_root(sidx: int, parent: int) -> int:
+    """The chain root of a block whose parent the source never reported: derived from (source,
+    parent hash), never a prompt's root (those are the base and LoRA roots), so such chains can never
+    match a prompt while their children still chain and their removals resolve (the C ingest
+    computes the same value)."""
+    root: int = _kvcore.unknown_root(sidx, parent)
+    return root
+
+
+def check_token_ids(ids: list[Any], max_id: int | None) -> int:
+    """Index of the first id that is not a plain int (bools are not) in 0..``max_id``, -1 when all
+    are: one C loop (a Python loop cost ~60 ns per id, 2 ms for a 32k-token prompt)."""
+    bad: int = _kvcore.check_ids(ids, max_id)
+    return bad

@@ -20,7 +20,6 @@ from typing import Any
 import msgspec
 import zmq
 
-from index import rawtokens
 from index.ingest import Ingestor
 from index.keys import prompt_keys, prompt_keys_both
 from index.store import PrefixStore, SourceId, SourceMatch
@@ -60,10 +59,7 @@ class KVIndex:
 
     def __init__(self, config: IndexConfig | None = None, ctx: zmq.Context[Any] | None = None) -> None:
         self.config = config or IndexConfig()
-        # compile (or load from numba's cache) the decode kernels here, at start-up: the first
-        # message would otherwise compile them in the subscriber thread, holding the GIL for seconds
-        rawtokens.warm_up()
-        self.store = PrefixStore(self.config.max_residencies)  # warms its own kernels likewise
+        self.store = PrefixStore(self.config.max_residencies)
         self.ingestor = Ingestor(self.store, self.config.block_size)
         self.subscriber = EventSubscriber(self.ingestor, config=self.config.subscriber, ctx=ctx)
         self.ingestor.on_reset = self._forget_predictions
@@ -71,16 +67,33 @@ class KVIndex:
 
     # --- lifecycle -------------------------------------------------------------------------------
     def add_source(self, cfg: SourceConfig) -> None:
-        """Follow one (instance, DP rank) event stream."""
+        """Follow one (instance, DP rank) event stream; any time, also while the subscriber runs (it
+        takes effect in the subscriber thread). Freed source slots (and mask bits) are reused."""
         self.subscriber.add_source(cfg)
 
     def remove_source(self, source: SourceId) -> None:
-        """Stop following a source and forget its blocks."""
+        """Stop following a source: unsubscribed at once, then its entries are freed in slices
+        without the GIL (lookups go on meanwhile) and its tables go back to the OS."""
         self.subscriber.remove_source(source)
+        sidx = self.store.source_index(source)
+        if sidx is not None:
+            self._predicted.pop(sidx, None)
 
     def source_ready(self, source: SourceId) -> bool:
-        """True once a followed source's first bootstrap replay ended (or it has no replay endpoint)."""
+        """True once the source's first bootstrap replay has ended (done, failed or abandoned) or
+        when it has no replay endpoint: from then on its index is as complete as replay can make it."""
         return self.subscriber.source_ready(source)
+
+    def source_blocks_by_medium(self, source: SourceId) -> dict[str, int]:
+        """Residencies one source holds, by medium ({} for a source not followed)."""
+        sidx = self.store.source_index(source)
+        return {} if sidx is None else self.store.source_blocks(sidx)
+
+    def source_keys(self, source: SourceId) -> dict[str, set[int]]:
+        """Every block key one source holds, by medium: O(its blocks), for tests and convergence
+        checks against the engines' own caches (keys as :func:`index.keys.prompt_keys` makes them)."""
+        sidx = self.store.source_index(source)
+        return {} if sidx is None else self.store.source_keys(sidx)
 
     def start(self) -> None:
         """Start ingesting in the background thread."""

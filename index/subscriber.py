@@ -1,9 +1,12 @@
 """The ZeroMQ subscriber: one SUB socket per source (instance, DP rank), kept exactly in step.
 
-Runs in one dedicated thread with a ``zmq.Poller``: receiving releases the GIL, decoding and indexing
-happen off the router's event loop, and every wake-up drains what is queued (up to ``max_chunk``
-messages) so a busy fleet is indexed in vectorised chunks. A thread was chosen over ``zmq.asyncio``
-because indexing is CPU work that would otherwise run on the HTTP event loop (BENCHMARKS.md).
+Two threads, off the router's event loop: the receiving thread (a ``zmq.Poller`` over every socket)
+drains what is queued at each wake-up (up to ``max_chunk`` messages per socket), does the sequence
+bookkeeping below reading only each payload's seq and timestamp, and hands the raw payloads, in
+order, to the ingest thread, which applies them with one C call per chunk without the GIL
+(:meth:`index.ingest.Ingestor.apply_chunk`). So receiving, ingesting and the HTTP loop overlap on
+two cores; at most ``apply_queue`` chunks wait between the two threads (beyond, the backlog stays in
+ZMQ's bounded queues). Source removal goes through the same queue, after the source's last chunk.
 
 Per source it tracks the sequence number of the last applied batch:
 
@@ -30,15 +33,17 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+import index._kvcore as _kvcore
 from index.ingest import Ingestor
 from index.store import SourceId
-from index.wire import END_SEQ, Batch, WireError, decode_message, decode_payload, split_replay_reply
+from index.wire import END_SEQ, Batch, RawBatch, WireError, decode_seq, peek_message, split_replay_reply
 
 log = logging.getLogger("kvrouter.subscriber")
 
@@ -78,6 +83,8 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     """Live messages of one source held while its replay is in flight; beyond, the replay is abandoned."""
     poll_ms: int = 100
     """Poll timeout; bounds how late stop() and replay timeouts are noticed."""
+    apply_queue: int = 4
+    """Chunks received but not yet applied, at most (the ingest thread applies them in order)."""
 
 
 class SourceStatus(msgspec.Struct):
@@ -106,17 +113,19 @@ class SourceStatus(msgspec.Struct):
     block_size_mismatch: bool
     blocks: dict[str, int]
     bootstrap: str = "none"
-    """First-contact replay: "pending", "done", "failed" (timed out or abandoned), or "none" (no
-    replay endpoint)."""
+    """The first-contact replay: "pending" (waiting for the engine, or in flight), "done", "failed"
+    (timed out or abandoned; live events are applied all the same), "none" (no replay endpoint)."""
 
 
 class _Replay:
-    __slots__ = ("deadline", "replies", "start", "until")
+    __slots__ = ("bootstrap", "deadline", "replies", "start", "until")
 
-    def __init__(self, start: int, until: int | None, deadline: float) -> None:
+    def __init__(self, start: int, until: int | None, deadline: float, bootstrap: bool = False) -> None:
         self.start = start
         self.until = until
         self.deadline = deadline
+        self.bootstrap = bootstrap
+        """A (re)connection's replay from seq 0, not a gap's."""
         self.replies: list[tuple[int, bytes]] = []
 
 
@@ -136,9 +145,8 @@ class _Source:
         self.last_seq = -1
         self.last_ts = 0.0
         self.replay: _Replay | None = None
-        self.held: list[tuple[int, Batch]] = []
+        self.held: list[tuple[int, Batch | RawBatch]] = []
         self.replay_failed_at = 0.0
-        self.bootstrap = "pending" if cfg.replay_endpoint is not None else "none"
         self.gaps = 0
         self.replays = 0
         self.replayed_batches = 0
@@ -146,6 +154,9 @@ class _Source:
         self.restarts = 0
         self.duplicates = 0
         self.foreign_topic = 0
+        self.bootstrap = "pending" if cfg.replay_endpoint is not None else "none"
+        self.bootstrapped = cfg.replay_endpoint is None
+        """The first bootstrap attempt has ended (or none is configured): the source is ready."""
 
 
 class EventSubscriber:
@@ -166,8 +177,13 @@ class EventSubscriber:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._applier: threading.Thread | None = None
+        self._apply_q: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=self.config.apply_queue)
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket[Any], tuple[str, _Source]] = {}
+        self._busy = True
+        """Something was ingested since the heap was last trimmed (True at first: start-up's own
+        garbage goes back to the OS at the first idle moment)."""
         for cfg in sources or []:
             self.add_source(cfg)
 
@@ -190,6 +206,8 @@ class EventSubscriber:
         """Start the subscriber thread."""
         if self._thread is not None:
             return
+        self._applier = threading.Thread(target=self._apply_loop, name="kv-ingest", daemon=True)
+        self._applier.start()
         self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
         self._thread.start()
 
@@ -199,6 +217,10 @@ class EventSubscriber:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self._applier is not None:
+            self._apply_q.put(None)  # after everything handed over
+            self._applier.join(timeout)
+            self._applier = None
         for source in list(self._sources):
             self._close_source(source, forget=False)
         if self._own_ctx:
@@ -242,9 +264,9 @@ class EventSubscriber:
         return out
 
     def source_ready(self, source: SourceId) -> bool:
-        """True once the source's first bootstrap replay ended (or none is configured)."""
+        """Whether a followed source's first bootstrap attempt has ended (or none is configured)."""
         src = self._sources.get(source)
-        return src is not None and src.bootstrap != "pending"
+        return src is not None and src.bootstrapped
 
     def sidx_of(self, source: SourceId) -> int | None:
         """Store index of a followed source."""
@@ -298,8 +320,14 @@ class EventSubscriber:
         if src.monitor is not None:
             src.monitor.close(0)
         if forget:
-            self.ingestor.store.remove_source(source)
-            self.ingestor.stats.pop(src.sidx, None)
+            ingestor = self.ingestor
+
+            def forget_source() -> None:
+                ingestor.stats.pop(src.sidx, None)  # (first: the slot may be reused right after)
+                ingestor.store.remove_source(source)  # in slices, without the GIL (index/store.py)
+                _kvcore.trim()  # the tables are unmapped already; the heap's free pages go back too
+
+            self._submit(forget_source)  # after the source's chunks already handed over
 
     # --- the loop -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -316,7 +344,11 @@ class EventSubscriber:
             except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
                 log.error("poll failed: %s", exc)
                 break
-            chunk: list[tuple[int, Batch | None]] = []
+            if not ready and self._busy:
+                # idle after a burst: the heap gives back what the messages took (glibc keeps it)
+                self._busy = False
+                _kvcore.trim()
+            chunk: list[tuple[int, Batch | bytes | None]] = []
             for sock in ready:
                 kind, src = self._by_socket.get(sock, ("", None))
                 if src is None:
@@ -334,10 +366,31 @@ class EventSubscriber:
                     src.replay_failed_at = now
                     self._finish_replay(src, chunk)
             if chunk:
-                try:
-                    self.ingestor.apply_chunk(chunk)
-                except Exception:  # never let one bad chunk kill ingestion
-                    log.exception("indexing a chunk of %d batches failed", len(chunk))
+                self._busy = True
+                self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
+
+    def _apply(self, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
+        try:
+            self.ingestor.apply_chunk(chunk)
+        except Exception:  # never let one bad chunk kill ingestion
+            log.exception("indexing a chunk of %d batches failed", len(chunk))
+
+    def _submit(self, work: Callable[[], None]) -> None:
+        """Hand work to the ingest thread (in order; waits while ``apply_queue`` chunks are queued,
+        so the backlog stays in ZMQ's bounded queues), or do it now before the threads run."""
+        if self._applier is None:
+            work()
+        else:
+            self._apply_q.put(work)
+
+    def _apply_loop(self) -> None:
+        """The ingest thread: store work in stream order. The C ingest runs without the GIL, so
+        receiving (this module's other thread) and applying overlap, on two cores when there are."""
+        while True:
+            work = self._apply_q.get()
+            if work is None:
+                return
+            work()
 
     def _drain_commands(self) -> None:
         while True:
@@ -350,16 +403,32 @@ class EventSubscriber:
             elif op == "remove":
                 self._close_source(arg)
 
-    def _drain_live(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+    def _drain_live(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         sub = src.sub
         assert sub is not None
+        recv = sub.recv
         for _ in range(self.config.max_chunk):
+            # three plain receives instead of recv_multipart, whose RCVMORE query per frame cost ~4 us
+            # a message (BENCHMARKS.md); only the last frame's own flag is read: a message of another
+            # frame count shows as a seq frame that is not 8 bytes or a last frame with more behind it
             try:
-                frames = sub.recv_multipart(zmq.NOBLOCK)
+                topic = recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                topic, batch = decode_message(frames)
+                seq_frame = recv(zmq.NOBLOCK)
+                last = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # (a message is delivered whole: fewer frames, nothing after them)
+                self._decode_error(src, WireError("message has fewer than 3 frames"), [])
+                continue
+            if last.more or len(seq_frame) != 8:
+                while sub.get(zmq.RCVMORE):  # skip to the end of whatever message this is
+                    recv(zmq.NOBLOCK)
+                self._decode_error(src, WireError("message is not 3 frames [topic, seq, payload]"), [])
+                continue
+            frames = [topic, seq_frame, last.bytes]
+            try:
+                batch = peek_message(frames[2], decode_seq(seq_frame))
             except WireError as exc:
                 self._decode_error(src, exc, frames)
                 continue
@@ -393,7 +462,11 @@ class EventSubscriber:
                 src.last_seq = seq
 
     def _accept(
-        self, src: _Source, batch: Batch, chunk: list[tuple[int, Batch | None]], allow_replay: bool
+        self,
+        src: _Source,
+        batch: Batch | RawBatch,
+        chunk: list[tuple[int, Batch | bytes | None]],
+        allow_replay: bool,
     ) -> None:
         """The per-source state machine for one batch in arrival order."""
         seq = batch.seq
@@ -429,11 +502,11 @@ class EventSubscriber:
             if last >= 0:  # before first contact the engine's history is not ours to lose
                 src.lost += missing
                 log.warning("source %s: %d batches lost (seq %d..%d)", src.name, missing, expected, seq - 1)
-        chunk.append((src.sidx, batch))
+        chunk.append((src.sidx, batch.payload if isinstance(batch, RawBatch) else batch))
         src.last_seq = seq
         src.last_ts = batch.ts
 
-    def _start_replay(self, src: _Source, start: int, until: int | None) -> None:
+    def _start_replay(self, src: _Source, start: int, until: int | None, bootstrap: bool = False) -> None:
         if src.dealer is None:
             dealer = self.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
@@ -442,11 +515,13 @@ class EventSubscriber:
             src.dealer = dealer
             self._poller.register(dealer, zmq.POLLIN)
             self._by_socket[dealer] = ("dealer", src)
-        src.replay = _Replay(start, until, time.monotonic() + self.config.replay_timeout_s)
+        src.replay = _Replay(start, until, time.monotonic() + self.config.replay_timeout_s, bootstrap)
+        if bootstrap:
+            src.bootstrap = "pending"
         src.replays += 1
         src.dealer.send_multipart([b"", start.to_bytes(8, "big")])
 
-    def _on_replay_reply(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+    def _on_replay_reply(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         dealer = src.dealer
         while dealer is not None:
             try:
@@ -466,14 +541,15 @@ class EventSubscriber:
             src.replay.replies.append((seq, payload))
 
     def _finish_replay(
-        self, src: _Source, chunk: list[tuple[int, Batch | None]], finished: bool = False
+        self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]], finished: bool = False
     ) -> None:
         replay = src.replay
         if replay is None:
             return
         src.replay = None
-        if replay.start == 0 and src.bootstrap == "pending":  # the first replay from seq 0
+        if replay.bootstrap:
             src.bootstrap = "done" if finished else "failed"
+            src.bootstrapped = True
         if not finished:
             # replies of an abandoned request could still arrive and be mistaken for the next one's
             self._close_dealer(src)
@@ -481,11 +557,10 @@ class EventSubscriber:
             if seq < replay.start or (replay.until is not None and seq >= replay.until):
                 continue
             try:
-                batch = decode_payload(payload)
+                batch = peek_message(payload, seq)
             except WireError as exc:
                 self._decode_error(src, exc, [])
                 continue
-            batch.seq = seq
             src.replayed_batches += 1
             self._accept(src, batch, chunk, allow_replay=False)
         held, src.held = src.held, []
@@ -495,7 +570,7 @@ class EventSubscriber:
                 src.held.extend(held[i + 1 :])
                 return
 
-    def _on_monitor(self, src: _Source, chunk: list[tuple[int, Batch | None]]) -> None:
+    def _on_monitor(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         monitor = src.monitor
         assert monitor is not None
         while True:
@@ -508,6 +583,6 @@ class EventSubscriber:
                 src.peers += 1
                 if src.cfg.replay_endpoint is not None and src.replay is None:
                     # bootstrap: fetch what the engine still buffers (duplicates are skipped by seq/ts)
-                    self._start_replay(src, 0, None)
+                    self._start_replay(src, 0, None, bootstrap=True)
             elif event == zmq.EVENT_DISCONNECTED:
                 src.peers = max(0, src.peers - 1)

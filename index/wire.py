@@ -5,27 +5,21 @@ msgpack array ``[ts, events, data_parallel_rank?]``. Events are maps tagged by `
 0.24 on, and tagged arrays ``["BlockStored", field, ...]`` up to 0.23. Block hashes are unsigned
 64-bit ints by default or raw digest bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 
-Decoding takes the fast typed path first: one compiled pass (:func:`index.rawtokens.strip_events`)
-parses every ``token_ids`` array into a uint64 buffer and leaves a copy of the payload with each
-array replaced by an empty one, which the ordinary typed decoders turn into the final structs (map
-shape, then the legacy array shape); each BlockStored then gets its
-:class:`index.rawtokens.TokenIds` (no Python int per token), and normalising is skipped when the
-pass saw that it would change nothing. If that fails for any reason, the same structs with
-``token_ids: list[int]`` are tried on the payload itself, and only then a tolerant positional parse
-of the untyped value, which accepts unknown trailing fields and items; so any payload decodes (or
-fails) exactly as it did before.
+Decoding (the Python path; the ingest hands most payloads to the C core instead, see
+:mod:`index.ingest`) tries the typed decoders (map shape, then the legacy array shape), and only
+then a tolerant positional parse of the untyped value, which accepts unknown trailing fields and
+items.
 Everything downstream sees one normalised shape: :class:`Batch` holding :class:`BlockStored`,
 :class:`BlockRemoved` and :class:`AllBlocksCleared` with int hashes and a non-empty ``medium``.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-
-from index.rawtokens import strip_events
 
 END_SEQ = 0xFFFF_FFFF_FFFF_FFFF
 """Seq of the replay end marker (``-1`` as a signed 64-bit big-endian int)."""
@@ -42,8 +36,7 @@ class WireError(ValueError):
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     """Blocks newly cached by a source; ``token_ids`` holds all their tokens, concatenated.
 
-    ``token_ids`` is a list, or after :func:`decode_payload` usually a :class:`TokenIds` (equal to
-    that list, decoded only when read).
+    ``token_ids`` is a list (or an :class:`index.rawtokens.TokenIds` built by tools).
     """
 
     block_hashes: list[int | bytes]
@@ -290,55 +283,50 @@ def _tolerant_batch(payload: bytes) -> Batch:
     return Batch(float(ts), out, rank)
 
 
-def _stripped_batch(payload: bytes) -> Batch | None:
-    """The compiled-token decode, or None when the payload needs the generic path (which decides).
-
-    The copy :func:`index.rawtokens.strip_events` leaves differs from the payload only where a
-    token_ids array was (now an empty one), and the compiled pass gives up on any array that
-    ``list[int]`` would not accept (and on anything else it does not fully understand), so the
-    ordinary decoders accept the copy exactly when they accept the payload, with the same events;
-    each BlockStored then gets its :class:`TokenIds`. Normalising is skipped when the pass saw that
-    it would change nothing.
-    """
-    stripped = strip_events(payload)
-    if stripped is None:
-        return None
-    copy, ids, clean = stripped
-    try:
-        batch = _map_decoder.decode(copy)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        try:
-            batch = _from_legacy(_legacy_decoder.decode(copy))
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return None
-        clean = False
-    events = batch.events
-    for e, tokens in ids:
-        ev = events[e]
-        if type(ev) is BlockStored:  # (other events ignore a token_ids field)
-            ev.token_ids = tokens
-    return batch if clean else _normalise(batch)
-
-
 def decode_payload(payload: bytes, *, compiled: bool = True) -> Batch:
     """Decode one batch payload of any vLLM version since 0.9; raises :class:`WireError`.
 
-    ``compiled=False`` skips the compiled token path, so every ``token_ids`` is a list (the
-    reference the tests compare that path with).
+    ``compiled`` is accepted for compatibility; every ``token_ids`` is a list.
     """
-    if compiled:
-        batch = _stripped_batch(payload)
-        if batch is not None:
-            return batch
+    # (invalid UTF-8 in a string raises UnicodeDecodeError, a ValueError, from msgspec)
     try:
         return _normalise(_map_decoder.decode(payload))
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
         pass
     try:
         return _normalise(_from_legacy(_legacy_decoder.decode(payload)))
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
         pass
     return _tolerant_batch(payload)
+
+
+class RawBatch:
+    """A live or replayed payload not decoded yet: its seq, its batch timestamp, the bytes.
+
+    The subscriber's sequence bookkeeping needs only these two numbers; the payload itself is
+    decoded and applied by the C core (:meth:`index.ingest.Ingestor.apply_chunk`).
+    """
+
+    __slots__ = ("payload", "seq", "ts")
+
+    def __init__(self, payload: bytes, seq: int, ts: float) -> None:
+        self.payload = payload
+        self.seq = seq
+        self.ts = ts
+
+
+_TS = struct.Struct(">d")
+
+
+def peek_message(payload: bytes, seq: int) -> RawBatch | Batch:
+    """A payload as a :class:`RawBatch` when its timestamp can be read in place (vLLM's layout: a
+    short array whose first item is a float64), else decoded now (:func:`decode_payload`; raises
+    :class:`WireError`), with ``seq`` set either way."""
+    if len(payload) >= 10 and 0x92 <= payload[0] <= 0x9F and payload[1] == 0xCB:
+        return RawBatch(payload, seq, _TS.unpack_from(payload, 2)[0])
+    batch = decode_payload(payload)
+    batch.seq = seq
+    return batch
 
 
 def decode_seq(frame: bytes) -> int:

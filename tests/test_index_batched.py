@@ -5,29 +5,20 @@
   Random multi-source streams (several media and block sizes per chunk, clears, restarts,
   duplicates, remaps, unknown removes, the memory cap, runs longer than one kernel call) must leave
   identical stores and counters.
-- The compiled decode tells whether a batch needs normalising (``strip_events``' clean flag); for
-  every msgpack encoding of hashes, parents, block sizes and media it must decode exactly as the
-  list path, and claim clean only when normalising would change nothing.
+(The C ingest of raw payloads against this Python path: tests/test_index_cingest.py.)
 """
 
 from __future__ import annotations
 
 import random
-import struct
 from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from index import table as tb
-from index import wire
 from index.ingest import Ingestor, SourceStats
-from index.rawtokens import TokenIds, strip_events, strip_tokens
 from index.store import OP_REMOVE, OP_STORE, PrefixStore
-from index.wire import Batch, BlockRemoved, BlockStored, WireError, decode_payload
+from index.wire import Batch, BlockRemoved, BlockStored, decode_payload
 from sim.publisher import AllBlocksCleared as SimCleared
 from sim.publisher import BlockRemoved as SimRemoved
 from sim.publisher import BlockStored as SimStored
@@ -129,34 +120,6 @@ def test_batched_store_calls_equal_one_call_per_event(seed: int) -> None:
         twin.chunk(chunk)
 
 
-def test_the_batched_path_runs_and_long_runs_take_several_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One store call per run of a source; a run longer than the kernel's budget of blocks takes
-    several kernel calls (the interpreter may switch threads in between)."""
-    twin = _Twin(2, 10**9)
-    rng = random.Random(7)
-    items: list[tuple[int, bytes | None]] = []
-    for i in range(160):
-        hashes: list[int | bytes] = list(range(i * 64 + 1, i * 64 + 65))
-        tokens = [rng.randrange(1000) for _ in range(64 * 4)]
-        items.append((i % 2, encode_batch([SimStored(hashes, None, tokens, 4, None, "GPU", None)], 1.0, 0)))
-    twin.chunk(items[:60])
-    assert twin.calls == 60  # the sources alternate: one run per batch
-    applied: list[int] = []  # blocks per kernel call
-    kernel = tb.apply_ops
-
-    def counting(*args: Any) -> tuple[int, int]:
-        out: tuple[int, int] = kernel(*args)
-        ops, first = args[12], args[16]
-        applied.append(int(ops[first : out[0], 3].sum()))
-        return out
-
-    monkeypatch.setattr(tb, "apply_ops", counting)
-    twin.chunk([(0, p) for _, p in items[60:]])  # 6,400 blocks of one source
-    assert twin.calls == 61 and sum(applied) == 6400
-    assert len(applied) >= 2 and max(applied) <= 4096 + 64
-    assert twin.stores[0].total == 160 * 64
-
-
 def test_hashes_that_do_not_fit_take_the_per_event_path() -> None:
     """Python-built events with hashes outside uint64: the chunk goes event by event, as before."""
     for bad in (
@@ -199,107 +162,3 @@ def test_apply_ops_equals_store_and_remove() -> None:
             b.remove(0, m, rems[first : first + n])
     assert a._media == b._media and a._emaps == b._emaps and a._refs == b._refs
     assert a.counts() == b.counts() and a.evictions == b.evictions > 0
-
-
-# ---- the clean flag: every encoding of the fields the decoder normalises ---------------------------
-
-
-def _ints(v: int) -> st.SearchStrategy[bytes]:
-    """Encodings of ``v``: the shortest, and the signed and wider ones msgspec also decodes as int."""
-    out = [msgspec.msgpack.encode(v)]
-    for tag, fmt, lo, hi in ((0xD0, ">b", -128, 128), (0xD3, ">q", -(2**63), 2**63), (0xCF, ">Q", 0, 2**64)):
-        if lo <= v < hi:
-            out.append(bytes([tag]) + struct.pack(fmt, v))
-    return st.sampled_from(out)
-
-
-_HASH = st.one_of(
-    st.integers(0, 300).flatmap(_ints),
-    st.integers(0, 2**64 - 1).flatmap(_ints),
-    st.integers(-(2**63), -1).flatmap(_ints),  # rejected by the normaliser
-    st.binary(min_size=1, max_size=9).map(msgspec.msgpack.encode),  # bytes hashes: low 8 bytes
-)
-
-
-@st.composite
-def _hashes(draw: st.DrawFn) -> msgspec.Raw:
-    items = draw(st.lists(_HASH, max_size=4))
-    return msgspec.Raw(bytes([0x90 | len(items)]) + b"".join(items))
-
-
-@st.composite
-def _map_event(draw: st.DrawFn) -> dict[str, Any]:
-    kind = draw(st.sampled_from(["stored"] * 5 + ["removed"] * 2 + ["cleared"]))
-    medium = draw(st.sampled_from([msgspec.Raw(b"\xc0"), "GPU", "CPU", None]))  # None: field left out
-    if kind == "cleared":
-        ev: dict[str, Any] = {"type": "AllBlocksCleared"}
-        if draw(st.booleans()):
-            ev["token_ids"] = [1, 2]  # an unknown field here: stripped, ignored
-        return ev
-    ev = {"type": "BlockRemoved" if kind == "removed" else "BlockStored", "block_hashes": draw(_hashes())}
-    if medium is not None:
-        ev["medium"] = medium
-    if kind == "removed":
-        return ev
-    n = draw(st.integers(0, 3))
-    ev["parent_block_hash"] = msgspec.Raw(draw(st.one_of(st.just(b"\xc0"), _HASH)))
-    ev["token_ids"] = draw(st.lists(st.integers(0, 70_000), min_size=2 * n, max_size=2 * n))
-    ev["block_size"] = msgspec.Raw(draw(st.sampled_from([2, 2, 0, -2]).flatmap(_ints)))
-    return ev
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.lists(_map_event(), max_size=4))
-def test_compiled_decode_and_its_clean_flag(events: list[dict[str, Any]]) -> None:
-    payload = msgspec.msgpack.encode([1.5, events, 0])
-    try:
-        expected: Batch | None = decode_payload(payload, compiled=False)
-    except WireError:
-        expected = None
-    try:
-        got: Batch | None = decode_payload(payload)
-    except WireError:
-        got = None
-    assert got == expected
-    stripped = strip_events(payload)
-    if stripped is not None and stripped[2]:
-        # clean: the typed decode alone (no normalising) already gives the normalised batch
-        assert expected is not None and wire._map_decoder.decode(payload) == expected
-    if got is not None:
-        for ev in got.events:
-            if type(ev) is BlockStored:
-                assert type(ev.token_ids) is TokenIds
-
-
-def test_strip_events_and_strip_tokens_find_the_same_arrays() -> None:
-    events: list[Any] = [
-        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [5] * 300},
-        {"type": "BlockRemoved", "block_hashes": [1], "token_ids": [9]},
-        {"type": "AllBlocksCleared"},
-        {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": 1, "token_ids": [-1, 2]},
-    ]
-    for ev in events:
-        if ev["type"] == "BlockStored":
-            ev["block_size"] = len(ev["token_ids"])
-    payload = msgspec.msgpack.encode([1.0, events, 0])
-    by_index = strip_tokens(payload)
-    by_event = strip_events(payload)
-    assert by_index is not None and by_event is not None
-    assert [e for e, _ in by_event[1]] == [0, 1, 3]
-    assert [t.tolist() for _, t in by_event[1]] == [t.tolist() for t in by_index[1]]
-    assert by_event[2]  # hashes, parents, sizes and media all in normal form
-    assert msgspec.msgpack.decode(by_event[0])[1][0]["token_ids"] == []
-    assert decode_payload(payload) == decode_payload(payload, compiled=False)
-
-
-def test_a_repeated_token_ids_key_keeps_the_last_like_msgspec() -> None:
-    ev = msgspec.msgpack.encode({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None})
-    extra = msgspec.msgpack.encode({"token_ids": [1, 2], "block_size": 1})[1:]  # two more pairs
-    again = msgspec.msgpack.encode({"token_ids": [3]})[1:]
-    event = bytes([0x80 | 6]) + ev[1:] + extra + again
-    payload = b"\x93" + msgspec.msgpack.encode(1.0) + b"\x91" + event + b"\x00"
-    got = decode_payload(payload)
-    assert got == decode_payload(payload, compiled=False)
-    stored = got.events[0]
-    assert isinstance(stored, BlockStored) and isinstance(stored.token_ids, TokenIds)
-    assert stored.token_ids == [3]

@@ -315,3 +315,94 @@ def test_an_idle_subscriber_without_sources_does_not_spin(make_index: Callable[.
     while time.monotonic() < deadline:
         time.sleep(0.05)
     assert time.process_time() - before < 0.2  # a spinning thread burns ~0.5 s of CPU here
+
+
+def test_messages_of_other_frame_counts_are_counted_and_the_stream_survives(
+    ctx: zmq.Context[Any], make_index: Callable[..., KVIndex]
+) -> None:
+    """The subscriber reads three frames per message and checks only the last one's flag: a message
+    of 1, 2 or 4 frames is a decode error (the message after a short one may go with it: a gap)."""
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    try:
+        idx = make_index(SourceConfig("e", 0, pub.getsockopt_string(zmq.LAST_ENDPOINT)))
+        c = Chain(0)
+        seq = 0
+
+        def good() -> None:
+            nonlocal seq
+            payload = msgspec.msgpack.encode([time.time(), [msgspec.to_builtins(c.extend(1))], 0])
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
+
+        deadline = time.monotonic() + TIMEOUT
+        while status(idx).batches == 0:  # wait for the subscription to propagate
+            assert time.monotonic() < deadline
+            good()
+            time.sleep(0.05)
+        before = status(idx).batches
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), b"\x90", b"extra"])  # 4 frames
+        pub.send_multipart([b"", b"\x93"])  # 2 frames
+        pub.send_multipart([b"only"])  # 1 frame
+        for _ in range(5):
+            good()
+        wait_for(lambda: status(idx).last_seq == seq - 1, "stream caught up")
+        st = status(idx)
+        assert st.decode_errors >= 2 and st.batches >= before + 3  # (a short message can swallow the next)
+    finally:
+        pub.close(0)
+
+
+def test_bootstrap_state_and_source_ready(
+    ctx: zmq.Context[Any], make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """The lead's readiness signal: "none" (ready at once) without a replay endpoint; "pending" until
+    the first-contact replay ends, then "done"; "failed" (and ready) when nobody answers it."""
+    pub = make_pub()
+    c = Chain(0)
+    for _ in range(3):
+        pub.publish([c.extend(2)])
+    plain = make_pub(replay_endpoint=None)
+    dead = ctx.socket(zmq.ROUTER)  # a replay socket that never answers
+    dead.setsockopt(zmq.LINGER, 0)
+    dead.bind("tcp://127.0.0.1:0")
+    try:
+        silent = make_pub()
+        idx = make_index(
+            connect(pub),
+            connect(plain, instance="p"),
+            SourceConfig("s", 0, silent.endpoint, dead.getsockopt_string(zmq.LAST_ENDPOINT)),
+            replay_timeout_s=0.5,
+        )
+        assert status(idx, "p/dp0").bootstrap == "none" and idx.source_ready(("p", 0))
+        wait_for(lambda: idx.source_ready(("e", 0)), "bootstrap done")
+        assert status(idx).bootstrap == "done" and matched(idx, c.tokens) == 6
+        wait_for(lambda: idx.source_ready(("s", 0)), "bootstrap given up")
+        assert status(idx, "s/dp0").bootstrap == "failed"
+        assert not idx.source_ready(("nobody", 0))
+        assert idx.source_blocks_by_medium(("e", 0)) == {"GPU": 6}
+        assert idx.source_keys(("e", 0)) == {"GPU": set(prompt_keys(c.tokens, BS))}
+        assert idx.source_keys(("nobody", 0)) == {} and idx.source_blocks_by_medium(("nobody", 0)) == {}
+    finally:
+        dead.close(0)
+
+
+def test_remove_and_re_add_sources_while_running_reuses_slots(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """Pods joining and leaving: removal unsubscribes and frees the source's blocks; its slot (and
+    mask bit) is reused by the next source, which starts empty."""
+    idx = make_index()
+    for round_ in range(3):
+        pub = make_pub(replay_endpoint=None)
+        c = Chain(round_)
+        idx.add_source(connect(pub, instance=f"pod{round_}"))
+        name = f"pod{round_}/dp0"
+        wait_for(lambda n=name: any(s.source == n for s in idx.status()), "added")  # type: ignore[misc]
+        publish_until_seen(pub, idx, c, source=f"pod{round_}/dp0")
+        assert idx.source_blocks_by_medium((f"pod{round_}", 0))["GPU"] >= 1
+        idx.remove_source((f"pod{round_}", 0))
+        wait_for(lambda r=round_: idx.store.source_index((f"pod{r}", 0)) is None, "removed")  # type: ignore[misc]
+        assert idx.store.total == 0
+    assert len(idx.store._sources) == 1  # one slot, reused

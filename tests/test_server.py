@@ -398,3 +398,97 @@ def test_a_refused_request_is_answered_even_while_the_client_keeps_sending(
             s.sendall(b"x" * 65536)  # ... and still reads: no reset while the client finishes
     finally:
         s.close()
+
+
+def test_native_lookup_endpoints_answer_as_the_framework_does(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    """/health, /ready, /v1/models and /route are served without FastAPI (router/http/native.py):
+    the same requests through the FastAPI routes give the same statuses and bytes (/route: the same
+    JSON apart from the timing values)."""
+    router, engine = setup
+    tokens = [5 + i for i in range(32)]
+    engine.announce(tokens[:16], 4)
+    wait_for(lambda: _route(router, {"model": "toy", "prompt": tokens})[1]["matched_blocks"] == 4, "index")
+    cases: list[tuple[str, str, bytes]] = [
+        ("GET", "/health", b""),
+        ("GET", "/debug/index", b""),
+        ("GET", "/dashboard", b""),
+        ("GET", "/nope", b""),
+        ("POST", "/health", b"{}"),
+        ("GET", "/ready", b""),
+        ("GET", "/v1/models", b""),
+        ("POST", "/route", json.dumps({"model": "toy", "prompt": tokens}).encode()),
+        (
+            "POST",
+            "/route?endpoint=chat",
+            json.dumps({"model": "toy", "messages": [{"role": "user"}]}).encode(),
+        ),
+        (
+            "POST",
+            "/route",
+            json.dumps({"model": "toy", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        ),
+        ("POST", "/route", b"{not json"),
+        ("POST", "/route", json.dumps({"prompt": tokens}).encode()),
+        ("POST", "/route", json.dumps({"model": "nope", "prompt": tokens}).encode()),
+        ("POST", "/route", json.dumps({"model": "toy", "prompt": [True, 1]}).encode()),
+        ("POST", "/route", json.dumps({"model": "toy", "prompt": [10**9]}).encode()),
+        ("POST", "/route", b'{"model": "toy", "prompt": [ 5, 6 ,7,\n8 ], "cache_salt": "s"}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [5, 6.0]}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [5, 06]}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [5, -6]}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [18446744073709551616]}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": []}'),
+        ("POST", "/route", b'{"model": "toy", "prompt": [5], "prompt": [6, 7]}'),
+    ]
+
+    def answers() -> list[tuple[int, Any]]:
+        out: list[tuple[int, Any]] = []
+        for method, path, body in cases:
+            r = httpx.request(method, f"{router.url}{path}", content=body or None, timeout=10)
+            if path != "/dashboard":
+                assert r.headers["content-type"] == "application/json"
+            if path == "/debug/index":  # (event ages move on between the two calls)
+                data = r.json()
+                for src in data["sources"]:
+                    src["last_event_age_s"] = None
+                out.append((r.status_code, data))
+            elif path.startswith("/route") and r.status_code == 200:
+                data = r.json()
+                data["timings_us"] = sorted(data["timings_us"])
+                data["time"] = 0
+                out.append((200, data))
+            else:
+                out.append((r.status_code, r.content))
+        return out
+
+    server = cast(NativeServer, router.server).server
+    native = answers()
+    routes, server.native.routes = server.native.routes, {}  # everything through FastAPI now
+    try:
+        framework = answers()
+    finally:
+        server.native.routes = routes
+    assert native == framework
+    # token-id prompts parsed straight into uint64s (router.app._token_prompt_body) against the
+    # generic JSON decode
+    import router.app as app_module
+
+    fast = app_module._token_prompt_body
+    app_module._token_prompt_body = lambda raw: None  # type: ignore[assignment]
+    try:
+        generic = answers()
+    finally:
+        app_module._token_prompt_body = fast
+    assert native == generic
+    assert [status for status, _ in native][:15] == [200, 200, 200, 404, 405] + [200] * 5 + [
+        400,
+        400,
+        404,
+    ] + [400] * 2
+
+
+def _route(router: RouterRunner, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    r = httpx.post(f"{router.url}/route", json=body, timeout=10)
+    return r.status_code, r.json()

@@ -50,6 +50,7 @@ import jinja2.sandbox
 import msgspec
 from tokenizers import Tokenizer, processors
 
+from index.keys import TokenBuffer, check_token_ids
 from router.decision.segments import SegmentCache
 
 __all__ = [
@@ -764,7 +765,10 @@ def _check_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
 def _validate_ids(ids: list[Any], max_token_id: int | None) -> list[int]:
     if not ids:
         raise TokenizerError("prompt token list is empty")
-    for tid in ids:
+    bad = check_token_ids(ids, max_token_id)  # the loop below, in C; it only words the error
+    if bad < 0:
+        return ids
+    for tid in ids[bad:]:
         # bool is an int subclass; JSON true must not pass as token 1.
         if type(tid) is not int or tid < 0:
             raise TokenizerError(f"prompt token ids must be non-negative integers, got {tid!r}")
@@ -838,7 +842,7 @@ class RequestTokenizer:
         """Stop the worker threads (pending work is cancelled)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def tokenize(self, endpoint: Endpoint, body: dict[str, Any], model: str) -> list[int]:
+    async def tokenize(self, endpoint: Endpoint, body: dict[str, Any], model: str) -> Sequence[int]:
         """The prompt token ids the engine will see for `body` sent to `endpoint`.
 
         completions: `prompt` as a string is encoded (`add_special_tokens` from the body, default
@@ -864,11 +868,16 @@ class RequestTokenizer:
         finally:
             self.last_duration_s = time.perf_counter() - start
 
-    async def _completions(self, body: dict[str, Any], model: str) -> list[int]:
+    async def _completions(self, body: dict[str, Any], model: str) -> Sequence[int]:
         prompt = body.get("prompt")
         add_special = _check_bool(body, "add_special_tokens", True)
         local = self._local.get(model, self._default)
         max_id = local.max_token_id if local is not None else None
+        if type(prompt) is TokenBuffer:  # token ids parsed from JSON as uint64s (/route)
+            bad = prompt.first_above(max_id) if max_id is not None else -1
+            if bad >= 0:
+                raise TokenizerError(f"prompt token id {prompt[bad]} is out of vocabulary (max {max_id})")
+            return prompt
         if isinstance(prompt, list):
             if not prompt:
                 raise TokenizerError("prompt must not be an empty list")

@@ -1,5 +1,6 @@
-"""kvrouter's own HTTP/1.1 server (asyncio + httptools' C parser): the two proxied endpoints run
-natively, everything else goes through the FastAPI app over a minimal ASGI bridge.
+"""kvrouter's own HTTP/1.1 server (asyncio + httptools' C parser): the two proxied endpoints and
+the lookup endpoints (/health, /ready, /v1/models, /route: :mod:`router.http.native`) run natively,
+everything else goes through the FastAPI app over a minimal ASGI bridge.
 
 Why not uvicorn for the hot path (measured, BENCHMARKS.md): under uvicorn every proxied response
 costs two socket writes (status line and headers, then the body) plus ASGI message dicts and a task
@@ -41,6 +42,7 @@ import httptools
 
 from router.http.asgi import Headers, Message
 from router.http.errors import ApiError, bad_request, head_too_large, internal_error, too_large
+from router.http.native import NativeEndpoints
 from router.http.proxy import PATHS, send_error
 
 if TYPE_CHECKING:
@@ -337,8 +339,40 @@ class _Connection(asyncio.Protocol):
 
     # --- requests --------------------------------------------------------------------------------
     def _next(self) -> None:
-        req = self.queue.popleft()
-        self.task = self.loop.create_task(self._run(req))
+        while True:
+            req = self.queue.popleft()
+            answer = self.server.native.answer_now(req.method, req.path, req.headers, req.query)
+            if answer is None or self.server.access_log:
+                self.task = self.loop.create_task(self._run(req))
+                return
+            # a GET answered at once (/health, /ready, /v1/models, /metrics, ...): no task, one write
+            self._write_now(req, *answer)
+            if not req.keep_alive or self.server.stopping or self.gone:
+                self.close()
+                return
+            if not self.queue:
+                break
+        if self._final is not None:
+            self._answer_and_close(self._final)
+            return
+        if self.read_paused and self.transport is not None:
+            self.read_paused = False
+            self.transport.resume_reading()
+        self._arm_idle()
+
+    def _write_now(self, req: _Request, status: int, ctype: bytes, body: bytes) -> None:
+        """A complete response in one write, framed as :class:`_Writer` frames one."""
+        if self.server.stopping:
+            req.keep_alive = False
+        conn = b""
+        if not req.keep_alive:
+            conn = b"connection: close\r\n"
+        elif req.version == "1.0":
+            conn = b"connection: keep-alive\r\n"
+        self.write(
+            b"HTTP/1.1 %d %s\r\n%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s"
+            % (status, _REASONS.get(status, b""), self.server.date_line(), ctype, len(body), conn, body)
+        )
 
     async def _run(self, req: _Request) -> None:
         writer = _Writer(self, req)
@@ -490,6 +524,7 @@ class HttpServer:
         self.write_timeout = srv.write_timeout_s
         self.drain_timeout = srv.drain_timeout_s
         self.access_log = srv.access_log
+        self.native = NativeEndpoints(app)
         self.connections: set[_Connection] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
@@ -505,9 +540,14 @@ class HttpServer:
         return self._date
 
     async def dispatch(self, req: _Request, writer: _Writer, conn: _Connection) -> None:
-        """The proxied endpoints natively, everything else through the ASGI app."""
+        """The proxied endpoints and the lookup endpoints (:mod:`router.http.native`) natively,
+        everything else through the ASGI app."""
         if req.method == "POST" and req.path in PATHS:
             await self.app.proxy.handle(req.path, req.headers, req.body, writer, lambda: conn.gone)
+            return
+        native = self.native.get(req.method, req.path)
+        if native is not None:
+            await native(req.headers, req.query, req.body, writer)
         else:
             await self._asgi(req, writer, conn)
 

@@ -1,10 +1,15 @@
-"""Compiled token ids (index/rawtokens.py) against the list path, store operation by operation.
+"""The C ingest (``index/_kvcore.c``, raw payloads) against the Python path (decoded batches).
 
-The reference is ``decode_payload(payload, compiled=False)`` (token_ids decoded into Python lists,
-keys through numpy), i.e. the ingest path as it was before the compiled one. Both paths feed an ingestor
-whose store records every call; the call logs, the counters and the decoded batches must be
-identical, on the captured vLLM frames (map shape, and the same events re-encoded as <= 0.23 tagged
-arrays) and on hypothesis-generated batches in both shapes with every msgpack int encoding.
+Both ingest the same payloads into a compact store each; after every chunk the stores (every raw
+map: ``_media``, ``_emaps`` in eviction order, ``_refs``, totals, per-source counts) and the
+per-source counters must be identical. The C side gets whole chunks (it takes what it understands,
+the Python path the rest, in order); the reference decodes every payload in Python and applies one
+message per chunk.
+
+Semantics note (index/README.md): the C path resolves a parent against what the source holds when
+the event applies; the Python path resolves parents stored earlier in the same chunk from the chunk
+itself. They differ only when a parent is removed or cleared earlier in the same chunk, which vLLM
+never publishes (a block is in use while its child is computed), so the generated streams do not.
 """
 
 from __future__ import annotations
@@ -22,44 +27,10 @@ from vllm_vectors import live_frames, load, scenarios
 
 from index.ingest import Ingestor, SourceStats
 from index.keys import block_contents, prompt_keys, u64_block_contents
-from index.rawtokens import TokenIds, strip_tokens
+from index.rawtokens import TokenIds
 from index.store import PrefixStore
-from index.wire import BlockStored, WireError, decode_payload
 
 U64 = (1 << 64) - 1
-
-
-# ---- recording both paths ---------------------------------------------------------------------
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, list | tuple):
-        return [_plain(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    return x
-
-
-class RecordingStore:
-    """A real store whose every method call (arguments and result) is logged."""
-
-    def __init__(self) -> None:
-        self.inner = PrefixStore()
-        self.log: list[Any] = []
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.inner, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kw: Any) -> Any:
-            out = attr(*args, **kw)
-            self.log.append((name, _plain(args), _plain(kw), _plain(out)))
-            return out
-
-        return call
 
 
 def _stats(st_: SourceStats) -> dict[str, Any]:
@@ -67,46 +38,41 @@ def _stats(st_: SourceStats) -> dict[str, Any]:
 
 
 class Pair:
-    """The compiled path and the list path side by side, fed the same payloads in the same chunks."""
+    """The C path and the Python path side by side, fed the same payloads."""
 
     def __init__(self, sources: int = 1, block_size: int | None = None) -> None:
-        self.stores = (RecordingStore(), RecordingStore())
-        self.ings = tuple(Ingestor(s, block_size) for s in self.stores)  # type: ignore[arg-type]
+        self.stores = (PrefixStore(), PrefixStore())
+        self.ings = tuple(Ingestor(s, block_size) for s in self.stores)
+        self.ings[1]._core = None  # the reference: every payload decoded and applied in Python
         self.sidx = [[ing.add_source(("e", r)) for r in range(sources)] for ing in self.ings]
-        self.decode_errors = 0
-        self.raw_events = 0
+        self.c_applied = 0
+        self.py_applied = 0
+        inner = self.ings[0]._apply_decoded
+
+        def counting(items: Any) -> None:
+            self.py_applied += sum(b is not None for _, b in items)
+            inner(items)
+
+        self.ings[0]._apply_decoded = counting  # type: ignore[method-assign]
 
     def chunk(self, items: list[tuple[int, bytes]]) -> None:
-        chunks: tuple[list[Any], list[Any]] = ([], [])
-        for src, payload in items:
-            try:
-                new = decode_payload(payload)
-            except WireError:
-                new = None
-            try:
-                old = decode_payload(payload, compiled=False)
-            except WireError:
-                old = None
-            assert (new is None) == (old is None), payload.hex()
-            if new is None or old is None:
-                self.decode_errors += 1
-                continue
-            assert new == old  # TokenIds equals the list msgspec decodes
-            for a, b in zip(new.events, old.events, strict=True):
-                if isinstance(a, BlockStored):
-                    assert isinstance(b, BlockStored)
-                    self.raw_events += type(a.token_ids) is TokenIds
-                    assert len(a.token_ids) == len(b.token_ids)
-                    assert list(a.token_ids) == b.token_ids
-            chunks[0].append((self.sidx[0][src], new))
-            chunks[1].append((self.sidx[1][src], old))
-        for ing, chunk in zip(self.ings, chunks, strict=True):
-            ing.apply_chunk(chunk)
+        core = self.stores[0].core
+        batches, py = sum(st_.batches for st_ in self.ings[0].stats.values()), self.py_applied
+        self.ings[0].apply_chunk([(self.sidx[0][s], p) for s, p in items])
+        added = sum(st_.batches for st_ in self.ings[0].stats.values()) - batches
+        self.c_applied += added - (self.py_applied - py)  # batches the C path applied
+        assert core.take_stats() == []  # merged by the ingestor
+        for s, p in items:
+            self.ings[1].apply_chunk([(self.sidx[1][s], p)])
         self.check()
 
     def check(self) -> None:
         a, b = self.stores
-        assert a.log == b.log
+        assert a.total == b.total and a.evictions == b.evictions
+        assert a.counts() == b.counts()
+        assert a._media == b._media
+        assert [list(d.items()) for d in a._emaps] == [list(d.items()) for d in b._emaps]
+        assert a._refs == b._refs
         for s0, s1 in zip(self.sidx[0], self.sidx[1], strict=True):
             assert _stats(self.ings[0].stats[s0]) == _stats(self.ings[1].stats[s1])
 
@@ -156,10 +122,19 @@ def test_captures_ingest_identically(name: str, legacy: bool) -> None:
             items.append((i, _legacy_payload(payload, [None, "future"]) if legacy else payload))
     for start in range(0, len(items), 3):  # chunks of three messages, as the subscriber may form
         pair.chunk(items[start : start + 3])
-    stored = sum(st_.blocks_stored for st_ in pair.ings[0].stats.values())
-    assert pair.decode_errors == 0
-    if any(st_.stored_events for st_ in pair.ings[0].stats.values()):
-        assert pair.raw_events > 0 and stored > 0
+    decode_errors = sum(st_.decode_errors for st_ in pair.ings[0].stats.values())
+    assert decode_errors == 0
+
+
+def test_the_c_path_takes_plain_vllm_payloads() -> None:
+    """After the first event of a source has taught its block size, plain payloads never leave C."""
+    capture = load("clear")
+    pair = Pair(1, capture["block_size"])
+    items = [(0, f[2]) for f in live_frames(capture, sorted(capture["ranks"])[0])]
+    pair.chunk(items[:1])
+    pair.c_applied = 0
+    pair.chunk(items[1:])
+    assert pair.c_applied == len(items) - 1
 
 
 # ---- hypothesis: both shapes, every int encoding ----------------------------------------------------
@@ -265,6 +240,12 @@ def _stream(draw: st.DrawFn) -> tuple[list[list[tuple[int, bytes]]], bool]:
         chunk = []
         for _ in range(draw(st.integers(1, 4))):
             events = draw(st.lists(_event(), max_size=5))
+            gone = False  # after a removal or a clear, no parent in this message (see the docstring)
+            for ev in events:
+                if ev["type"] != "BlockStored":
+                    gone = True
+                elif gone:
+                    ev["parent_block_hash"] = None
             wire_events: list[Any] = [_to_legacy(ev, trailing) for ev in events] if legacy else events
             payload = msgspec.msgpack.encode([1.0, wire_events, 0])
             chunk.append((draw(st.integers(0, 1)), payload))
@@ -281,37 +262,75 @@ def test_generated_batches_ingest_identically(stream: tuple[list[list[tuple[int,
         pair.chunk(chunk)
 
 
+# ---- odd encodings of the fields the decoder normalises ---------------------------------------------
+
+
+def _ints(v: int) -> st.SearchStrategy[bytes]:
+    out = [msgspec.msgpack.encode(v)]
+    for tag, fmt, lo, hi in ((0xD0, ">b", -128, 128), (0xD3, ">q", -(2**63), 2**63), (0xCF, ">Q", 0, 2**64)):
+        if lo <= v < hi:
+            out.append(bytes([tag]) + struct.pack(fmt, v))
+    return st.sampled_from(out)
+
+
+_HASH = st.one_of(
+    st.integers(0, 300).flatmap(_ints),
+    st.integers(0, 2**64 - 1).flatmap(_ints),
+    st.integers(-(2**63), -1).flatmap(_ints),  # rejected: a decode error
+    st.binary(min_size=0, max_size=9).map(msgspec.msgpack.encode),  # bytes hashes: low 8 bytes; b"" bad
+)
+
+
+@st.composite
+def _map_event(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["stored"] * 5 + ["removed"] * 2 + ["cleared", "other"]))
+    medium = draw(st.sampled_from([msgspec.Raw(b"\xc0"), "GPU", "CPU", "", "NVME", 3, None]))
+    if kind == "cleared":
+        ev: dict[str, Any] = {"type": "AllBlocksCleared"}
+        if draw(st.booleans()):
+            ev["token_ids"] = [1, 2]  # an unknown field here: ignored
+        return ev
+    if kind == "other":
+        return {"type": draw(st.sampled_from(["BlockPinned", 5])), "block_hashes": [1]}
+    items = draw(st.lists(_HASH, max_size=4))
+    ev = {"type": "BlockRemoved" if kind == "removed" else "BlockStored"}
+    ev["block_hashes"] = msgspec.Raw(bytes([0x90 | len(items)]) + b"".join(items))
+    if medium is not None:
+        ev["medium"] = medium
+    if kind == "removed":
+        return ev
+    n = draw(st.integers(0, 3))
+    ev["parent_block_hash"] = msgspec.Raw(draw(st.one_of(st.just(b"\xc0"), _HASH)))
+    ev["token_ids"] = draw(st.lists(st.integers(0, 70_000), min_size=2 * n, max_size=2 * n))
+    ev["block_size"] = msgspec.Raw(draw(st.sampled_from([2, 2, 0, -2]).flatmap(_ints)))
+    if draw(st.booleans()):
+        ev["lora_id"] = draw(st.sampled_from([None, 7, "x"]))
+    return ev
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(_map_event(), max_size=4), min_size=1, max_size=3), st.sampled_from([1.5, 3, "x"]))
+def test_odd_encodings_ingest_identically(messages: list[list[dict[str, Any]]], ts: Any) -> None:
+    pair = Pair(1, 2)
+    chunk = []
+    for events in messages:
+        gone = False
+        for ev in events:
+            if ev["type"] != "BlockStored":
+                gone = True
+            elif gone:
+                ev["parent_block_hash"] = None
+        chunk.append((0, msgspec.msgpack.encode([ts, events, 0])))
+    pair.chunk(chunk)
+
+
+# ---- malformed payloads: never a crash, never a read past the end -----------------------------------
+
+
 def _one_event(tokens: msgspec.Raw, legacy: bool = False) -> bytes:
     ev = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": tokens}
     ev |= {"block_size": 1, "lora_id": None, "medium": "GPU", "lora_name": None}
     return msgspec.msgpack.encode([1.0, [_to_legacy(ev, []) if legacy else ev], 0])
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.integers(0, 40).flatmap(lambda n: _token_array(n)), st.booleans())
-def test_strip_accepts_exactly_what_list_int_accepts(
-    arr: tuple[msgspec.Raw, list[int]], legacy: bool
-) -> None:
-    raw, values = arr
-    try:
-        expected: list[int] | None = msgspec.msgpack.decode(raw, type=list[int])
-    except msgspec.ValidationError:
-        expected = None
-    stripped = strip_tokens(_one_event(raw, legacy))
-    if expected is None:
-        assert stripped is None
-        return
-    assert stripped is not None and expected == values
-    copy, (tokens,) = stripped
-    assert msgspec.msgpack.decode(copy)[1][0][3 if legacy else "token_ids"] == 0  # the index
-    assert tokens == expected and len(tokens) == len(expected) and list(tokens) == expected
-    assert tokens.negative == any(v < 0 for v in expected)
-    if not tokens.negative and expected:
-        bs = len(expected)
-        assert u64_block_contents(tokens.array(), bs).tolist() == block_contents(expected, bs).tolist()
-
-
-# ---- edges ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -332,8 +351,28 @@ def test_strip_accepts_exactly_what_list_int_accepts(
         b"\x93\x00\x91\x81\xa9token_ids\xdd\xff\xff\xff\xff\x00",  # 2^32-1 tokens claimed
     ],
 )
-def test_strip_gives_up_on_what_it_does_not_understand(payload: bytes) -> None:
-    assert strip_tokens(payload) is None
+def test_malformed_payloads_are_decode_errors_and_change_nothing(payload: bytes) -> None:
+    pair = Pair(1, 1)
+    pair.chunk([(0, payload)])
+    assert pair.stores[0].total == 0
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.data())
+def test_truncated_and_corrupted_payloads(data: st.DataObject) -> None:
+    """Every prefix and random byte flips of a real payload: the C parser bounds-checks each read."""
+    capture = load("eviction")
+    frames = next(iter(live_frames(capture, sorted(capture["ranks"])[0])))
+    payload = bytearray(frames[2])
+    cut = data.draw(st.integers(0, len(payload)))
+    flips = data.draw(
+        st.lists(st.tuples(st.integers(0, max(0, len(payload) - 1)), st.integers(0, 255)), max_size=4)
+    )
+    for pos, val in flips:
+        if pos < len(payload):
+            payload[pos] = val
+    pair = Pair(1, capture["block_size"])
+    pair.chunk([(0, bytes(payload[:cut]))])
 
 
 def test_every_other_msgpack_type_is_skipped() -> None:
@@ -348,45 +387,39 @@ def test_every_other_msgpack_type_is_skipped() -> None:
         "medium": "GPU",
         "lora_name": None,
     }
-    payload = msgspec.msgpack.encode([1.0, [ev, {"type": "AllBlocksCleared", "x": odd}], 0, odd, ext])
-    assert decode_payload(payload) == decode_payload(payload, compiled=False)
-    stripped = strip_tokens(payload)
-    assert stripped is not None and stripped[1] == [list(range(20))]
+    payload = msgspec.msgpack.encode([1.0, [ev, {"type": "AllBlocksCleared", "x": odd}], 0, 7, odd, ext])
+    pair = Pair(1, 10)
+    pair.chunk([(0, payload)])
+    assert pair.c_applied == 0  # the first event of a block size goes through Python
+    pair.c_applied = 0
+    pair.chunk([(0, payload)])
+    assert pair.c_applied == 1 and pair.ings[0].stats[0].blocks_stored == 4  # (then cleared)
 
 
-def test_array16_and_array32_headers_and_many_arrays() -> None:
+def test_array16_and_array32_token_arrays() -> None:
     big = list(range(70_000))  # array32 on the wire
-    mid = [U64] * 32  # array16
     events = [
         {
             "type": "BlockStored",
-            "block_hashes": [0],
+            "block_hashes": list(range(1, 4376)),
             "parent_block_hash": None,
-            "token_ids": t,
-            "block_size": 1,
+            "token_ids": big[: 4375 * 16],
+            "block_size": 16,
         }
-        for t in [big, mid] + [[i] for i in range(300)]  # indexes >= 128 take 2 bytes, >= 256 3 bytes
     ]
     payload = msgspec.msgpack.encode([1.0, events, 0])
-    stripped = strip_tokens(payload)
-    assert stripped is not None
-    ids = stripped[1]
-    assert ids[0] == big and ids[1] == mid and [t.tolist() for t in ids[2:]] == [[i] for i in range(300)]
-    assert msgspec.msgpack.decode(stripped[0])[1][200]["token_ids"] == 200
-    # an empty array has no room for an index from 128 on: the payload takes the generic path
-    events[200]["token_ids"] = []
-    assert strip_tokens(msgspec.msgpack.encode([1.0, events, 0])) is None
-    events[2]["token_ids"] = []
-    payload = msgspec.msgpack.encode([1.0, events[:100], 0])
-    assert decode_payload(payload) == decode_payload(payload, compiled=False)
-    assert u64_block_contents(ids[0].array(), 16).tolist() == block_contents(big, 16).tolist()
+    pair = Pair(1, 16)
+    pair.chunk([(0, payload)])
+    pair.chunk([(0, payload)])
+    assert pair.stores[0].total == 4375
+    assert (
+        u64_block_contents(np.array(big[:32], dtype=np.uint64), 16).tolist()
+        == block_contents(big[:32], 16).tolist()
+    )
 
 
 def test_token_ids_behave_like_the_list() -> None:
-    stripped = strip_tokens(_one_event(msgspec.Raw(msgspec.msgpack.encode([3, 300, 70_000]))))
-    negative = strip_tokens(_one_event(msgspec.Raw(b"\x93\x01\xff\xd0\x80")))
-    assert stripped is not None and negative is not None
-    t = stripped[1][0]
+    t = TokenIds(np.array([3, 300, 70_000], dtype=np.uint64), 0, 3)
     assert t == [3, 300, 70_000] and operator.eq([3, 300, 70_000], t) and t != (3, 300, 70_000)
     assert t[1] == 300 and t[-1] == 70_000 and t[:2] == [3, 300] and 300 in t
     assert repr(t) == "[3, 300, 70000]" and t.tolist() == [3, 300, 70_000]
@@ -394,44 +427,47 @@ def test_token_ids_behave_like_the_list() -> None:
     assert len(t) == 3 and list(t) == [3, 300, 70_000]
     with pytest.raises(TypeError):
         hash(t)
-    (n,) = negative[1]
+    n = TokenIds(np.zeros(3, dtype=np.uint64), 0, 3, True, b"\x93\x01\xff\xd0\x80")
     assert n.negative and n == [1, -1, -128] and len(n) == 3
 
 
-def test_decoded_and_python_events_in_one_chunk_key_alike() -> None:
-    """A chunk mixing decoded (raw) events and Python-built ones (list token ids) in one group."""
-    tokens = list(range(100, 116))
-    payload = msgspec.msgpack.encode(
-        [
-            1.0,
-            [
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [1, 2],
-                    "parent_block_hash": None,
-                    "token_ids": tokens[:8],
-                    "block_size": 4,
-                    "lora_id": None,
-                    "medium": "GPU",
-                    "lora_name": None,
-                }
-            ],
-            0,
-        ]
-    )
+def test_a_negative_token_id_is_a_bad_event_on_both_paths() -> None:
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": msgspec.Raw(b"\x91\xff"),
+        "block_size": 1,
+        "lora_id": None,
+        "medium": "GPU",
+    }
+    payload = msgspec.msgpack.encode([1.0, [ev], 0])
+    pair = Pair(1, 1)
+    pair.chunk([(0, payload)])
+    assert pair.ings[0].stats[pair.sidx[0][0]].bad_events == 1
+
+
+def test_lookups_see_what_the_c_path_stored() -> None:
+    tokens = list(range(100, 132))
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": tokens[:8],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None, None],
+    }
+    child = dict(ev, block_hashes=[3, 4], parent_block_hash=2, token_ids=tokens[8:16])
     store = PrefixStore()
     ing = Ingestor(store, 4)
     s = ing.add_source(("e", 0))
-    batch = decode_payload(payload)
-    assert isinstance(batch.events[0], BlockStored) and type(batch.events[0].token_ids) is TokenIds
-    batch.events.append(BlockStored([3, 4], 2, tokens[8:], 4, None, "GPU", None))
-    ing.apply_chunk([(s, batch)])
+    ing.apply_chunk(
+        [(s, msgspec.msgpack.encode([1.0, [ev], 0])), (s, msgspec.msgpack.encode([1.0, [child], 0]))]
+    )
     (m,) = store.lookup(prompt_keys(tokens, 4), [s])
     assert m.blocks == 4
-
-
-def test_a_group_whose_only_event_is_rejected() -> None:
-    """The block-size group exists but holds no event (its only event had a negative id)."""
-    pair = Pair(1, 1)
-    pair.chunk([(0, _one_event(msgspec.Raw(b"\x91\xff")))])
-    assert pair.ings[0].stats[pair.sidx[0][0]].bad_events == 1
+    assert ing.stats[s].stored_events == 2 and ing.stats[s].unknown_parents == 0
+    assert store.source_keys(s) == {"GPU": set(prompt_keys(tokens[:16], 4))}

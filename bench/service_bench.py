@@ -1,0 +1,930 @@
+"""The index as a service: the real ``kvrouter serve`` beside NVIDIA Dynamo's standalone indexer, on
+the same event stream, in one run.
+
+``.venv/bin/python bench/service_bench.py [--dynamo /path/to/venv/bin/python] [--quick]``
+(``make bench`` runs it as ``--only service``). Dynamo's indexer is a benchmark tool installed in its
+own venv (``pip install ai-dynamo-runtime==1.6.1``), never a project dependency; without
+``--dynamo`` (or with a python that cannot import it) its column is skipped with a message.
+
+Everything runs on 127.0.0.1 and every phase is bounded in time. Both services subscribe to the
+same ZMQ PUB sockets (vLLM 0.33's wire layout: ``[topic, seq u64 BE, payload]``, map events with
+``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``), served by publisher processes that send
+pre-encoded messages (so the publisher is never the bottleneck) with an unlimited send high-water
+mark (nothing is dropped while the services are stopped).
+
+Phases, per stream (sources x events per batch):
+
+- **drain**: both services SIGSTOPped, the whole stream queued in their sockets, then SIGCONT and
+  timed to the moment the last chain of every source is visible through each lookup endpoint
+  (kvrouter ``POST /route``, Dynamo ``POST /query``); CPU seconds of each process from /proc over
+  the same interval; RSS before the first event and after.
+- **loss check**: sampled chains looked up on both; every one must match in full on its source.
+- **paced ingest** (first stream only): the publishers send at a fixed rate, both services running;
+  CPU per block and the lag from the last send to the last chain visible.
+- **lookups**: p50/p99 over HTTP of prompts of 1k/8k/32k tokens, fully cached (hit), half cached,
+  and not cached (miss); ``GET /health`` p50. A keep-alive raw-socket client, so the client costs
+  little and the same for both.
+- **start to subscribed**: from process start to the first event visible through the lookup
+  endpoint, on a cold machine (page cache dropped where permitted, no bytecode caches: a fresh
+  install) and a warm one.
+
+Workload: chains of 1-384 blocks (block size 16) in 32 families sharing a prefix of up to 16
+blocks; each source publishes its chains as BlockStored events of 1-31 blocks (a cached family
+prefix is not announced again, as vLLM does not), one event per batch or 8-24 events per batch (a
+busy engine's step: one event per request that filled blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PY = sys.executable
+BS = 16
+FAMILIES = 32
+FAMILY_BLOCKS = 16
+TICK = os.sysconf("SC_CLK_TCK")
+LATENCY_BLOCKS = {"1k": 64, "8k": 512, "32k": 2048}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# ---- workload -----------------------------------------------------------------------------------
+def family_tokens(f: int) -> list[int]:
+    rng = random.Random(1_000_003 * (f + 1))
+    return [rng.randrange(32_000) for _ in range(FAMILY_BLOCKS * BS)]
+
+
+def chain_tokens(family: int, seed: int, blocks: int) -> list[int]:
+    """A chain's tokens: its family's prefix (up to 16 blocks), then tokens of its own."""
+    fam = family_tokens(family)[: min(blocks, FAMILY_BLOCKS) * BS] if family >= 0 else []
+    rng = random.Random(seed)
+    return fam + [rng.randrange(32_000) for _ in range(blocks * BS - len(fam))]
+
+
+def block_hashes(tokens: list[int], parent: int = 0) -> list[int]:
+    """vLLM-like content hashes: each block's hash covers its parent's and its tokens (64 bits)."""
+    out = []
+    h = parent
+    for i in range(len(tokens) // BS):
+        raw = h.to_bytes(8, "little") + msgspec.msgpack.encode(tokens[i * BS : (i + 1) * BS])
+        h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+        out.append(h)
+    return out
+
+
+class Chain(msgspec.Struct, array_like=True):
+    source: int
+    family: int
+    seed: int
+    blocks: int
+
+
+class Stream(msgspec.Struct):
+    sources: int
+    payloads: list[list[bytes]]
+    """Per source, the pre-encoded payloads in order."""
+    chains: list[Chain]
+    last: list[Chain]
+    """Per source, its last chain (visible means the whole stream of that source was applied)."""
+    long: dict[str, Chain]
+    """The latency chains (source 0, published first)."""
+    blocks: int
+    batches: int
+
+
+def _event(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def make_stream(sources: int, total_blocks: int, multi: bool, seed: int = 7) -> Stream:
+    """Per source, events of its chains in order, grouped into batches; deterministic."""
+    rng = random.Random(seed)
+    per_source = total_blocks // sources
+    events: list[list[dict[str, Any]]] = [[] for _ in range(sources)]
+    chains: list[Chain] = []
+    last: list[Chain] = []
+    long: dict[str, Chain] = {}
+    blocks = 0
+    for s in range(sources):
+        cached: set[int] = set()
+        n = 0
+        todo: list[Chain] = []
+        if s == 0:
+            for name, size in LATENCY_BLOCKS.items():
+                long[name] = Chain(0, -1, 9_000 + size, size)
+                todo.append(long[name])
+        while n < per_source:
+            c = Chain(s, rng.randrange(FAMILIES), rng.getrandbits(40), rng.randint(1, 384))
+            todo.append(c)
+            n += c.blocks
+        for c in todo:
+            tokens = chain_tokens(c.family, c.seed, c.blocks)
+            hashes = block_hashes(tokens)
+            first = 0
+            while first < c.blocks and hashes[first] in cached:
+                first += 1
+            while first < c.blocks:
+                k = min(rng.randint(1, 31), c.blocks - first)
+                parent = hashes[first - 1] if first else None
+                events[s].append(
+                    _event(hashes[first : first + k], parent, tokens[first * BS : (first + k) * BS])
+                )
+                cached.update(hashes[first : first + k])
+                blocks += k
+                first += k
+            if c.family >= 0:
+                chains.append(c)
+        last.append(todo[-1])
+    enc = msgspec.msgpack.Encoder()
+    payloads: list[list[bytes]] = []
+    batches = 0
+    ts = time.time()
+    for s in range(sources):
+        out = []
+        evs = events[s]
+        i = 0
+        while i < len(evs):
+            k = rng.randint(8, 24) if multi else 1
+            out.append(enc.encode([ts, evs[i : i + k], s]))
+            i += k
+        batches += len(out)
+        payloads.append(out)
+    return Stream(sources, payloads, chains, last, long, blocks, batches)
+
+
+def probe_payload(s: int, rank: int = 0) -> tuple[bytes, list[int]]:
+    tokens = [700_000 + s] * BS
+    return msgspec.msgpack.encode([time.time(), [_event([(1 << 62) + s], None, tokens)], rank]), tokens
+
+
+# ---- publisher processes -----------------------------------------------------------------------------
+def publisher_main(path: str) -> int:
+    """``service_bench.py --publisher FILE``: bind PUB sockets, then obey commands on stdin.
+
+    Commands: ``probe`` (send one probe message per socket), ``go`` (send every queued payload as
+    fast as possible), ``pace R`` (send them at R blocks/s in all), ``quit``. Replies ``ok`` lines.
+    """
+    import zmq
+
+    spec = msgspec.msgpack.decode(Path(path).read_bytes())
+    ctx = zmq.Context(io_threads=1)
+    socks = []
+    for port, source, payloads, blocks in spec:
+        sock = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 0)  # unlimited: nothing dropped while the services are stopped
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.SNDBUF, 4 << 20)
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        socks.append([sock, source, payloads, blocks, 0])
+    print("ok ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "probe":
+            for entry in socks:
+                sock, source, _, _, seq = entry
+                payload, _ = probe_payload(source)
+                sock.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                entry[4] = seq + 1
+            print("ok probed", flush=True)
+        elif cmd[0] in ("go", "pace"):
+            rate = float(cmd[1]) if cmd[0] == "pace" else 0.0
+            t0 = time.perf_counter()
+            sent_blocks = 0
+            # round robin over the sockets, one message each, as engines publish side by side
+            idx = [0] * len(socks)
+            left = sum(len(e[2]) for e in socks)
+            while left:
+                for k, entry in enumerate(socks):
+                    sock, _, payloads, blocks, seq = entry
+                    i = idx[k]
+                    if i >= len(payloads):
+                        continue
+                    sock.send_multipart([b"", seq.to_bytes(8, "big"), payloads[i]], copy=False)
+                    entry[4] = seq + 1
+                    idx[k] = i + 1
+                    left -= 1
+                    sent_blocks += blocks[i]
+                    if rate:
+                        wait = t0 + sent_blocks / rate - time.perf_counter()
+                        if wait > 0.001:
+                            time.sleep(wait)
+            print(f"ok sent {time.perf_counter() - t0:.4f}", flush=True)
+        elif cmd[0] == "quit":
+            break
+    for entry in socks:
+        entry[0].close()
+    ctx.term()
+    return 0
+
+
+class Publishers:
+    """Publisher processes serving the sources' PUB sockets (a few sockets per process)."""
+
+    def __init__(self, stream: Stream | None, sources: int, per_proc: int, tmp: Path) -> None:
+        self.ports = [free_port() for _ in range(sources)]
+        self.procs: list[subprocess.Popen[str]] = []
+        for first in range(0, sources, per_proc):
+            spec = []
+            for s in range(first, min(first + per_proc, sources)):
+                payloads = stream.payloads[s] if stream else []
+                blocks = [self._blocks(p) for p in payloads] if stream else []
+                spec.append([self.ports[s], s, payloads, blocks])
+            path = tmp / f"pub-{first}.msgpack"
+            path.write_bytes(msgspec.msgpack.encode(spec))
+            proc = subprocess.Popen(
+                [PY, str(Path(__file__).resolve()), "--publisher", str(path)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            self.procs.append(proc)
+        self.command(None)  # ready
+
+    @staticmethod
+    def _blocks(payload: bytes) -> int:
+        return sum(len(ev["block_hashes"]) for ev in msgspec.msgpack.decode(payload)[1])
+
+    def command(self, cmd: str | None) -> list[str]:
+        for p in self.procs:
+            if cmd is not None:
+                assert p.stdin is not None
+                p.stdin.write(cmd + "\n")
+                p.stdin.flush()
+        out = []
+        for p in self.procs:
+            assert p.stdout is not None
+            line = p.stdout.readline().strip()
+            if not line.startswith("ok"):
+                raise RuntimeError(f"publisher: {line!r}")
+            out.append(line)
+        return out
+
+    def cpu(self) -> float:
+        """CPU seconds of the publisher processes (all threads)."""
+        total = 0.0
+        for p in self.procs:
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / TICK
+        return total
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                assert p.stdin is not None
+                p.stdin.write("quit\n")
+                p.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# ---- HTTP --------------------------------------------------------------------------------------------
+class Http:
+    """A keep-alive HTTP/1.1 client over one raw socket: little client cost per request."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.sock: socket.socket | None = None
+
+    def _connect(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        head = f"{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        if body:
+            head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        data = head.encode() + b"\r\n" + body
+        for attempt in (0, 1):
+            if self.sock is None:
+                self.sock = self._connect()
+            try:
+                self.sock.sendall(data)
+                return self._read()
+            except (OSError, ConnectionError):
+                self.sock.close()
+                self.sock = None
+                if attempt:
+                    raise
+        raise RuntimeError("unreachable")
+
+    def _read(self) -> tuple[int, bytes]:
+        assert self.sock is not None
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        head, rest = buf.split(b"\r\n\r\n", 1)
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(b":")
+            headers[k.strip().lower()] = v.strip()
+        if b"content-length" in headers:
+            n = int(headers[b"content-length"])
+            while len(rest) < n:
+                chunk = self.sock.recv(max(65536, n - len(rest)))
+                if not chunk:
+                    raise ConnectionError("closed")
+                rest += chunk
+            body = rest[:n]
+        else:  # chunked
+            body = b""
+            while True:
+                while b"\r\n" not in rest:
+                    rest += self.sock.recv(65536)
+                size_line, rest = rest.split(b"\r\n", 1)
+                size = int(size_line.split(b";")[0], 16)
+                while len(rest) < size + 2:
+                    rest += self.sock.recv(65536)
+                body += rest[:size]
+                rest = rest[size + 2 :]
+                if size == 0:
+                    break
+        if headers.get(b"connection", b"").lower() == b"close":
+            self.sock.close()
+            self.sock = None
+        return status, body
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+# ---- the two services ------------------------------------------------------------------------------
+class Service:
+    name = ""
+    proc: subprocess.Popen[bytes] | None = None
+    port = 0
+
+    def query_body(self, tokens: list[int]) -> bytes:
+        raise NotImplementedError
+
+    def matched(self, body: bytes) -> dict[int, int]:
+        """Blocks matched per source index."""
+        raise NotImplementedError
+
+    def lookup(self, http: Http, tokens: list[int]) -> dict[int, int]:
+        status, body = http.request("POST", self.path, self.query_body(tokens))
+        if status != 200:
+            raise RuntimeError(f"{self.name}: {status} {body[:200]!r}")
+        return self.matched(body)
+
+    path = ""
+
+    # /proc figures
+    def cpu(self) -> float:
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICK
+
+    def threads(self) -> dict[str, float]:
+        """CPU seconds per thread (tid:comm), to see where a service spends."""
+        assert self.proc is not None
+        out = {}
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                comm = (task / "comm").read_text().strip()
+            except OSError:
+                continue
+            out[f"{task.name}:{comm}"] = (int(fields[11]) + int(fields[12])) / TICK
+        return out
+
+    def rss(self) -> int:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+
+class KvRouter(Service):
+    name = "kvrouter"
+    path = "/route"
+
+    def __init__(
+        self, ports: list[int], mock_port: int, tmp: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.port = free_port()
+        lines = [
+            f"block_size = {BS}",
+            "remote_tokenize = false",
+            "[server]",
+            'host = "127.0.0.1"',
+            f"port = {self.port}",
+            'log_level = "warning"',
+            "[health]",
+            "interval_s = 3600.0",
+        ]
+        for s, p in enumerate(ports):
+            lines += [
+                "[[backends]]",
+                f'name = "e{s}"',
+                f'url = "http://127.0.0.1:{mock_port}"',
+                f'kv_events = "tcp://127.0.0.1:{p}"',
+                'models = ["default"]',
+            ]
+        cfg = tmp / f"fleet-{self.port}.toml"
+        cfg.write_text("\n".join(lines) + "\n")
+        self.t_start = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [str(Path(PY).parent / "kvrouter"), "serve", "--config", str(cfg)],
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def query_body(self, tokens: list[int]) -> bytes:
+        return msgspec.json.encode({"model": "default", "prompt": tokens})
+
+    def matched(self, body: bytes) -> dict[int, int]:
+        out = {}
+        for c in msgspec.json.decode(body)["candidates"]:
+            out[int(c["backend"][1:])] = c["matched_blocks"]
+        return out
+
+
+class Dynamo(Service):
+    name = "dynamo"
+    path = "/query"
+
+    def __init__(self, python: str, ports: list[int], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        workers = ",".join(f"{s + 1}=tcp://127.0.0.1:{p}" for s, p in enumerate(ports))
+        self.t_start = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [
+                python,
+                "-m",
+                "dynamo.indexer",
+                "--port",
+                str(self.port),
+                "--block-size",
+                str(BS),
+                "--threads",
+                "1",
+                "--workers",
+                workers,
+            ],
+            env={**os.environ, "RUST_LOG": "warn", **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def query_body(self, tokens: list[int]) -> bytes:
+        return msgspec.json.encode({"model_name": "default", "token_ids": tokens})
+
+    def matched(self, body: bytes) -> dict[int, int]:
+        out = {}
+        for worker, ranks in msgspec.json.decode(body).get("scores", {}).items():
+            out[int(worker) - 1] = max(ranks.values()) // BS if ranks else 0
+        return out
+
+
+def wait_http(svc: Service, timeout: float = 120) -> float:
+    deadline = time.monotonic() + timeout
+    http = Http(svc.port)
+    while time.monotonic() < deadline:
+        assert svc.proc is not None
+        if svc.proc.poll() is not None:
+            raise RuntimeError(f"{svc.name} exited with {svc.proc.returncode}")
+        try:
+            status, _ = http.request("GET", "/health")
+            if status == 200:
+                http.close()
+                return time.perf_counter()
+        except OSError:
+            http.close()
+        time.sleep(0.02)
+    raise RuntimeError(f"{svc.name} not healthy in {timeout}s")
+
+
+def wait_visible(
+    svcs: list[Service], targets: list[tuple[int, list[int], int]], timeout: float, between: float = 0.005
+) -> dict[str, float]:
+    """Poll every service (one thread each, ``between`` seconds apart, so a slow endpoint delays
+    neither the other's detection nor loads its own process much: a /route over 64 candidates
+    costs ~0.9 ms, polled every 2 ms it took a third of a core from the drain it measures) until
+    each (source, tokens, blocks) target is fully matched; the time each service finished."""
+    done: dict[str, float] = {}
+    errors: list[str] = []
+
+    def poll(svc: Service) -> None:
+        http = Http(svc.port)
+        todo = list(targets)
+        deadline = time.monotonic() + timeout
+        try:
+            while todo:
+                if time.monotonic() > deadline:
+                    errors.append(f"{svc.name}: {len(todo)} targets not visible in {timeout}s")
+                    return
+                source, tokens, blocks = todo[-1]
+                try:
+                    got = svc.lookup(http, tokens).get(source, 0)
+                except (OSError, ConnectionError):
+                    got = -1
+                if got == blocks:
+                    todo.pop()
+                    continue
+                if between:
+                    time.sleep(between)
+            done[svc.name] = time.perf_counter()
+        finally:
+            http.close()
+
+    threads = [threading.Thread(target=poll, args=(svc,)) for svc in svcs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return done
+
+
+# ---- phases ------------------------------------------------------------------------------------------
+def start_services(dynamo_py: str | None, ports: list[int], mock_port: int, tmp: Path) -> list[Service]:
+    svcs: list[Service] = [KvRouter(ports, mock_port, tmp)]
+    if dynamo_py:
+        svcs.append(Dynamo(dynamo_py, ports))
+    for svc in svcs:
+        wait_http(svc)
+    return svcs
+
+
+def subscribe(svcs: list[Service], pubs: Publishers, sources: int, timeout: float = 60) -> None:
+    """Probe every source until both services show its probe block (the subscriptions are live)."""
+    deadline = time.monotonic() + timeout
+    targets = [(s, probe_payload(s)[1], 1) for s in range(sources)]
+    while True:
+        pubs.command("probe")
+        try:
+            wait_visible(svcs, targets, timeout=1.0, between=0.01)
+            return
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def drain(
+    svcs: list[Service], pubs: Publishers, stream: Stream, sample: int, seed: int
+) -> dict[str, dict[str, Any]]:
+    rss0 = {svc.name: svc.rss() for svc in svcs}
+    for svc in svcs:
+        svc.signal(signal.SIGSTOP)
+    sent = pubs.command("go")
+    time.sleep(0.5)
+    cpu0 = {svc.name: svc.cpu() for svc in svcs}
+    pub0 = pubs.cpu()
+    threads0 = {svc.name: svc.threads() for svc in svcs}
+    targets = [(c.source, chain_tokens(c.family, c.seed, c.blocks), c.blocks) for c in stream.last]
+    spy = None
+    if os.environ.get("KVBENCH_PYSPY"):  # profile kvrouter's drain: KVBENCH_PYSPY=/path/to/py-spy
+        assert svcs[0].proc is not None
+        spy = subprocess.Popen(
+            [os.environ["KVBENCH_PYSPY"], "record", "-p", str(svcs[0].proc.pid), "-r", "2000", "-f", "raw"]  # noqa: RUF005
+            + ["-o", f"/tmp/kvbench-pyspy-{stream.blocks}.txt", "--nonblocking", "--threads"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(1.0)
+    t0 = time.perf_counter()
+    for svc in svcs:
+        svc.signal(signal.SIGCONT)
+    done = wait_visible(svcs, targets, timeout=300)
+    pub_cpu = pubs.cpu() - pub0
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
+    out: dict[str, Any] = {}
+    for svc in svcs:
+        secs = done[svc.name] - t0
+        cpu = svc.cpu() - cpu0[svc.name]
+        out[svc.name] = {
+            "seconds": round(secs, 3),
+            "blocks_per_s": round(stream.blocks / secs),
+            "cpu_s": round(cpu, 3),
+            "blocks_per_cpu_s": round(stream.blocks / cpu) if cpu else None,
+            "rss_before_mb": round(rss0[svc.name] / 2**20, 1),
+            "rss_after_mb": round(svc.rss() / 2**20, 1),
+            "rss_per_block_b": round((svc.rss() - rss0[svc.name]) / stream.blocks, 1),
+            "thread_cpu_s": {
+                k: round(v - threads0[svc.name].get(k, 0.0), 3)
+                for k, v in svc.threads().items()
+                if v - threads0[svc.name].get(k, 0.0) > 0.005
+            },
+        }
+    rng = random.Random(seed)
+    picks = rng.sample(stream.chains, min(sample, len(stream.chains)))
+    for svc in svcs:
+        http = Http(svc.port)
+        bad = 0
+        for c in picks:
+            if svc.lookup(http, chain_tokens(c.family, c.seed, c.blocks)).get(c.source, 0) != c.blocks:
+                bad += 1
+        http.close()
+        out[svc.name]["sampled_chains"] = len(picks)
+        out[svc.name]["chains_missing"] = bad
+    out["_publishers"] = {"sent": sent, "cpu_s_during_drain": round(pub_cpu, 3)}
+    return out
+
+
+def latency(svcs: list[Service], stream: Stream, n: int) -> dict[str, dict[str, Any]]:
+    rng = random.Random(3)
+    out: dict[str, dict[str, Any]] = {svc.name: {} for svc in svcs}
+    for name, c in stream.long.items():
+        full = chain_tokens(c.family, c.seed, c.blocks)
+        half = full[: len(full) // 2] + [rng.randrange(32_000) for _ in range(len(full) - len(full) // 2)]
+        miss = [rng.randrange(32_000) for _ in range(len(full))]
+        for kind, tokens in (("hit", full), ("half", half), ("miss", miss)):
+            for svc in svcs:
+                http = Http(svc.port)
+                body = svc.query_body(tokens)
+                times = []
+                for i in range(n + 10):
+                    t = time.perf_counter()
+                    status, resp = http.request("POST", svc.path, body)
+                    dt = time.perf_counter() - t
+                    if status != 200:
+                        raise RuntimeError(f"{svc.name} {status}")
+                    if i >= 10:
+                        times.append(dt)
+                got = svc.matched(resp).get(0, 0)
+                want = {"hit": c.blocks, "half": c.blocks // 2, "miss": 0}[kind]
+                http.close()
+                times.sort()
+                out[svc.name][f"{name} {kind}"] = {
+                    "p50_ms": round(statistics.median(times) * 1e3, 3),
+                    "p99_ms": round(times[int(len(times) * 0.99) - 1] * 1e3, 3),
+                    "matched": got,
+                    "expected": want,
+                }
+    for svc in svcs:
+        http = Http(svc.port)
+        times = []
+        for i in range(n * 2 + 20):
+            t = time.perf_counter()
+            http.request("GET", "/health")
+            if i >= 20:
+                times.append(time.perf_counter() - t)
+        http.close()
+        out[svc.name]["health p50_ms"] = round(statistics.median(times) * 1e3, 3)
+    return out
+
+
+def paced(svcs: list[Service], pubs: Publishers, stream: Stream, rate: float) -> dict[str, dict[str, Any]]:
+    cpu0 = {svc.name: svc.cpu() for svc in svcs}
+    t0 = time.perf_counter()
+    pubs.command(f"pace {rate / len(pubs.procs)}")
+    t_sent = time.perf_counter()
+    targets = [(c.source, chain_tokens(c.family, c.seed, c.blocks), c.blocks) for c in stream.last]
+    done = wait_visible(svcs, targets, timeout=120)
+    out = {}
+    for svc in svcs:
+        cpu = svc.cpu() - cpu0[svc.name]
+        out[svc.name] = {
+            "send_s": round(t_sent - t0, 3),
+            "lag_after_last_send_ms": round((done[svc.name] - t_sent) * 1e3, 1),
+            "cpu_s": round(cpu, 3),
+            "blocks_per_cpu_s": round(stream.blocks / cpu) if cpu else None,
+            "cpu_per_block_us": round(cpu / stream.blocks * 1e6, 3),
+        }
+    return out
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def startup(dynamo_py: str | None, mock_port: int, tmp: Path, rounds: int) -> dict[str, Any]:
+    """Start to subscribed: process start until the first probe event shows through the lookup."""
+    sources = 8
+    pubs = Publishers(None, sources, 8, tmp)
+    out: dict[str, Any] = {"page_cache_dropped": None}
+    try:
+        kinds: list[tuple[str, Any]] = [("kvrouter", None)]
+        if dynamo_py:
+            kinds.append(("dynamo", None))
+        # cold: what a fresh install (or a new container) has: the page cache dropped where
+        # permitted, the package's own bytecode not compiled yet (site-packages as pip left them);
+        # no-bytecode: the worst case, nothing compiled anywhere (an empty PYTHONPYCACHEPREFIX)
+        for mode in ["cold", "no-bytecode", "warm"]:
+            for name, _ in kinds:
+                results = []
+                for _ in range(rounds if mode == "warm" else 1):
+                    env = {}
+                    if mode != "warm":
+                        out["page_cache_dropped"] = drop_caches()
+                    if mode == "cold" and name == "kvrouter":
+                        for pkg in ("index", "router", "sim"):
+                            for cache in (ROOT / pkg).rglob("__pycache__"):
+                                shutil.rmtree(cache, ignore_errors=True)
+                    if mode == "no-bytecode":
+                        env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(dir=tmp, prefix="pyc-")
+                    svc: Service
+                    if name == "kvrouter":
+                        svc = KvRouter(pubs.ports, mock_port, tmp, env)
+                    else:
+                        assert dynamo_py is not None
+                        svc = Dynamo(dynamo_py, pubs.ports, env)
+                    try:
+                        t_http = wait_http(svc)
+                        target = [(0, probe_payload(0)[1], 1)]
+                        deadline = time.monotonic() + 60
+                        while True:
+                            pubs.command("probe")
+                            try:
+                                done = wait_visible([svc], target, timeout=0.05, between=0.005)
+                                break
+                            except RuntimeError:
+                                if time.monotonic() > deadline:
+                                    raise
+                        results.append(
+                            {
+                                "http_s": round(t_http - svc.t_start, 3),
+                                "subscribed_s": round(done[svc.name] - svc.t_start, 3),
+                                "rss_mb": round(svc.rss() / 2**20, 1),
+                            }
+                        )
+                    finally:
+                        svc.stop()
+                out[f"{name} {mode}"] = results
+    finally:
+        pubs.close()
+    return out
+
+
+def have_dynamo(python: str | None) -> str | None:
+    if not python:
+        print("Dynamo's indexer skipped: pass --dynamo /path/to/venv/bin/python (ai-dynamo-runtime==1.6.1)")
+        return None
+    try:
+        subprocess.run([python, "-c", "import dynamo.indexer"], check=True, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        print(f"Dynamo's indexer skipped: {python} cannot import dynamo.indexer")
+        return None
+    return python
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--publisher", help=argparse.SUPPRESS)
+    ap.add_argument("--dynamo", default=None, help="python of a venv with ai-dynamo-runtime==1.6.1")
+    ap.add_argument("--quick", action="store_true", help="one small stream, fewer samples")
+    ap.add_argument("--blocks", default="200000,500000", help="blocks per drain stream (comma-separated)")
+    ap.add_argument("--sources", default="8,64")
+    ap.add_argument("--batches", default="single,multi")
+    ap.add_argument("--lookups", type=int, default=200, help="requests per latency row")
+    ap.add_argument("--pace", type=float, default=150_000, help="paced ingest rate, blocks/s (all sources)")
+    ap.add_argument("--startup-rounds", type=int, default=3)
+    ap.add_argument("--skip", default="", help="phases to skip: drain,paced,latency,startup")
+    ap.add_argument("--json", default=None, help="write the results here too")
+    args = ap.parse_args()
+    if args.publisher:
+        return publisher_main(args.publisher)
+    dynamo_py = have_dynamo(args.dynamo)
+    skip = set(args.skip.split(","))
+    blocks_list = [int(b) for b in args.blocks.split(",")]
+    sources_list = [int(s) for s in args.sources.split(",")]
+    batch_kinds = args.batches.split(",")
+    if args.quick:
+        blocks_list, sources_list, args.lookups, args.startup_rounds = [50_000], [8], 50, 1
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}",
+        "command": " ".join(sys.argv),
+    }
+    mock_port = free_port()
+    mock = subprocess.Popen(
+        [PY, str(ROOT / "bench" / "zero_mock.py"), str(mock_port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvbench-") as tmpdir:
+            tmp = Path(tmpdir)
+            first = True
+            if "drain" not in skip:
+                for sources in sources_list:
+                    for kind in batch_kinds:
+                        for blocks in blocks_list:
+                            if sources > 8 and blocks != blocks_list[0]:
+                                continue  # 64 sources: the first size only (time)
+                            label = f"{blocks // 1000}k blocks, {sources} sources, {kind}-event batches"
+                            stream = make_stream(sources, blocks, kind == "multi")
+                            label += f" ({stream.blocks} blocks in {stream.batches} batches)"
+                            print(f"== drain: {label}", flush=True)
+                            pubs = Publishers(stream, sources, max(1, sources // 4), tmp)
+                            svcs = start_services(dynamo_py, pubs.ports, mock_port, tmp)
+                            try:
+                                subscribe(svcs, pubs, sources)
+                                res = drain(svcs, pubs, stream, 100 if args.quick else 300, blocks)
+                                print(json.dumps(res, indent=1), flush=True)
+                                results[f"drain {label}"] = res
+                                if first and "latency" not in skip:
+                                    lat = latency(svcs, stream, args.lookups)
+                                    print(json.dumps(lat, indent=1), flush=True)
+                                    results["latency"] = lat
+                            finally:
+                                for svc in svcs:
+                                    svc.stop()
+                                pubs.close()
+                            if first and "paced" not in skip:
+                                stream = make_stream(sources, blocks // 2, kind == "multi", seed=11)
+                                pubs = Publishers(stream, sources, max(1, sources // 4), tmp)
+                                svcs = start_services(dynamo_py, pubs.ports, mock_port, tmp)
+                                try:
+                                    subscribe(svcs, pubs, sources)
+                                    res = paced(svcs, pubs, stream, args.pace)
+                                    print(
+                                        f"== paced: {stream.blocks} blocks at {args.pace:.0f}/s", flush=True
+                                    )
+                                    print(json.dumps(res, indent=1), flush=True)
+                                    results[f"paced {stream.blocks} blocks at {args.pace:.0f} blocks/s"] = res
+                                finally:
+                                    for svc in svcs:
+                                        svc.stop()
+                                    pubs.close()
+                            first = False
+            if "startup" not in skip:
+                res = startup(dynamo_py, mock_port, tmp, args.startup_rounds)
+                print("== start to subscribed", flush=True)
+                print(json.dumps(res, indent=1), flush=True)
+                results["startup"] = res
+    finally:
+        mock.terminate()
+        mock.wait(10)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1881 @@
+/* kvrouter's compiled core: the compact prefix store and the fused KV-event ingest.
+ *
+ * Built by the package's own build (setuptools ext_modules, the machine's C compiler at
+ * `pip install`), so nothing is compiled when the router starts. See index/README.md.
+ *
+ * Store: open-addressing tables (power-of-two sizes, linear probing, Fibonacci hashing of the 64-bit
+ * key, load at most 3/4, deletion by backward shift), owned by one C object:
+ *   - key table kt: uint64[cap][width]: our key, then one source bitmask per (medium, 64-source word)
+ *     in use (col_of[medium][word] is the column, -1 when none yet). A row lives while a mask is set.
+ *   - per source, an engine-hash table em: uint64[cap][3]: vLLM's hash, our key, state (0 empty,
+ *     position in the source's insertion log + 2 when live); the log (engine hashes in insertion
+ *     order) gives the eviction order.
+ *   - refs table rt: uint64[cap][3]: key, tag ((source + 1) << 16 | medium; 0 empty, 1 tombstone),
+ *     count: references above one (rare).
+ * Large tables are mmap'ed and munmap'ed, so memory freed by shrinking or dropping a source goes back
+ * to the OS at once.
+ *
+ * Threads: one writer (the subscriber thread), lookups from other threads. Every change to the key
+ * table, the refs table or the column layout happens under `mu`, one event (or one slice of a clear
+ * or drop) at a time, and lookups take `mu` for their probe loop: a lookup sees whole events only.
+ * Writers run with the GIL released; nobody waits for the GIL while holding `mu`. Rebuilds fill new
+ * tables outside `mu` (only the writer changes tables, so the old ones are stable) and swap them in
+ * under `mu`. The engine-hash tables and logs are the writer's; `emu` guards their replacement
+ * against the debugging readers (source_keys and the test views).
+ *
+ * Ingest: `Store.ingest` takes a list of (source, payload) items and, per payload, parses vLLM's
+ * msgpack batch (map events of vLLM >= 0.24 and tagged arrays of <= 0.23; int or bin hashes; unknown
+ * fields and trailing items tolerated), validates all of it first, then computes our chained keys
+ * and applies every event. Anything it does not handle exactly as the Python reference path would
+ * (LoRA, extra keys, a new medium or block size, bad shapes, malformed msgpack) stops it before that
+ * item, changing nothing for it, and the Python path (index/ingest.py) takes that item. Every read of
+ * the payload is bounds-checked.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
+typedef uint64_t u64;
+typedef int64_t i64;
+
+#define FIB 0x9E3779B97F4A7C15ULL
+#define TAGMUL 0xC2B2AE3D27D4EB4FULL
+#define CHAIN_MUL 0x9E3779B97F4A7C15ULL
+#define MIN_CAP 64
+#define MAX_MEDIA 16
+#define MAX_WORDS 64 /* 64-source words: at most 4,096 source slots (slots are reused) */
+#define MAX_SOURCES (MAX_WORDS * 64)
+#define MAX_BLOCK_SIZE 4096
+#define SLICE 4096     /* em rows per locked step of a clear or drop */
+#define AHEAD 16       /* rows a rebuild prefetches ahead */
+#define BIG 65536      /* allocations at least this large are mmap'ed */
+
+enum { G_TOTAL, G_EVICTIONS, G_KT_LIVE, G_RT_USED, G_RT_LIVE, G_MAX, G_SIZE };
+enum { S_EM_LIVE, S_HEAD, S_TAIL, S_REFS, S_UNKNOWN, S_EVICTED, S_SIZE };
+/* ingest counters per source, taken (and zeroed) by take_stats */
+enum { T_BATCHES, T_SE, T_SB, T_RE, T_RB, T_CLEARED, T_UNKNOWN_PARENTS, T_PLACEHOLDERS, T_LAST_TS, T_SIZE };
+
+/* ---- memory ------------------------------------------------------------------------------------ */
+static void *zalloc(size_t n) {
+    if (n == 0) n = 8;
+    if (n >= BIG) {
+        void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
+    return calloc(1, n);
+}
+
+static void zfree(void *p, size_t n) {
+    if (!p) return;
+    if (n == 0) n = 8;
+    if (n >= BIG) munmap(p, n);
+    else free(p);
+}
+
+static unsigned shift_of(size_t cap) {
+    unsigned b = 0;
+    while (((size_t)1 << b) < cap) b++;
+    return b ? 64 - b : 63;
+}
+
+static inline size_t home(u64 key, unsigned shift) { return (size_t)((key * FIB) >> shift); }
+
+static size_t cap_for(size_t rows) {
+    size_t cap = MIN_CAP;
+    while (rows * 8 > cap * 5) cap *= 2; /* load at most 5/8 after a rebuild */
+    return cap;
+}
+
+static inline int full(i64 used, size_t cap) { return used * 4 > (i64)cap * 3; }
+
+static inline u64 fmix64(u64 x) {
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDULL;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static u64 MULS[MAX_BLOCK_SIZE];
+
+static void init_muls(void) {
+    u64 x = 0x6B76726F75746572ULL;
+    for (int i = 0; i < MAX_BLOCK_SIZE; i++) {
+        x += 0x9E3779B97F4A7C15ULL;
+        u64 z = x;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        MULS[i] = (z ^ (z >> 31)) | 1;
+    }
+}
+
+static inline u64 block_content(const u64 *t, size_t bs) {
+    u64 acc = 0;
+    for (size_t k = 0; k < bs; k++) acc += t[k] * MULS[k];
+    return fmix64(acc);
+}
+
+/* the root of a chain whose parent block was never seen: never a prompt's root (see keys.py) */
+static inline u64 unknown_root(i64 sidx, u64 parent) {
+    return fmix64(parent ^ fmix64((u64)sidx + 0x756E6B6E6F776E31ULL)) | 1;
+}
+
+/* ---- the store --------------------------------------------------------------------------------- */
+typedef struct {
+    u64 *em;
+    size_t ecap;
+    unsigned eshift;
+    u64 *log;
+    size_t logcap;
+    i64 ss[S_SIZE];
+    i64 cnt[MAX_MEDIA];
+    i64 st[T_SIZE];
+    i64 block_size; /* learned by the Python path; 0: none yet */
+    double last_ts;
+} Src;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_mutex_t emu;
+    i64 g[G_SIZE];
+    u64 *kt;
+    size_t kcap;
+    int kw;
+    unsigned kshift;
+    i64 *col_of; /* [MAX_MEDIA][MAX_WORDS], never moved: columns of the words in use (nw) */
+    int nm, nw;
+    u64 *rt;
+    size_t rcap;
+    unsigned rshift;
+    Src **src;
+    int nsrc;
+    u64 base_root;
+    char media[MAX_MEDIA][32];
+    int media_len[MAX_MEDIA];
+    /* ingest scratch */
+    u64 *scratch;
+    size_t scratch_cap;
+    i64 rows_applied; /* blocks applied, for tests */
+} Store;
+
+#define KT(s, i, c) ((s)->kt[(size_t)(i) * (size_t)(s)->kw + (size_t)(c)])
+#define COL(s, m, w) ((s)->col_of[(size_t)(m) * MAX_WORDS + (size_t)(w)])
+
+static inline void lock(Store *s) { pthread_mutex_lock(&s->mu); }
+static inline void unlock(Store *s) { pthread_mutex_unlock(&s->mu); }
+
+/* --- key table --- */
+static inline int kt_live_row(const u64 *kt, int kw, size_t i) {
+    const u64 *row = kt + i * (size_t)kw;
+    for (int c = 1; c < kw; c++)
+        if (row[c]) return 1;
+    return 0;
+}
+
+static i64 kt_find(Store *s, u64 key) {
+    size_t mask = s->kcap - 1;
+    size_t i = home(key, s->kshift) & mask;
+    while (kt_live_row(s->kt, s->kw, i)) {
+        if (KT(s, i, 0) == key) return (i64)i;
+        i = (i + 1) & mask;
+    }
+    return -1;
+}
+
+static size_t kt_insert(Store *s, u64 key) {
+    size_t mask = s->kcap - 1;
+    size_t i = home(key, s->kshift) & mask;
+    while (kt_live_row(s->kt, s->kw, i)) {
+        if (KT(s, i, 0) == key) return i;
+        i = (i + 1) & mask;
+    }
+    s->g[G_KT_LIVE]++;
+    KT(s, i, 0) = key;
+    return i;
+}
+
+static inline int stays(size_t h, size_t hole, size_t j) {
+    if (hole < j) return hole < h && h <= j;
+    return h > hole || h <= j;
+}
+
+static void kt_settle(Store *s, size_t i) {
+    if (kt_live_row(s->kt, s->kw, i)) return;
+    s->g[G_KT_LIVE]--;
+    size_t mask = s->kcap - 1;
+    size_t j = i;
+    int kw = s->kw;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (!kt_live_row(s->kt, kw, j)) break;
+        if (stays(home(KT(s, j, 0), s->kshift) & mask, i, j)) continue;
+        memcpy(&KT(s, i, 0), &KT(s, j, 0), sizeof(u64) * (size_t)kw);
+        memset(&KT(s, j, 1), 0, sizeof(u64) * (size_t)(kw - 1));
+        i = j;
+    }
+    KT(s, i, 0) = 0;
+}
+
+/* copy live rows of (old, ocap, ow) into a fresh table (new, ncap, nw); columns keep their index */
+static void kt_copy(const u64 *old, size_t ocap, int ow, u64 *new, size_t ncap, int nw) {
+    unsigned shift = shift_of(ncap);
+    size_t mask = ncap - 1;
+    for (size_t r = 0; r < ocap; r++) {
+        if (r + AHEAD < ocap) /* the new home of a row further on: its cache miss overlaps */
+            __builtin_prefetch(new + (home(old[(r + AHEAD) * (size_t)ow], shift) & mask) * (size_t)nw, 1);
+        if (!kt_live_row(old, ow, r)) continue;
+        u64 key = old[r * (size_t)ow];
+        size_t i = home(key, shift) & mask;
+        while (kt_live_row(new, nw, i)) i = (i + 1) & mask;
+        memcpy(new + i * (size_t)nw, old + r * (size_t)ow, sizeof(u64) * (size_t)ow);
+    }
+}
+
+/* a new key table of `cap` rows and `width` columns, swapped in under mu */
+static int kt_rebuild(Store *s, size_t cap, int width) {
+    u64 *new = zalloc(cap * (size_t)width * sizeof(u64));
+    if (!new) return -1;
+    kt_copy(s->kt, s->kcap, s->kw, new, cap, width);
+    lock(s);
+    u64 *old = s->kt;
+    size_t oldn = s->kcap * (size_t)s->kw * sizeof(u64);
+    s->kt = new;
+    s->kcap = cap;
+    s->kw = width;
+    s->kshift = shift_of(cap);
+    unlock(s);
+    zfree(old, oldn);
+    return 0;
+}
+
+/* --- engine-hash tables --- */
+static i64 em_find(const Src *src, u64 eh) {
+    size_t mask = src->ecap - 1;
+    size_t i = home(eh, src->eshift) & mask;
+    while (src->em[i * 3 + 2]) {
+        if (src->em[i * 3] == eh) return (i64)i;
+        i = (i + 1) & mask;
+    }
+    return -1;
+}
+
+static void em_delete(Src *src, size_t i) {
+    src->ss[S_EM_LIVE]--;
+    size_t mask = src->ecap - 1;
+    size_t j = i;
+    u64 *em = src->em;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (!em[j * 3 + 2]) break;
+        if (stays(home(em[j * 3], src->eshift) & mask, i, j)) continue;
+        em[i * 3] = em[j * 3];
+        em[i * 3 + 1] = em[j * 3 + 1];
+        em[i * 3 + 2] = em[j * 3 + 2];
+        i = j;
+    }
+    em[i * 3 + 2] = 0;
+}
+
+static int em_rebuild(Store *s, Src *src, size_t cap) {
+    u64 *new = zalloc(cap * 3 * sizeof(u64));
+    if (!new) return -1;
+    unsigned shift = shift_of(cap);
+    size_t mask = cap - 1;
+    for (size_t r = 0; r < src->ecap; r++) {
+        u64 *row = src->em + r * 3;
+        if (r + AHEAD < src->ecap) __builtin_prefetch(new + (home(row[AHEAD * 3], shift) & mask) * 3, 1);
+        if (row[2] < 2) continue;
+        size_t i = home(row[0], shift) & mask;
+        while (new[i * 3 + 2]) i = (i + 1) & mask;
+        new[i * 3] = row[0];
+        new[i * 3 + 1] = row[1];
+        new[i * 3 + 2] = row[2];
+    }
+    pthread_mutex_lock(&s->emu);
+    u64 *old = src->em;
+    size_t oldn = src->ecap * 3 * sizeof(u64);
+    src->em = new;
+    src->ecap = cap;
+    src->eshift = shift;
+    pthread_mutex_unlock(&s->emu);
+    zfree(old, oldn);
+    return 0;
+}
+
+/* copy the current log entries into a new log of `size` and renumber their rows */
+static int log_compact(Store *s, Src *src, size_t size) {
+    u64 *new = zalloc(size * sizeof(u64));
+    if (!new) return -1;
+    size_t mask = src->ecap - 1;
+    i64 q = 0, head = src->ss[S_HEAD], tail = src->ss[S_TAIL];
+    pthread_mutex_lock(&s->emu);
+    if (tail - head == src->ss[S_EM_LIVE]) {
+        /* every entry is current (each live mapping has exactly one): a copy, and when the head
+         * moved, one linear pass renumbering the rows; no probing */
+        memcpy(new, src->log + head, (size_t)(tail - head) * sizeof(u64));
+        if (head)
+            for (size_t i = 0; i < src->ecap; i++)
+                if (src->em[i * 3 + 2] >= 2) src->em[i * 3 + 2] -= (u64)head;
+        q = tail - head;
+        tail = head; /* (skip the loop below) */
+    }
+    for (i64 base = head; base < tail; base += 64) {
+        i64 stop = base + 64 < tail ? base + 64 : tail;
+        for (i64 p = base; p < stop; p++)
+            __builtin_prefetch(src->em + (home(src->log[p], src->eshift) & mask) * 3);
+        for (i64 p = base; p < stop; p++) {
+            i64 i = em_find(src, src->log[p]);
+            if (i >= 0 && src->em[i * 3 + 2] == (u64)(p + 2)) {
+                new[q] = src->log[p];
+                src->em[i * 3 + 2] = (u64)(q + 2);
+                q++;
+            }
+        }
+    }
+    u64 *old = src->log;
+    size_t oldn = src->logcap * sizeof(u64);
+    src->log = new;
+    src->logcap = size;
+    src->ss[S_HEAD] = 0;
+    src->ss[S_TAIL] = q;
+    pthread_mutex_unlock(&s->emu);
+    zfree(old, oldn);
+    return 0;
+}
+
+/* --- refs table --- */
+static inline u64 tag_of(i64 sidx, i64 m) { return ((u64)(sidx + 1) << 16) | (u64)m; }
+
+static i64 rt_find(Store *s, u64 key, u64 tag) {
+    size_t mask = s->rcap - 1;
+    size_t i = home(key ^ (tag * TAGMUL), s->rshift) & mask;
+    for (;;) {
+        u64 t = s->rt[i * 3 + 1];
+        if (t == 0) return -1;
+        if (t == tag && s->rt[i * 3] == key) return (i64)i;
+        i = (i + 1) & mask;
+    }
+}
+
+static void rt_add(Store *s, u64 key, u64 tag, u64 n) {
+    size_t mask = s->rcap - 1;
+    size_t i = home(key ^ (tag * TAGMUL), s->rshift) & mask;
+    i64 tomb = -1;
+    for (;;) {
+        u64 t = s->rt[i * 3 + 1];
+        if (t == 0) break;
+        if (t == 1) {
+            if (tomb < 0) tomb = (i64)i;
+        } else if (t == tag && s->rt[i * 3] == key) {
+            s->rt[i * 3 + 2] += n;
+            return;
+        }
+        i = (i + 1) & mask;
+    }
+    if (tomb >= 0) i = (size_t)tomb;
+    else s->g[G_RT_USED]++;
+    s->g[G_RT_LIVE]++;
+    s->rt[i * 3] = key;
+    s->rt[i * 3 + 1] = tag;
+    s->rt[i * 3 + 2] = n;
+}
+
+static i64 rt_pop(Store *s, u64 key, u64 tag) {
+    i64 i = rt_find(s, key, tag);
+    if (i < 0) return 0;
+    s->rt[i * 3 + 1] = 1;
+    s->g[G_RT_LIVE]--;
+    return (i64)s->rt[i * 3 + 2];
+}
+
+/* remove a source's refs on medium m (every medium when m < 0); under mu */
+static void drop_refs(Store *s, Src *src, i64 sidx, i64 m) {
+    if (!src->ss[S_REFS]) return;
+    u64 lo = (u64)(sidx + 1) << 16, hi = (u64)(sidx + 2) << 16;
+    i64 out = 0;
+    for (size_t i = 0; i < s->rcap; i++) {
+        u64 t = s->rt[i * 3 + 1];
+        if (t >= lo && t < hi && (m < 0 || t == lo + (u64)m)) {
+            out += (i64)s->rt[i * 3 + 2];
+            s->rt[i * 3 + 1] = 1;
+            s->g[G_RT_LIVE]--;
+        }
+    }
+    src->ss[S_REFS] -= out;
+}
+
+static int rt_rebuild(Store *s, size_t cap) {
+    u64 *new = zalloc(cap * 3 * sizeof(u64));
+    if (!new) return -1;
+    unsigned shift = shift_of(cap);
+    size_t mask = cap - 1;
+    for (size_t r = 0; r < s->rcap; r++) {
+        u64 *row = s->rt + r * 3;
+        if (row[1] < 2) continue;
+        size_t i = home(row[0] ^ (row[1] * TAGMUL), shift) & mask;
+        while (new[i * 3 + 1]) i = (i + 1) & mask;
+        new[i * 3] = row[0];
+        new[i * 3 + 1] = row[1];
+        new[i * 3 + 2] = row[2];
+    }
+    lock(s);
+    u64 *old = s->rt;
+    size_t oldn = s->rcap * 3 * sizeof(u64);
+    s->rt = new;
+    s->rcap = cap;
+    s->rshift = shift;
+    s->g[G_RT_USED] = s->g[G_RT_LIVE];
+    unlock(s);
+    zfree(old, oldn);
+    return 0;
+}
+
+/* --- room: columns and free rows for a store of n blocks of source sidx on medium m --- */
+static int room(Store *s, i64 sidx, i64 m, i64 n) {
+    Src *src = s->src[sidx];
+    int w = (int)(sidx >> 6);
+    if (COL(s, m, w) < 0) {
+        int width = s->kw + 1;
+        if (kt_rebuild(s, cap_for((size_t)(s->g[G_KT_LIVE] + n)), width)) return -1;
+        lock(s);
+        COL(s, m, w) = width - 1;
+        unlock(s);
+    } else if (full(s->g[G_KT_LIVE] + n, s->kcap)) {
+        if (kt_rebuild(s, cap_for((size_t)(s->g[G_KT_LIVE] + n)), s->kw)) return -1;
+    }
+    if (full(s->g[G_RT_USED] + n, s->rcap)) {
+        if (rt_rebuild(s, cap_for((size_t)(s->g[G_RT_LIVE] + n)))) return -1;
+    }
+    if (full(src->ss[S_EM_LIVE] + n, src->ecap)) {
+        if (em_rebuild(s, src, cap_for((size_t)(src->ss[S_EM_LIVE] + n)))) return -1;
+    }
+    if (src->ss[S_TAIL] + n > (i64)src->logcap) {
+        i64 need = src->ss[S_EM_LIVE] + n;
+        size_t size = (double)need <= (double)src->logcap * 0.75 ? src->logcap : (size_t)(need + need / 2 + 256);
+        if (log_compact(s, src, size)) return -1;
+    }
+    return 0;
+}
+
+static inline int has_room(Store *s, Src *src, i64 sidx, i64 m, i64 n) {
+    return COL(s, m, sidx >> 6) >= 0 && !full(s->g[G_KT_LIVE] + n, s->kcap) &&
+           !full(src->ss[S_EM_LIVE] + n, src->ecap) && !full(s->g[G_RT_USED] + n, s->rcap) &&
+           src->ss[S_TAIL] + n <= (i64)src->logcap;
+}
+
+/* shrink the key table when it is mostly empty (after drops, clears, evictions) */
+static int maybe_shrink(Store *s) {
+    if (s->kcap > MIN_CAP && (size_t)s->g[G_KT_LIVE] * 8 < s->kcap && cap_for((size_t)s->g[G_KT_LIVE]) < s->kcap)
+        return kt_rebuild(s, cap_for((size_t)s->g[G_KT_LIVE]), s->kw);
+    return 0;
+}
+
+/* --- operations (under mu) --- */
+static inline int held_elsewhere(Store *s, size_t r, int w, u64 bit, i64 skip) {
+    for (int mm = 0; mm < s->nm; mm++) {
+        i64 c = COL(s, mm, w);
+        if (mm != skip && c >= 0 && (KT(s, r, c) & bit)) return 1;
+    }
+    return 0;
+}
+
+static void forget(Store *s, Src *src, i64 sidx, u64 key) {
+    int w = (int)(sidx >> 6);
+    u64 bit = 1ULL << (sidx & 63);
+    i64 r = kt_find(s, key);
+    for (int mm = 0; mm < s->nm; mm++) {
+        i64 c = COL(s, mm, w);
+        if (r >= 0 && c >= 0 && (KT(s, r, c) & bit)) {
+            KT(s, r, c) &= ~bit;
+            src->cnt[mm]--;
+            s->g[G_TOTAL]--;
+        }
+        if (src->ss[S_REFS]) src->ss[S_REFS] -= rt_pop(s, key, tag_of(sidx, mm));
+    }
+    if (r >= 0) kt_settle(s, (size_t)r);
+}
+
+/* One BlockStored (room already made): returns 1 when the total went over the cap. */
+static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *keys, i64 n, unsigned char *fresh) {
+    Src *src = s->src[sidx];
+    i64 col = COL(s, m, sidx >> 6);
+    size_t emask = src->ecap - 1;
+    if (n > 1) { /* every block's home slots first: their cache misses overlap */
+        size_t kmask = s->kcap - 1;
+        for (i64 j = 0; j < n; j++) __builtin_prefetch(src->em + (home(ehs[j], src->eshift) & emask) * 3, 1);
+        for (i64 j = 0; j < n; j++) __builtin_prefetch(&KT(s, home(keys[j], s->kshift) & kmask, 0), 1);
+    }
+    i64 tail = src->ss[S_TAIL];
+    i64 nfresh = 0;
+    u64 *em = src->em;
+    for (i64 j = 0; j < n; j++) {
+        u64 eh = ehs[j];
+        size_t i = home(eh, src->eshift) & emask;
+        int found = 0;
+        while (em[i * 3 + 2]) {
+            if (em[i * 3] == eh) {
+                found = 1;
+                break;
+            }
+            i = (i + 1) & emask;
+        }
+        fresh[j] = !found;
+        if (found) continue;
+        src->ss[S_EM_LIVE]++;
+        em[i * 3] = eh;
+        em[i * 3 + 1] = keys[j];
+        em[i * 3 + 2] = (u64)(tail + 2);
+        src->log[tail] = eh;
+        tail++;
+        nfresh++;
+    }
+    src->ss[S_TAIL] = tail;
+    if (nfresh != n) {
+        for (i64 j = 0; j < n; j++) {
+            if (fresh[j]) continue;
+            i64 i = em_find(src, ehs[j]);
+            u64 cur = em[i * 3 + 1];
+            if (cur != keys[j]) {
+                forget(s, src, sidx, cur);
+                em[i * 3 + 1] = keys[j];
+            }
+        }
+    }
+    u64 bit = 1ULL << (sidx & 63);
+    u64 tag = tag_of(sidx, m);
+    i64 added = 0;
+    for (i64 j = 0; j < n; j++) {
+        u64 key = keys[j];
+        size_t r = kt_insert(s, key);
+        if (KT(s, r, col) & bit) {
+            rt_add(s, key, tag, 1);
+            src->ss[S_REFS]++;
+        } else {
+            KT(s, r, col) |= bit;
+            added++;
+        }
+    }
+    src->cnt[m] += added;
+    s->g[G_TOTAL] += added;
+    return s->g[G_TOTAL] > s->g[G_MAX];
+}
+
+static i64 remove_event(Store *s, i64 sidx, i64 m, const u64 *ehs, i64 n) {
+    Src *src = s->src[sidx];
+    int w = (int)(sidx >> 6);
+    i64 col = m < s->nm ? COL(s, m, w) : -1;
+    u64 bit = 1ULL << (sidx & 63);
+    u64 tag = tag_of(sidx, m);
+    i64 ended = 0;
+    for (i64 j = 0; j < n; j++) {
+        i64 i = em_find(src, ehs[j]);
+        i64 r = -1;
+        if (i >= 0 && col >= 0) r = kt_find(s, src->em[i * 3 + 1]);
+        if (r < 0 || !(KT(s, r, col) & bit)) {
+            src->ss[S_UNKNOWN]++;
+            continue;
+        }
+        if (src->ss[S_REFS]) {
+            i64 q = rt_find(s, src->em[i * 3 + 1], tag);
+            if (q >= 0) {
+                src->ss[S_REFS]--;
+                if (s->rt[q * 3 + 2] > 1) s->rt[q * 3 + 2]--;
+                else {
+                    s->rt[q * 3 + 1] = 1;
+                    s->g[G_RT_LIVE]--;
+                }
+                continue;
+            }
+        }
+        KT(s, r, col) &= ~bit;
+        ended++;
+        if (!held_elsewhere(s, (size_t)r, w, bit, m)) em_delete(src, (size_t)i);
+        kt_settle(s, (size_t)r);
+    }
+    src->cnt[m] -= ended;
+    s->g[G_TOTAL] -= ended;
+    return ended;
+}
+
+/* drop the source's n oldest mappings (log order); returns residencies ended; under mu */
+static i64 evict_oldest(Store *s, i64 sidx, i64 n) {
+    Src *src = s->src[sidx];
+    i64 before = s->g[G_TOTAL];
+    i64 done = 0, p = src->ss[S_HEAD], tail = src->ss[S_TAIL];
+    while (p < tail && done < n) {
+        i64 i = em_find(src, src->log[p]);
+        if (i >= 0 && src->em[i * 3 + 2] == (u64)(p + 2)) {
+            u64 key = src->em[i * 3 + 1];
+            em_delete(src, (size_t)i);
+            forget(s, src, sidx, key);
+            done++;
+        }
+        p++;
+    }
+    src->ss[S_HEAD] = p;
+    return before - s->g[G_TOTAL];
+}
+
+/* over the cap: the oldest 1% (at least the excess) of the largest source's blocks go */
+static void evict(Store *s) {
+    i64 best = -1, live = -1;
+    for (int i = 0; i < s->nsrc; i++) {
+        if (s->src[i]->ss[S_EM_LIVE] > live) {
+            live = s->src[i]->ss[S_EM_LIVE];
+            best = i;
+        }
+    }
+    if (best < 0) return;
+    i64 n = live / 100;
+    if (n < 1) n = 1;
+    if (s->g[G_TOTAL] - s->g[G_MAX] > n) n = s->g[G_TOTAL] - s->g[G_MAX];
+    lock(s);
+    i64 gone = evict_oldest(s, best, n);
+    s->g[G_EVICTIONS] += gone;
+    s->src[best]->ss[S_EVICTED] += gone;
+    unlock(s);
+}
+
+/* a store with room made first, and eviction after: what PrefixStore.store does */
+static int do_store(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *keys, i64 n) {
+    Src *src = s->src[sidx];
+    if (!has_room(s, src, sidx, m, n) && room(s, sidx, m, n)) return -1;
+    unsigned char small[256];
+    unsigned char *fresh = n <= 256 ? small : malloc((size_t)n);
+    if (!fresh) return -1;
+    lock(s);
+    int over = store_event(s, sidx, m, ehs, keys, n, fresh);
+    unlock(s);
+    if (fresh != small) free(fresh);
+    if (over) evict(s);
+    return 0;
+}
+
+static i64 do_remove(Store *s, i64 sidx, i64 m, const u64 *ehs, i64 n) {
+    lock(s);
+    i64 ended = remove_event(s, sidx, m, ehs, n);
+    unlock(s);
+    return ended;
+}
+
+/* AllBlocksCleared on one medium, in locked slices */
+static i64 do_clear(Store *s, i64 sidx, i64 m) {
+    Src *src = s->src[sidx];
+    int w = (int)(sidx >> 6);
+    i64 col = m < s->nm ? COL(s, m, w) : -1;
+    u64 bit = 1ULL << (sidx & 63);
+    i64 ended = 0;
+    size_t i = 0;
+    while (i < src->ecap) {
+        size_t stop = i + SLICE < src->ecap ? i + SLICE : src->ecap;
+        i64 part = 0;
+        lock(s);
+        while (i < stop) {
+            u64 *row = src->em + i * 3;
+            if (row[2] < 2) {
+                i++;
+                continue;
+            }
+            i64 r = kt_find(s, row[1]);
+            if (r >= 0 && col >= 0 && (KT(s, r, col) & bit)) {
+                KT(s, r, col) &= ~bit;
+                part++;
+            }
+            int gone = r < 0 || !held_elsewhere(s, (size_t)r, w, bit, m);
+            if (r >= 0) kt_settle(s, (size_t)r);
+            if (gone) em_delete(src, i);
+            else i++;
+        }
+        s->g[G_TOTAL] -= part;
+        unlock(s);
+        ended += part;
+    }
+    lock(s);
+    drop_refs(s, src, sidx, m);
+    src->cnt[m] = 0;
+    unlock(s);
+    return ended;
+}
+
+static int src_reset_map(Store *s, Src *src) {
+    u64 *em = zalloc(MIN_CAP * 3 * sizeof(u64));
+    u64 *lg = zalloc(256 * sizeof(u64));
+    if (!em || !lg) {
+        zfree(em, MIN_CAP * 3 * sizeof(u64));
+        zfree(lg, 256 * sizeof(u64));
+        return -1;
+    }
+    pthread_mutex_lock(&s->emu);
+    u64 *oem = src->em, *olog = src->log;
+    size_t oemn = src->ecap * 3 * sizeof(u64), ologn = src->logcap * sizeof(u64);
+    src->em = em;
+    src->ecap = MIN_CAP;
+    src->eshift = shift_of(MIN_CAP);
+    src->log = lg;
+    src->logcap = 256;
+    src->ss[S_EM_LIVE] = src->ss[S_HEAD] = src->ss[S_TAIL] = 0;
+    pthread_mutex_unlock(&s->emu);
+    zfree(oem, oemn);
+    zfree(olog, ologn);
+    return 0;
+}
+
+/* a restart or removal: every residency of the source goes, in locked slices; tables freed */
+static i64 do_drop(Store *s, i64 sidx) {
+    Src *src = s->src[sidx];
+    int w = (int)(sidx >> 6);
+    u64 bit = 1ULL << (sidx & 63);
+    i64 ended = 0;
+    for (size_t i = 0; i < src->ecap; i += SLICE) {
+        size_t stop = i + SLICE < src->ecap ? i + SLICE : src->ecap;
+        i64 part = 0;
+        lock(s);
+        for (size_t k = i; k < stop; k++) {
+            u64 *row = src->em + k * 3;
+            if (row[2] < 2) continue;
+            i64 r = kt_find(s, row[1]);
+            if (r < 0) continue;
+            for (int mm = 0; mm < s->nm; mm++) {
+                i64 c = COL(s, mm, w);
+                if (c >= 0 && (KT(s, r, c) & bit)) {
+                    KT(s, r, c) &= ~bit;
+                    part++;
+                }
+            }
+            kt_settle(s, (size_t)r);
+        }
+        s->g[G_TOTAL] -= part;
+        unlock(s);
+        ended += part;
+    }
+    lock(s);
+    drop_refs(s, src, sidx, -1);
+    memset(src->cnt, 0, sizeof(src->cnt));
+    unlock(s);
+    if (src_reset_map(s, src)) return -1;
+    if (maybe_shrink(s)) return -1;
+    return ended;
+}
+
+/* ---- Python object ------------------------------------------------------------------------------ */
+static void Store_dealloc(Store *s) {
+    zfree(s->kt, s->kcap * (size_t)s->kw * sizeof(u64));
+    zfree(s->rt, s->rcap * 3 * sizeof(u64));
+    free(s->col_of);
+    for (int i = 0; i < s->nsrc; i++) {
+        Src *src = s->src[i];
+        zfree(src->em, src->ecap * 3 * sizeof(u64));
+        zfree(src->log, src->logcap * sizeof(u64));
+        free(src);
+    }
+    free(s->src);
+    zfree(s->scratch, s->scratch_cap * sizeof(u64));
+    pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->emu);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static int Store_init(Store *s, PyObject *args, PyObject *kw) {
+    long long cap;
+    unsigned long long base_root;
+    if (!PyArg_ParseTuple(args, "LK", &cap, &base_root)) return -1;
+    if (s->kt) {
+        PyErr_SetString(PyExc_RuntimeError, "Store is initialised once");
+        return -1;
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->emu, NULL);
+    s->g[G_MAX] = cap;
+    s->base_root = base_root;
+    s->nm = 3;
+    s->nw = 1;
+    s->col_of = malloc(sizeof(i64) * MAX_MEDIA * MAX_WORDS);
+    s->src = calloc(MAX_SOURCES, sizeof(Src *)); /* never moved: an ingest may run meanwhile */
+    s->kt = zalloc(MIN_CAP * 2 * sizeof(u64));
+    s->rt = zalloc(MIN_CAP * 3 * sizeof(u64));
+    if (!s->col_of || !s->src || !s->kt || !s->rt) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < MAX_MEDIA * MAX_WORDS; i++) s->col_of[i] = -1;
+    s->col_of[0] = 1; /* GPU, sources 0..63: column 1 */
+    s->kcap = MIN_CAP;
+    s->kw = 2;
+    s->kshift = shift_of(MIN_CAP);
+    s->rcap = MIN_CAP;
+    s->rshift = shift_of(MIN_CAP);
+    const char *names[3] = {"GPU", "CPU", "STORAGE"};
+    for (int i = 0; i < 3; i++) {
+        s->media_len[i] = (int)strlen(names[i]);
+        memcpy(s->media[i], names[i], (size_t)s->media_len[i]);
+    }
+    return 0;
+}
+
+static int check_sidx(Store *s, long long sidx) {
+    if (sidx < 0 || sidx >= s->nsrc) {
+        PyErr_Format(PyExc_IndexError, "no source slot %lld", sidx);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_medium(Store *s, long long m) {
+    if (m < 0 || m >= s->nm) {
+        PyErr_Format(PyExc_IndexError, "no medium %lld", m);
+        return -1;
+    }
+    return 0;
+}
+
+/* new_slot(): a new source slot (the Python side reuses freed ones by index). The slot array and
+ * the column layout never move, so this is safe while an ingest runs in another thread. */
+static PyObject *Store_new_slot(Store *s, PyObject *noarg) {
+    if (s->nsrc >= MAX_SOURCES) {
+        PyErr_Format(PyExc_ValueError, "at most %d event sources at once", MAX_SOURCES);
+        return NULL;
+    }
+    Src *src = calloc(1, sizeof(Src));
+    if (!src) return PyErr_NoMemory();
+    if (src_reset_map(s, src)) {
+        free(src);
+        return PyErr_NoMemory();
+    }
+    int idx = s->nsrc;
+    int words = (idx >> 6) + 1;
+    if (words > s->nw) s->nw = words; /* their column entries are -1 already */
+    s->src[idx] = src;
+    s->nsrc = idx + 1;
+    return PyLong_FromLong(idx);
+}
+
+static PyObject *Store_reset_counters(Store *s, PyObject *arg) {
+    long long sidx = PyLong_AsLongLong(arg);
+    if (PyErr_Occurred() || check_sidx(s, sidx)) return NULL;
+    Src *src = s->src[sidx];
+    src->ss[S_UNKNOWN] = src->ss[S_EVICTED] = 0;
+    memset(src->st, 0, sizeof(src->st));
+    src->block_size = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Store_add_medium(Store *s, PyObject *arg) {
+    char *name;
+    Py_ssize_t len;
+    if (PyBytes_AsStringAndSize(arg, &name, &len)) return NULL;
+    if (s->nm >= MAX_MEDIA || len > 31) {
+        PyErr_SetString(PyExc_ValueError, "too many media, or a medium name over 31 bytes");
+        return NULL;
+    }
+    memcpy(s->media[s->nm], name, (size_t)len);
+    s->media_len[s->nm] = (int)len;
+    s->nm++; /* the column entries are -1 already; cnt arrays are MAX_MEDIA long */
+    return PyLong_FromLong(s->nm - 1);
+}
+
+/* a uint64 sequence argument: a buffer of 8-byte items, or a sequence of ints */
+typedef struct {
+    Py_buffer view;
+    int has_view;
+    u64 *data;
+    Py_ssize_t n;
+    u64 *owned;
+} U64Arg;
+
+static int u64arg(PyObject *obj, U64Arg *a) {
+    memset(a, 0, sizeof(*a));
+    if (PyObject_CheckBuffer(obj) && !PyList_Check(obj)) {
+        if (PyObject_GetBuffer(obj, &a->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+            a->has_view = 1;
+            if (a->view.itemsize != 8 && !(a->view.itemsize == 1 && a->view.len % 8 == 0)) {
+                PyBuffer_Release(&a->view);
+                PyErr_SetString(PyExc_TypeError, "expected 8-byte unsigned items");
+                return -1;
+            }
+            a->data = (u64 *)a->view.buf;
+            a->n = a->view.len / 8;
+            return 0;
+        }
+        PyErr_Clear();
+    }
+    PyObject *seq = PySequence_Fast(obj, "expected a sequence of ints");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    a->owned = malloc(sizeof(u64) * (size_t)(n ? n : 1));
+    if (!a->owned) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_Check(items[i])) {
+            PyErr_SetString(PyExc_TypeError, "expected ints");
+            free(a->owned);
+            a->owned = NULL;
+            Py_DECREF(seq);
+            return -1;
+        }
+        u64 v = PyLong_AsUnsignedLongLong(items[i]);
+        if (v == (u64)-1 && PyErr_Occurred()) {
+            free(a->owned);
+            a->owned = NULL;
+            Py_DECREF(seq);
+            return -1;
+        }
+        a->owned[i] = v;
+    }
+    Py_DECREF(seq);
+    a->data = a->owned;
+    a->n = n;
+    return 0;
+}
+
+static void u64arg_free(U64Arg *a) {
+    if (a->has_view) PyBuffer_Release(&a->view);
+    free(a->owned);
+}
+
+static PyObject *Store_store(Store *s, PyObject *args) {
+    long long sidx, m;
+    PyObject *eo, *ko;
+    if (!PyArg_ParseTuple(args, "LLOO", &sidx, &m, &eo, &ko)) return NULL;
+    if (check_sidx(s, sidx) || check_medium(s, m)) return NULL;
+    U64Arg e, k;
+    if (u64arg(eo, &e)) return NULL;
+    if (u64arg(ko, &k)) {
+        u64arg_free(&e);
+        return NULL;
+    }
+    if (e.n != k.n) {
+        u64arg_free(&e);
+        u64arg_free(&k);
+        PyErr_SetString(PyExc_ValueError, "one key per engine hash");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = do_store(s, sidx, m, e.data, k.data, e.n);
+    Py_END_ALLOW_THREADS
+    u64arg_free(&e);
+    u64arg_free(&k);
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *Store_remove(Store *s, PyObject *args) {
+    long long sidx, m;
+    PyObject *eo;
+    if (!PyArg_ParseTuple(args, "LLO", &sidx, &m, &eo)) return NULL;
+    if (check_sidx(s, sidx) || check_medium(s, m)) return NULL;
+    U64Arg e;
+    if (u64arg(eo, &e)) return NULL;
+    i64 ended;
+    Py_BEGIN_ALLOW_THREADS
+    ended = do_remove(s, sidx, m, e.data, e.n);
+    Py_END_ALLOW_THREADS
+    u64arg_free(&e);
+    return PyLong_FromLongLong(ended);
+}
+
+/* apply_ops(sidx, ops(int64 rows of `width`: kind, medium, first, count, ...), width, ehs, keys, rems) */
+static PyObject *Store_apply_ops(Store *s, PyObject *args) {
+    long long sidx, width;
+    PyObject *oo, *eo, *ko, *ro;
+    if (!PyArg_ParseTuple(args, "LOLOOO", &sidx, &oo, &width, &eo, &ko, &ro)) return NULL;
+    if (check_sidx(s, sidx)) return NULL;
+    if (width < 4) {
+        PyErr_SetString(PyExc_ValueError, "op rows have at least 4 columns");
+        return NULL;
+    }
+    U64Arg o, e, k, r;
+    if (u64arg(oo, &o)) return NULL;
+    if (u64arg(eo, &e)) goto fail_o;
+    if (u64arg(ko, &k)) goto fail_e;
+    if (u64arg(ro, &r)) goto fail_k;
+    i64 nops = o.n / width;
+    const i64 *ops = (const i64 *)o.data;
+    for (i64 j = 0; j < nops; j++) { /* validate everything before changing anything */
+        const i64 *row = ops + j * width;
+        i64 lim = row[0] == 0 ? e.n : r.n;
+        if ((row[0] != 0 && row[0] != 1) || row[1] < 0 || row[1] >= s->nm || row[2] < 0 || row[3] < 0 ||
+            row[2] + row[3] > lim || (row[0] == 0 && row[2] + row[3] > k.n)) {
+            PyErr_Format(PyExc_ValueError, "bad op row %lld", (long long)j);
+            goto fail_r;
+        }
+    }
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (i64 j = 0; j < nops && !rc; j++) {
+        const i64 *row = ops + j * width;
+        if (row[0] == 0) rc = do_store(s, sidx, row[1], e.data + row[2], k.data + row[2], row[3]);
+        else do_remove(s, sidx, row[1], r.data + row[2], row[3]);
+    }
+    Py_END_ALLOW_THREADS
+    u64arg_free(&o);
+    u64arg_free(&e);
+    u64arg_free(&k);
+    u64arg_free(&r);
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail_r:
+    u64arg_free(&r);
+fail_k:
+    u64arg_free(&k);
+fail_e:
+    u64arg_free(&e);
+fail_o:
+    u64arg_free(&o);
+    return NULL;
+}
+
+static PyObject *Store_clear(Store *s, PyObject *args) {
+    long long sidx, m;
+    if (!PyArg_ParseTuple(args, "LL", &sidx, &m)) return NULL;
+    if (check_sidx(s, sidx) || check_medium(s, m)) return NULL;
+    i64 ended;
+    Py_BEGIN_ALLOW_THREADS
+    ended = do_clear(s, sidx, m);
+    if (ended >= 0 && maybe_shrink(s)) ended = -1;
+    Py_END_ALLOW_THREADS
+    if (ended < 0) return PyErr_NoMemory();
+    return PyLong_FromLongLong(ended);
+}
+
+static PyObject *Store_drop(Store *s, PyObject *arg) {
+    long long sidx = PyLong_AsLongLong(arg);
+    if (PyErr_Occurred() || check_sidx(s, sidx)) return NULL;
+    i64 ended;
+    Py_BEGIN_ALLOW_THREADS
+    ended = do_drop(s, sidx);
+    Py_END_ALLOW_THREADS
+    if (ended < 0) return PyErr_NoMemory();
+    return PyLong_FromLongLong(ended);
+}
+
+static PyObject *Store_key_of(Store *s, PyObject *args) {
+    long long sidx;
+    unsigned long long eh;
+    if (!PyArg_ParseTuple(args, "LK", &sidx, &eh)) return NULL;
+    if (check_sidx(s, sidx)) return NULL;
+    Src *src = s->src[sidx];
+    pthread_mutex_lock(&s->emu);
+    i64 i = em_find(src, eh);
+    u64 key = i >= 0 ? src->em[i * 3 + 1] : 0;
+    pthread_mutex_unlock(&s->emu);
+    if (i < 0) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(key);
+}
+
+/* lookup(keys, candidates) -> (blocks per candidate, off-GPU counts per candidate or None) */
+static PyObject *Store_lookup(Store *s, PyObject *args) {
+    PyObject *ko, *co;
+    if (!PyArg_ParseTuple(args, "OO", &ko, &co)) return NULL;
+    U64Arg k;
+    if (u64arg(ko, &k)) return NULL;
+    PyObject *cseq = PySequence_Fast(co, "candidates must be a sequence");
+    if (!cseq) {
+        u64arg_free(&k);
+        return NULL;
+    }
+    Py_ssize_t nc = PySequence_Fast_GET_SIZE(cseq);
+    i64 *cands = malloc(sizeof(i64) * (size_t)(nc ? nc : 1));
+    i64 *blocks = calloc((size_t)(nc ? nc : 1), sizeof(i64));
+    i64 *offs = calloc((size_t)(nc ? nc : 1) * MAX_MEDIA, sizeof(i64));
+    PyObject *out = NULL;
+    if (!cands || !blocks || !offs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int maxw = 0;
+    for (Py_ssize_t i = 0; i < nc; i++) {
+        cands[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(cseq, i));
+        if (cands[i] == -1 && PyErr_Occurred()) goto done;
+        if (cands[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "negative source index");
+            goto done;
+        }
+        if ((int)(cands[i] >> 6) + 1 > maxw) maxw = (int)(cands[i] >> 6) + 1;
+    }
+    int any_off = 0;
+    {
+        u64 alive_small[4];
+        u64 *alive = maxw <= 4 ? alive_small : calloc((size_t)maxw, sizeof(u64));
+        i64 *depth = calloc((size_t)maxw * 64, sizeof(i64));
+        i64 *ooff = calloc((size_t)maxw * 64 * MAX_MEDIA, sizeof(i64));
+        if (!alive || !depth || !ooff) {
+            if (alive != alive_small) free(alive);
+            free(depth);
+            free(ooff);
+            PyErr_NoMemory();
+            goto done;
+        }
+        memset(alive, 0, sizeof(u64) * (size_t)maxw);
+        for (Py_ssize_t i = 0; i < nc; i++) alive[cands[i] >> 6] |= 1ULL << (cands[i] & 63);
+        const u64 *keys = k.data;
+        i64 n = k.n, j = 0;
+        Py_BEGIN_ALLOW_THREADS
+        lock(s);
+        int nm = s->nm, cw = s->nw;
+        if (maxw == 1 && cw >= 1 && s->kw == 2 && COL(s, 0, 0) == 1) {
+            u64 a = alive[0];
+            size_t mask = s->kcap - 1;
+            while (j < n && a) {
+                u64 key = keys[j];
+                size_t i = home(key, s->kshift) & mask;
+                u64 held = 0;
+                for (;;) {
+                    u64 m1 = s->kt[i * 2 + 1];
+                    if (!m1) break;
+                    if (s->kt[i * 2] == key) {
+                        held = m1;
+                        break;
+                    }
+                    i = (i + 1) & mask;
+                }
+                u64 still = a & held;
+                if (still != a) {
+                    u64 lost = a & ~still;
+                    while (lost) {
+                        int b = __builtin_ctzll(lost);
+                        depth[b] = j;
+                        lost &= lost - 1;
+                    }
+                    a = still;
+                }
+                if (a) j++;
+            }
+            alive[0] = a;
+        } else {
+            while (j < n) {
+                i64 r = kt_find(s, keys[j]);
+                int live = 0;
+                for (int w = 0; w < maxw; w++) {
+                    u64 a = alive[w];
+                    if (!a) continue;
+                    u64 gpu = 0, held = 0;
+                    if (r >= 0 && w < cw) {
+                        i64 c = COL(s, 0, w);
+                        if (c >= 0) gpu = KT(s, r, c);
+                        held = gpu;
+                        for (int mm = 1; mm < nm; mm++) {
+                            c = COL(s, mm, w);
+                            if (c >= 0) held |= KT(s, r, c);
+                        }
+                    }
+                    u64 still = a & held;
+                    if (still != a) {
+                        u64 lost = a & ~still;
+                        while (lost) {
+                            int b = __builtin_ctzll(lost);
+                            depth[w * 64 + b] = j;
+                            lost &= lost - 1;
+                        }
+                        alive[w] = still;
+                    }
+                    if (!still) continue;
+                    live = 1;
+                    u64 ob = still & ~gpu;
+                    while (ob) {
+                        int b = __builtin_ctzll(ob);
+                        u64 bit = 1ULL << b;
+                        for (int mm = 1; mm < nm; mm++) {
+                            i64 c = COL(s, mm, w);
+                            if (c >= 0 && (KT(s, r, c) & bit)) {
+                                ooff[(size_t)(w * 64 + b) * MAX_MEDIA + mm]++;
+                                any_off = 1;
+                                break;
+                            }
+                        }
+                        ob &= ob - 1;
+                    }
+                }
+                if (!live) break;
+                j++;
+            }
+        }
+        unlock(s);
+        Py_END_ALLOW_THREADS
+        for (int w = 0; w < maxw; w++) {
+            u64 a = alive[w];
+            while (a) {
+                int b = __builtin_ctzll(a);
+                depth[w * 64 + b] = n;
+                a &= a - 1;
+            }
+        }
+        for (Py_ssize_t i = 0; i < nc; i++) {
+            blocks[i] = depth[cands[i]];
+            if (any_off) memcpy(offs + i * MAX_MEDIA, ooff + cands[i] * MAX_MEDIA, sizeof(i64) * MAX_MEDIA);
+        }
+        if (alive != alive_small) free(alive);
+        free(depth);
+        free(ooff);
+    }
+    {
+        PyObject *bl = PyList_New(nc);
+        if (!bl) goto done;
+        for (Py_ssize_t i = 0; i < nc; i++) PyList_SET_ITEM(bl, i, PyLong_FromLongLong(blocks[i]));
+        PyObject *ol;
+        if (any_off) {
+            ol = PyList_New(nc);
+            if (!ol) {
+                Py_DECREF(bl);
+                goto done;
+            }
+            for (Py_ssize_t i = 0; i < nc; i++) {
+                PyObject *row = PyList_New(s->nm);
+                for (int mm = 0; mm < s->nm; mm++)
+                    PyList_SET_ITEM(row, mm, PyLong_FromLongLong(offs[i * MAX_MEDIA + mm]));
+                PyList_SET_ITEM(ol, i, row);
+            }
+        } else {
+            ol = Py_None;
+            Py_INCREF(ol);
+        }
+        out = Py_BuildValue("(NN)", bl, ol);
+    }
+done:
+    free(cands);
+    free(blocks);
+    free(offs);
+    Py_DECREF(cseq);
+    u64arg_free(&k);
+    return out;
+}
+
+/* holders(key) -> [(medium, source), ...] */
+static PyObject *Store_holders(Store *s, PyObject *arg) {
+    u64 key = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    lock(s);
+    i64 r = kt_find(s, key);
+    u64 masks[MAX_MEDIA * 64];
+    int nm = s->nm, nw = s->nw;
+    for (int m = 0; m < nm; m++)
+        for (int w = 0; w < nw; w++) {
+            i64 c = COL(s, m, w);
+            masks[m * nw + w] = (r >= 0 && c >= 0) ? KT(s, r, c) : 0;
+        }
+    unlock(s);
+    for (int m = 0; m < nm; m++)
+        for (int w = 0; w < nw && w < 64; w++) {
+            u64 mask = masks[m * nw + w];
+            while (mask) {
+                int b = __builtin_ctzll(mask);
+                PyObject *t = Py_BuildValue("(ii)", m, (w << 6) + b);
+                if (!t || PyList_Append(out, t)) {
+                    Py_XDECREF(t);
+                    Py_DECREF(out);
+                    return NULL;
+                }
+                Py_DECREF(t);
+                mask &= mask - 1;
+            }
+        }
+    return out;
+}
+
+static PyObject *Store_refcount(Store *s, PyObject *args) {
+    long long sidx, m;
+    unsigned long long key;
+    if (!PyArg_ParseTuple(args, "LKL", &sidx, &key, &m)) return NULL;
+    if (check_medium(s, m) || sidx < 0) return NULL;
+    lock(s);
+    i64 out = 0;
+    i64 r = kt_find(s, key);
+    i64 c = (sidx >> 6) < s->nw ? COL(s, m, sidx >> 6) : -1;
+    if (r >= 0 && c >= 0 && ((KT(s, r, c) >> (sidx & 63)) & 1)) {
+        i64 q = rt_find(s, key, tag_of(sidx, m));
+        out = 1 + (q >= 0 ? (i64)s->rt[q * 3 + 2] : 0);
+    }
+    unlock(s);
+    return PyLong_FromLongLong(out);
+}
+
+/* source_info(sidx) -> (cnt per medium, unknown removes, evicted, engine-hash rows live) */
+static PyObject *Store_source_info(Store *s, PyObject *arg) {
+    long long sidx = PyLong_AsLongLong(arg);
+    if (PyErr_Occurred() || check_sidx(s, sidx)) return NULL;
+    Src *src = s->src[sidx];
+    PyObject *cnt = PyList_New(s->nm);
+    if (!cnt) return NULL;
+    for (int m = 0; m < s->nm; m++) PyList_SET_ITEM(cnt, m, PyLong_FromLongLong(src->cnt[m]));
+    return Py_BuildValue("(NLLL)", cnt, (long long)src->ss[S_UNKNOWN], (long long)src->ss[S_EVICTED],
+                         (long long)src->ss[S_EM_LIVE]);
+}
+
+/* source_keys(sidx) -> {medium: [keys]}: every residency of a source (O(its blocks)) */
+static PyObject *Store_source_keys(Store *s, PyObject *arg) {
+    long long sidx = PyLong_AsLongLong(arg);
+    if (PyErr_Occurred() || check_sidx(s, sidx)) return NULL;
+    Src *src = s->src[sidx];
+    pthread_mutex_lock(&s->emu);
+    size_t n = 0, cap = (size_t)src->ss[S_EM_LIVE] + 1;
+    u64 *keys = malloc(cap * sizeof(u64));
+    if (keys)
+        for (size_t i = 0; i < src->ecap && n < cap; i++)
+            if (src->em[i * 3 + 2] >= 2) keys[n++] = src->em[i * 3 + 1];
+    pthread_mutex_unlock(&s->emu);
+    if (!keys) return PyErr_NoMemory();
+    u64 *held = calloc(n ? n : 1, sizeof(u64)); /* media bits per key */
+    if (!held) {
+        free(keys);
+        return PyErr_NoMemory();
+    }
+    int w = (int)(sidx >> 6);
+    lock(s);
+    for (size_t i = 0; i < n; i++) {
+        i64 r = kt_find(s, keys[i]);
+        if (r < 0) continue;
+        for (int m = 0; m < s->nm; m++) {
+            i64 c = COL(s, m, w);
+            if (c >= 0 && ((KT(s, r, c) >> (sidx & 63)) & 1)) held[i] |= 1ULL << m;
+        }
+    }
+    int nm = s->nm;
+    unlock(s);
+    PyObject *out = PyDict_New();
+    for (int m = 0; out && m < nm; m++) {
+        PyObject *lst = PyList_New(0);
+        for (size_t i = 0; lst && i < n; i++)
+            if ((held[i] >> m) & 1) {
+                PyObject *v = PyLong_FromUnsignedLongLong(keys[i]);
+                if (!v || PyList_Append(lst, v)) Py_CLEAR(lst);
+                Py_XDECREF(v);
+            }
+        PyObject *km = PyLong_FromLong(m);
+        if (!lst || !km || PyDict_SetItem(out, km, lst)) Py_CLEAR(out);
+        Py_XDECREF(lst);
+        Py_XDECREF(km);
+    }
+    free(keys);
+    free(held);
+    return out;
+}
+
+/* views for tests: key table rows and columns, one source's engine-hash table and log, refs */
+static PyObject *Store_kt_view(Store *s, PyObject *noarg) {
+    lock(s);
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)s->kt, (Py_ssize_t)(s->kcap * (size_t)s->kw * 8));
+    PyObject *cols = PyList_New(s->nm);
+    for (int m = 0; cols && m < s->nm; m++) {
+        PyObject *row = PyList_New(s->nw);
+        for (int w = 0; row && w < s->nw; w++) PyList_SET_ITEM(row, w, PyLong_FromLongLong(COL(s, m, w)));
+        PyList_SET_ITEM(cols, m, row);
+    }
+    int kw = s->kw;
+    unlock(s);
+    return Py_BuildValue("(NiN)", raw, kw, cols);
+}
+
+static PyObject *Store_em_view(Store *s, PyObject *arg) {
+    long long sidx = PyLong_AsLongLong(arg);
+    if (PyErr_Occurred() || check_sidx(s, sidx)) return NULL;
+    Src *src = s->src[sidx];
+    pthread_mutex_lock(&s->emu);
+    PyObject *em = PyBytes_FromStringAndSize((const char *)src->em, (Py_ssize_t)(src->ecap * 24));
+    PyObject *lg = PyBytes_FromStringAndSize((const char *)src->log, (Py_ssize_t)(src->logcap * 8));
+    long long head = src->ss[S_HEAD], tail = src->ss[S_TAIL];
+    pthread_mutex_unlock(&s->emu);
+    return Py_BuildValue("(NNLL)", em, lg, head, tail);
+}
+
+static PyObject *Store_rt_view(Store *s, PyObject *noarg) {
+    lock(s);
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)s->rt, (Py_ssize_t)(s->rcap * 24));
+    unlock(s);
+    return raw;
+}
+
+static PyObject *Store_nbytes(Store *s, PyObject *noarg) {
+    size_t n = s->kcap * (size_t)s->kw * 8 + s->rcap * 24;
+    for (int i = 0; i < s->nsrc; i++) n += s->src[i]->ecap * 24 + s->src[i]->logcap * 8;
+    return PyLong_FromSize_t(n);
+}
+
+static PyObject *Store_get_total(Store *s, void *c) { return PyLong_FromLongLong(s->g[G_TOTAL]); }
+static PyObject *Store_get_evictions(Store *s, void *c) { return PyLong_FromLongLong(s->g[G_EVICTIONS]); }
+static PyObject *Store_get_max(Store *s, void *c) { return PyLong_FromLongLong(s->g[G_MAX]); }
+static int Store_set_max(Store *s, PyObject *v, void *c) {
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    s->g[G_MAX] = x;
+    return 0;
+}
+
+static PyObject *Store_set_block_size(Store *s, PyObject *args) {
+    long long sidx, bs;
+    if (!PyArg_ParseTuple(args, "LL", &sidx, &bs)) return NULL;
+    if (check_sidx(s, sidx)) return NULL;
+    s->src[sidx]->block_size = bs;
+    Py_RETURN_NONE;
+}
+
+/* take_stats() -> [(sidx, batches, stored events, stored blocks, removed events, removed blocks, clears,
+ * unknown parents, placeholders, last ts)] for the sources the ingest touched since the last call */
+static PyObject *Store_take_stats(Store *s, PyObject *noarg) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (int i = 0; i < s->nsrc; i++) {
+        Src *src = s->src[i];
+        if (!src->st[T_BATCHES]) continue;
+        PyObject *t = Py_BuildValue("(iLLLLLLLLd)", i, (long long)src->st[T_BATCHES], (long long)src->st[T_SE],
+                                    (long long)src->st[T_SB], (long long)src->st[T_RE], (long long)src->st[T_RB],
+                                    (long long)src->st[T_CLEARED], (long long)src->st[T_UNKNOWN_PARENTS],
+                                    (long long)src->st[T_PLACEHOLDERS], src->last_ts);
+        if (!t || PyList_Append(out, t)) {
+            Py_XDECREF(t);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(t);
+        memset(src->st, 0, sizeof(src->st));
+    }
+    return out;
+}
+
+#include "_kvingest.h"
+
+static PyMethodDef Store_methods[] = {
+    {"new_slot", (PyCFunction)Store_new_slot, METH_NOARGS, "Add a source slot; returns its index."},
+    {"reset_counters", (PyCFunction)Store_reset_counters, METH_O, "Zero a slot's housekeeping counters."},
+    {"add_medium", (PyCFunction)Store_add_medium, METH_O, "Register a medium name (bytes); returns its index."},
+    {"store", (PyCFunction)Store_store, METH_VARARGS, "store(sidx, medium, engine_hashes, keys)"},
+    {"remove", (PyCFunction)Store_remove, METH_VARARGS, "remove(sidx, medium, engine_hashes) -> ended"},
+    {"apply_ops", (PyCFunction)Store_apply_ops, METH_VARARGS, "apply_ops(sidx, ops, width, ehs, keys, rems)"},
+    {"clear", (PyCFunction)Store_clear, METH_VARARGS, "clear(sidx, medium) -> ended"},
+    {"drop", (PyCFunction)Store_drop, METH_O, "drop(sidx) -> ended"},
+    {"key_of", (PyCFunction)Store_key_of, METH_VARARGS, "key_of(sidx, engine_hash) -> key or None"},
+    {"lookup", (PyCFunction)Store_lookup, METH_VARARGS, "lookup(keys, candidates) -> (blocks, offs)"},
+    {"holders", (PyCFunction)Store_holders, METH_O, "holders(key) -> [(medium, sidx)]"},
+    {"refcount", (PyCFunction)Store_refcount, METH_VARARGS, "refcount(sidx, key, medium)"},
+    {"source_info", (PyCFunction)Store_source_info, METH_O, "(counts, unknown removes, evicted, live)"},
+    {"source_keys", (PyCFunction)Store_source_keys, METH_O, "{medium: [keys]} of one source"},
+    {"kt_view", (PyCFunction)Store_kt_view, METH_NOARGS, "(raw key table, width, col_of)"},
+    {"em_view", (PyCFunction)Store_em_view, METH_O, "(raw engine-hash table, raw log, head, tail)"},
+    {"rt_view", (PyCFunction)Store_rt_view, METH_NOARGS, "raw refs table"},
+    {"nbytes", (PyCFunction)Store_nbytes, METH_NOARGS, "bytes held by the tables"},
+    {"set_block_size", (PyCFunction)Store_set_block_size, METH_VARARGS, "set_block_size(sidx, size)"},
+    {"take_stats", (PyCFunction)Store_take_stats, METH_NOARGS, "ingest counters since the last call"},
+    {"ingest", (PyCFunction)Store_ingest, METH_VARARGS, "ingest(items, start) -> (next item, status)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Store_getset[] = {
+    {"total", (getter)Store_get_total, NULL, "residencies held", NULL},
+    {"evictions", (getter)Store_get_evictions, NULL, "residencies evicted by the cap", NULL},
+    {"max_residencies", (getter)Store_get_max, (setter)Store_set_max, "the cap", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject StoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "index._kvcore.Store",
+    .tp_basicsize = sizeof(Store),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Store_init,
+    .tp_dealloc = (destructor)Store_dealloc,
+    .tp_methods = Store_methods,
+    .tp_getset = Store_getset,
+    .tp_doc = "The compact prefix store (see index/store.py).",
+};
+
+/* ---- module functions: keys --------------------------------------------------------------------- */
+/* prompt_keys(tokens, block_size, root, extras) -> bytes of uint64 keys (native order); extras: a
+ * sequence of (block, xor) or None */
+static PyObject *mod_prompt_keys(PyObject *self, PyObject *args) {
+    PyObject *to, *xo;
+    long long bs;
+    unsigned long long root;
+    if (!PyArg_ParseTuple(args, "OLKO", &to, &bs, &root, &xo)) return NULL;
+    if (bs <= 0 || bs > MAX_BLOCK_SIZE) {
+        PyErr_Format(PyExc_ValueError, "block_size %lld outside 1..%d", bs, MAX_BLOCK_SIZE);
+        return NULL;
+    }
+    if (PyBytes_Check(to)) { /* ids as native uint64 (a TokenBuffer's bytes): no Python ints */
+        Py_ssize_t nb = PyBytes_GET_SIZE(to) / 8 / bs;
+        const u64 *t = (const u64 *)PyBytes_AS_STRING(to);
+        PyObject *out = PyBytes_FromStringAndSize(NULL, nb * 8);
+        if (!out) return NULL;
+        u64 *keys = (u64 *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t b = 0; b < nb; b++) keys[b] = block_content(t + b * bs, (size_t)bs);
+        if (xo != Py_None) {
+            PyObject *xs = PySequence_Fast(xo, "extras must be a sequence");
+            if (!xs) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(xs); i++) {
+                long long xb;
+                unsigned long long x;
+                if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(xs, i), "LK", &xb, &x)) {
+                    Py_DECREF(xs);
+                    Py_DECREF(out);
+                    return NULL;
+                }
+                if (xb >= 0 && xb < nb) keys[xb] ^= x;
+            }
+            Py_DECREF(xs);
+        }
+        u64 sm = root;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            sm = sm * CHAIN_MUL + keys[b];
+            keys[b] = sm;
+        }
+        return out;
+    }
+    PyObject *seq = PySequence_Fast(to, "tokens must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t nt = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t nb = nt / bs;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, nb * 8);
+    if (!out) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    u64 *keys = (u64 *)PyBytes_AS_STRING(out);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    u64 sm = root;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        u64 acc = 0;
+        PyObject **blk = items + b * bs;
+        for (Py_ssize_t k = 0; k < bs; k++) {
+            PyObject *it = blk[k];
+            if (!PyLong_Check(it)) goto bad;
+            u64 v = PyLong_AsUnsignedLongLong(it);
+            if (v == (u64)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                goto bad;
+            }
+            acc += v * MULS[k];
+        }
+        keys[b] = fmix64(acc);
+    }
+    Py_DECREF(seq);
+    if (xo != Py_None) {
+        PyObject *xs = PySequence_Fast(xo, "extras must be a sequence");
+        if (!xs) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(xs); i++) {
+            long long b;
+            unsigned long long x;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(xs, i), "LK", &b, &x)) {
+                Py_DECREF(xs);
+                Py_DECREF(out);
+                return NULL;
+            }
+            if (b >= 0 && b < nb) keys[b] ^= x;
+        }
+        Py_DECREF(xs);
+    }
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        sm = sm * CHAIN_MUL + keys[b];
+        keys[b] = sm;
+    }
+    return out;
+bad:
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    PyErr_SetString(PyExc_ValueError, "token ids must be integers in 0..2^64-1");
+    return NULL;
+}
+
+/* block_contents(uint64 buffer, block_size) -> bytes of m_i per full block */
+static PyObject *mod_block_contents(PyObject *self, PyObject *args) {
+    PyObject *to;
+    long long bs;
+    if (!PyArg_ParseTuple(args, "OL", &to, &bs)) return NULL;
+    if (bs <= 0 || bs > MAX_BLOCK_SIZE) {
+        PyErr_Format(PyExc_ValueError, "block_size %lld outside 1..%d", bs, MAX_BLOCK_SIZE);
+        return NULL;
+    }
+    U64Arg t;
+    if (u64arg(to, &t)) return NULL;
+    Py_ssize_t nb = t.n / bs;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, nb * 8);
+    if (out) {
+        u64 *m = (u64 *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t b = 0; b < nb; b++) m[b] = block_content(t.data + b * bs, (size_t)bs);
+    }
+    u64arg_free(&t);
+    return out;
+}
+
+static PyObject *mod_unknown_root(PyObject *self, PyObject *args) {
+    long long sidx;
+    unsigned long long parent;
+    if (!PyArg_ParseTuple(args, "LK", &sidx, &parent)) return NULL;
+    return PyLong_FromUnsignedLongLong(unknown_root(sidx, parent));
+}
+
+/* check_ids(list, max_id or None) -> index of the first id that is not an exact int in 0..max (-1: none) */
+static PyObject *mod_check_ids(PyObject *self, PyObject *args) {
+    PyObject *lo, *mo;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &lo, &mo)) return NULL;
+    u64 max = (u64)-1;
+    if (mo != Py_None) {
+        long long m = PyLong_AsLongLong(mo);
+        if (m == -1 && PyErr_Occurred()) return NULL;
+        max = m < 0 ? 0 : (u64)m;
+        if (m < 0) return PyLong_FromLong(PyList_GET_SIZE(lo) ? 0 : -1);
+    }
+    Py_ssize_t n = PyList_GET_SIZE(lo);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = PyList_GET_ITEM(lo, i);
+        if (!PyLong_CheckExact(it)) return PyLong_FromSsize_t(i);
+        u64 v = PyLong_AsUnsignedLongLong(it);
+        if (v == (u64)-1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* negative or beyond 64 bits */
+            if (_PyLong_Sign(it) < 0 || mo != Py_None) return PyLong_FromSsize_t(i);
+            continue; /* a huge id with no vocabulary bound: as valid as before */
+        }
+        if (v > max) return PyLong_FromSsize_t(i);
+    }
+    return PyLong_FromLong(-1);
+}
+
+/* parse a JSON array of non-negative integers in 0..2^64-1 at p (no sign, fraction, exponent or
+ * leading zero; whitespace allowed), as msgspec would decode it to a list of ints: the position
+ * after it and the ids (malloc'ed, *n of them), or NULL when it is anything else */
+static const uint8_t *parse_ids(const uint8_t *p, const uint8_t *end, u64 **out, size_t *nout) {
+    u64 *ids = NULL;
+    size_t n = 0, cap = 0;
+#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
+    WS();
+    if (p >= end || *p != '[') return NULL;
+    p++;
+    WS();
+    if (p < end && *p == ']') return NULL; /* empty: the generic path words the error */
+    size_t guess = (size_t)(end - p) / 4 + 16;
+    for (;;) {
+        if (p >= end || *p < '0' || *p > '9') goto none;
+        if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') goto none; /* leading zero */
+        u64 x = 0;
+        const uint8_t *first = p;
+        while (p < end && (unsigned)(*p - '0') < 10 && p - first < 19) x = x * 10 + (u64)(*p++ - '0');
+        if (p < end && (unsigned)(*p - '0') < 10) { /* a 20th digit: may overflow */
+            u64 d = (u64)(*p++ - '0');
+            if (__builtin_mul_overflow(x, 10, &x) || __builtin_add_overflow(x, d, &x)) goto none;
+            if (p < end && (unsigned)(*p - '0') < 10) goto none;
+        }
+        if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) goto none;
+        if (n == cap) {
+            size_t nc = cap ? cap * 2 : guess;
+            u64 *ni = realloc(ids, nc * sizeof(u64));
+            if (!ni) goto none;
+            ids = ni;
+            cap = nc;
+        }
+        ids[n++] = x;
+        if (p < end && *p == ',') { /* the usual separator first */
+            p++;
+            WS();
+            continue;
+        }
+        WS();
+        if (p < end && *p == ',') {
+            p++;
+            WS();
+            continue;
+        }
+        if (p < end && *p == ']') {
+            p++;
+            break;
+        }
+        goto none;
+    }
+#undef WS
+    *out = ids;
+    *nout = n;
+    return p;
+none:
+    free(ids);
+    return NULL;
+}
+
+/* json_ids(raw) -> bytes of uint64 ids, or None: `raw` is exactly such an array (see parse_ids) */
+static PyObject *mod_json_ids(PyObject *self, PyObject *arg) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE)) return NULL;
+    const uint8_t *p = v.buf, *end = p + v.len;
+    u64 *ids = NULL;
+    size_t n = 0;
+    p = parse_ids(p, end, &ids, &n);
+    while (p && p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    PyObject *out = NULL;
+    if (p == end && ids) out = PyBytes_FromStringAndSize((const char *)ids, (Py_ssize_t)(n * sizeof(u64)));
+    else {
+        out = Py_None;
+        Py_INCREF(out);
+    }
+    free(ids);
+    PyBuffer_Release(&v);
+    return out;
+}
+
+/* the end of the JSON value at p (lenient: msgspec validates what is not the prompt), NULL if cut */
+static const uint8_t *json_skip(const uint8_t *p, const uint8_t *end) {
+    int depth = 0;
+    while (p < end) {
+        uint8_t c = *p;
+        if (c == '"') {
+            p++;
+            while (p < end && *p != '"') p += (*p == '\\') ? 2 : 1;
+            if (p >= end) return NULL;
+            p++;
+        } else if (c == '[' || c == '{') {
+            depth++;
+            p++;
+        } else if (c == ']' || c == '}') {
+            if (depth == 0) return p; /* the end of the enclosing container */
+            depth--;
+            p++;
+        } else if (c == ',' && depth == 0) {
+            return p;
+        } else {
+            p++;
+        }
+        if (depth == 0 && (c == '"' || c == ']' || c == '}')) return p;
+    }
+    return depth == 0 ? p : NULL;
+}
+
+/* json_prompt(raw) -> (start, end, ids) when the top-level "prompt" member of a JSON object (its
+ * only occurrence, spelled without escapes) is an array of token ids (see parse_ids), else None */
+static PyObject *mod_json_prompt(PyObject *self, PyObject *arg) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE)) return NULL;
+    const uint8_t *base = v.buf, *p = base, *end = base + v.len;
+    Py_ssize_t start = -1, stop = -1;
+    int found = 0;
+    u64 *ids = NULL;
+    size_t nids = 0;
+#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
+    WS();
+    if (p >= end || *p != '{') goto none;
+    p++;
+    for (;;) {
+        WS();
+        if (p < end && *p == '}') break;
+        if (p >= end || *p != '"') goto none;
+        const uint8_t *key = ++p;
+        while (p < end && *p != '"') {
+            if (*p == '\\') goto none; /* an escaped key: the generic path */
+            p++;
+        }
+        if (p >= end) goto none;
+        int is_prompt = (p - key == 6 && memcmp(key, "prompt", 6) == 0);
+        p++;
+        WS();
+        if (p >= end || *p != ':') goto none;
+        p++;
+        WS();
+        const uint8_t *value = p;
+        if (is_prompt) {
+            if (found) goto none; /* twice: the generic path */
+            found = 1;
+            p = parse_ids(p, end, &ids, &nids);
+            if (!p) goto none;
+            start = value - base;
+            stop = p - base;
+        } else {
+            p = json_skip(p, end);
+            if (!p || p == value) goto none;
+        }
+        WS();
+        if (p < end && *p == ',') {
+            p++;
+            continue;
+        }
+        if (p < end && *p == '}') break;
+        goto none;
+    }
+#undef WS
+    PyBuffer_Release(&v);
+    if (!found) Py_RETURN_NONE;
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)ids, (Py_ssize_t)(nids * sizeof(u64)));
+    free(ids);
+    if (!raw) return NULL;
+    return Py_BuildValue("(nnN)", start, stop, raw);
+none:
+    free(ids);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+/* first_above(uint64 buffer, max) -> index of the first id above max, -1 when none */
+static PyObject *mod_first_above(PyObject *self, PyObject *args) {
+    PyObject *bo;
+    unsigned long long max;
+    if (!PyArg_ParseTuple(args, "OK", &bo, &max)) return NULL;
+    U64Arg b;
+    if (u64arg(bo, &b)) return NULL;
+    Py_ssize_t at = -1;
+    for (Py_ssize_t i = 0; i < b.n; i++)
+        if (b.data[i] > max) {
+            at = i;
+            break;
+        }
+    u64arg_free(&b);
+    return PyLong_FromSsize_t(at);
+}
+
+/* trim(): give the heap's free memory back to the OS (glibc keeps it after bursts of messages) */
+static PyObject *mod_trim(PyObject *self, PyObject *noarg) {
+    int freed = 0;
+#ifdef __GLIBC__
+    Py_BEGIN_ALLOW_THREADS
+    freed = malloc_trim(0);
+    Py_END_ALLOW_THREADS
+#endif
+    return PyBool_FromLong(freed);
+}
+
+static PyObject *mod_muls(PyObject *self, PyObject *noarg) {
+    return PyBytes_FromStringAndSize((const char *)MULS, sizeof(MULS));
+}
+
+static PyMethodDef mod_methods[] = {
+    {"prompt_keys", mod_prompt_keys, METH_VARARGS, "prompt_keys(tokens, block_size, root, extras) -> bytes"},
+    {"block_contents", mod_block_contents, METH_VARARGS, "block_contents(u64 tokens, block_size) -> bytes"},
+    {"unknown_root", mod_unknown_root, METH_VARARGS, "unknown_root(sidx, parent_hash) -> root"},
+    {"position_muls", mod_muls, METH_NOARGS, "the per-position multipliers R as bytes"},
+    {"json_prompt", mod_json_prompt, METH_O, "(start, end, uint64 ids) of a body's token-id prompt, or None"},
+    {"json_ids", mod_json_ids, METH_O, "json_ids(raw JSON array) -> uint64 bytes or None"},
+    {"first_above", mod_first_above, METH_VARARGS, "first_above(u64 buffer, max) -> index or -1"},
+    {"trim", mod_trim, METH_NOARGS, "trim() -> whether the heap gave memory back to the OS"},
+    {"check_ids", mod_check_ids, METH_VARARGS, "check_ids(ids, max_id) -> first bad index or -1"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_kvcore", "kvrouter's compiled index core.", -1,
+                                    mod_methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__kvcore(void) {
+    init_muls();
+    if (PyType_Ready(&StoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moddef);
+    if (!m) return NULL;
+    Py_INCREF(&StoreType);
+    if (PyModule_AddObject(m, "Store", (PyObject *)&StoreType) < 0) {
+        Py_DECREF(&StoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "MAX_MEDIA", MAX_MEDIA);
+    PyModule_AddIntConstant(m, "MAX_BLOCK_SIZE", MAX_BLOCK_SIZE);
+    return m;
+}
