@@ -161,9 +161,9 @@ class Policy:
                     c.dp_rank,
                     c.matched_blocks,
                     c.blocks_by_medium,  # shared, not copied: neither side changes it
-                    round(credit, 3),
-                    round(prefill, 3),
-                    round(queued, 3),
+                    credit,  # (terms rounded when shown, by explain(); the cost now: ties compare it)
+                    prefill,
+                    queued,
                     c.load.active,
                     c.load.engine_waiting,
                     round(cost, 3),
@@ -211,6 +211,10 @@ def explain(policy: str, scores: list[CandidateScore], outcome: str) -> None:
     best = next((s for s in scores if s.chosen), None)
     if best is None:
         return
+    for s in scores:
+        s.credit_blocks = round(s.credit_blocks, 3)
+        s.prefill_blocks = round(s.prefill_blocks, 3)
+        s.queued_blocks = round(s.queued_blocks, 3)
     for s in scores:
         if policy != "kv":
             s.reason = f"{policy}: chosen" if s.chosen else f"{policy}: not chosen"

@@ -163,7 +163,8 @@ class RouterService:
         is never chosen, and one chosen is never removed before its request counts as in flight."""
         t0 = time.perf_counter()
         model = validate_body(endpoint, body)
-        self.candidates_for(model)  # 404 / 503 before any tokenizing
+        if not self.membership.can_serve(model):
+            self.candidates_for(model)  # 404 / 503 before any tokenizing
         tokens: Sequence[int] | None = None
         tok_error: str | None = None
         try:

@@ -208,6 +208,10 @@ class Membership:
         """Members that may take a new request for ``model`` now."""
         return [m for m in self.members.values() if m.routable and m.serves(model)]
 
+    def can_serve(self, model: str) -> bool:
+        """Some member may take a request for ``model`` now (a cheap check before tokenizing)."""
+        return any(m.routable and m.serves(model) for m in self.members.values())
+
     def known(self, model: str) -> bool:
         """Any member (whatever its state) serves this model."""
         return any(m.serves(model) for m in self.members.values())
