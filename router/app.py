@@ -14,6 +14,7 @@ import hmac
 import importlib.resources
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
@@ -27,6 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from index.kvindex import KVIndex
+from router.cluster.replicas import Replicas
 from router.config import RouterConfig
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
@@ -98,6 +100,17 @@ class KVRouter:
         self.proxy = ProxyHandler(
             self.service, self.pool, self.metrics, self.loads, srv, self.authorize, self.health
         )
+        # --- router replicas: session pins, shared load and predictions (router/cluster) ---
+        self.replicas = Replicas(
+            config.cluster,
+            self.index,
+            self.loads,
+            port=srv.port,
+            worker=worker.index if worker else None,
+            group=f"{socket.gethostname()}:{worker.run_dir}" if worker else "",
+        )
+        self.service.affinity = self.proxy.affinity = self.replicas.affinity
+        self.replicas.register(self.metrics.registry)
         self._keys = [k.encode() for k in config.api_keys]
         self._tasks: list[asyncio.Task[None]] = []
         self.api = self._build_api()
@@ -141,6 +154,7 @@ class KVRouter:
         await self.health.check_all()
         await self.fleet.settle()
         self.fleet.start()
+        self.replicas.start()
         self._tasks.append(
             asyncio.get_running_loop().create_task(self._housekeeping(), name="kvrouter-housekeeping")
         )
@@ -167,6 +181,7 @@ class KVRouter:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        await self.replicas.stop()
         await self.fleet.stop()
         self.index.stop()
         self.tokenizer.close()
@@ -185,7 +200,7 @@ class KVRouter:
             await asyncio.sleep(worker.stats_interval_s)
 
     def _dashboard_live(self) -> dict[str, Any]:
-        return dashboard_data(
+        data = dashboard_data(
             self.metrics,
             self.index,
             self.membership,
@@ -193,6 +208,8 @@ class KVRouter:
             self.config.policy.name,
             [r.explain() for r in list(self.service.recent)[-20:]],
         )
+        data["cluster"] = self.replicas.describe()
+        return data
 
     async def _housekeeping(self) -> None:
         while True:
@@ -274,7 +291,9 @@ class KVRouter:
                 endpoint = q  # type: ignore[assignment]
             else:
                 endpoint = "chat" if isinstance(body, dict) and "messages" in body else "completions"
-            decided = await self.service.decide(endpoint, body, dry_run=True)
+            affinity = self.replicas.affinity
+            session = affinity.session_of(request.scope["headers"]) if affinity is not None else None
+            decided = await self.service.decide(endpoint, body, dry_run=True, session=session)
             return Response(msgspec.json.encode(decided.explain()), media_type="application/json")
 
         @api.get("/debug/index")
@@ -295,6 +314,7 @@ class KVRouter:
                     "counts": self.membership.counts(),
                     "transitions": [msgspec.to_builtins(t) for t in self.membership.transitions],
                 },
+                "cluster": self.replicas.describe(),
             }
             return Response(msgspec.json.encode(out), media_type="application/json")
 

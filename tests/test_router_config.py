@@ -11,6 +11,7 @@ import pytest
 
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
+from router.cluster.config import ClusterConfig
 from router.config import (
     BackendConfig,
     ConfigError,
@@ -111,6 +112,7 @@ STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [
     ("backends[].", BackendConfig),
     ("membership.", MembershipConfig),
     ("membership.kubernetes.", KubernetesConfig),
+    ("cluster.", ClusterConfig),
 ]
 
 
