@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,cluster]'
+	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
 ## demo: a simulated fleet of mock vLLM engines behind the real router, once per policy

@@ -140,6 +140,7 @@ class Cluster:
         self._pins: dict[int, tuple[Target, float]] = {}
         self._seq = 0
         self._first_change: float | None = None
+        self._last_message = 0.0
         self._unacked: dict[int, float] = {}
         self._wake: asyncio.Event | None = None
         self._broken: asyncio.Event | None = None
@@ -232,7 +233,7 @@ class Cluster:
                 log.info("cluster: could not say goodbye (%s); peers expire this replica instead", exc)
         await _cancel(link)
         self._set_connected(False)
-        await self.store.close()
+        self.store.close()
 
     def _set_connected(self, value: bool) -> None:
         if value != self.connected:
@@ -245,11 +246,12 @@ class Cluster:
         delay = cfg.reconnect_min_s
         while True:
             try:
-                await self.store.open(self.channel)
+                self._last_message = time.monotonic()
+                await self.store.open(self.channel, self._on_message)
                 await self._resync()
             except self.store.errors as exc:
                 self._failed("connect", exc)
-                await self.store.close()
+                self.store.close()
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, cfg.reconnect_max_s)
                 continue
@@ -278,7 +280,7 @@ class Cluster:
                         await t
                 self._set_connected(False)
                 self._unacked.clear()
-                await self.store.close()
+                self.store.close()
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
     def _failed(self, kind: str, exc: BaseException) -> None:
@@ -322,18 +324,26 @@ class Cluster:
                 if self.affinity.pinned(sid) is None:
                     self.affinity.pin(sid, (backend, rank), ttl_ms / 1000, announce=False)
 
+    def _on_message(self, data: bytes) -> None:
+        now = time.monotonic()
+        self._last_message = now
+        self.apply(data, now)
+
     async def _receive(self) -> None:
+        """Watch the subscription: returns (raises) when a connection is lost, or when the channel
+        has been silent for three heartbeats (this replica's own heartbeats come back on it)."""
         silent_limit = 3 * self.config.heartbeat_s
-        last = time.monotonic()
-        while True:
-            data = await self.store.next_message(self.config.heartbeat_s)
-            now = time.monotonic()
-            if data is None:
-                if now - last > silent_limit:
-                    raise TimeoutError(f"nothing on {self.channel} for {now - last:.1f} s")
-                continue
-            last = now
-            self.apply(data, now)
+        lost = asyncio.ensure_future(self.store.lost())
+        try:
+            while True:
+                done, _ = await asyncio.wait([lost], timeout=self.config.heartbeat_s)
+                if done:
+                    raise ConnectionError("connection to the store lost")
+                silent = time.monotonic() - self._last_message
+                if silent > silent_limit:
+                    raise TimeoutError(f"nothing on {self.channel} for {silent:.1f} s")
+        finally:
+            lost.cancel()
 
     def apply(self, data: bytes, now: float) -> None:
         """Apply one message from the channel (a peer's, or this replica's own coming back)."""

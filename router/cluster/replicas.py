@@ -7,7 +7,7 @@ optional, built from the ``[cluster]`` table.
   :class:`~router.fleet.load.PeerLoads` and to the index as its prediction listener, sharing the pins
   too when ``session_header`` is set.
 
-The redis client is imported only in the last case.
+Nothing of the store link is imported or started in the first two cases.
 """
 
 from __future__ import annotations
@@ -46,11 +46,7 @@ class Replicas:
         self.cluster: Any = None
         if config.redis_url:
             from router.cluster.node import Cluster
-            from router.cluster.store import missing_client
 
-            why = missing_client()
-            if why:
-                raise ValueError(why)
             host = config.replica_name or os.environ.get("HOSTNAME") or socket.gethostname()
             name = config.replica_name or f"{host}:{port}" + (f"/w{worker}" if worker is not None else "")
             self.cluster = Cluster(config, index, self.affinity, name=name, group=group)

@@ -1,78 +1,60 @@
-"""The connection to the shared store (Redis >= 7 or Valkey): the only module that imports a client.
+"""The connection to the shared store (Redis >= 7 or Valkey), over the lean client in :mod:`resp`.
 
-redis-py's asyncio client (the ``cluster`` extra: ``pip install 'kvrouter[cluster]'``, with hiredis
-for parsing) is imported when a store is opened, so a router without ``cluster.redis_url`` never
-loads it. Chosen over a hand-written RESP client by measurement (BENCHMARKS.md, "Router replicas"):
-it costs ~190 us of CPU per pipelined publish and ~30 us per received message against ~100 us and
-~11 us for a minimal client, differences that the publish interval bounds to about 1% of a core at
-any request rate, while it brings TLS, ACL users, URLs and a maintained protocol parser.
-
-Two connections: one for commands (publish, snapshot keys) and one subscribed to the cluster
-channel. Its own retries are off (the cluster reconnects with its own backoff and falls back to
-local state meanwhile), and every command has a timeout, so a store that hangs counts as down.
+Two connections: one for commands (publish, snapshot keys), pipelined, and one subscribed to the
+cluster channel, whose messages are handed to a callback as they are parsed. Every command has a
+timeout, so a store that hangs counts as down; there are no retries here: the cluster reconnects
+with its own backoff and decides on local state meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
-
-def missing_client() -> str | None:
-    """Why the store client cannot be used (None when it can)."""
-    try:
-        import redis.asyncio  # noqa: F401
-    except ImportError:
-        return "cluster.redis_url needs the redis package: pip install 'kvrouter[cluster]'"
-    return None
+from router.cluster.resp import Connection, RespError, connect
 
 
 class RedisStore:
     """Commands and one channel subscription on a Redis/Valkey server."""
 
+    errors: tuple[type[BaseException], ...] = (ConnectionError, OSError, TimeoutError, RespError, ValueError)
+    """What a failing store raises (every call of this class raises only these, or cancellation)."""
+
     def __init__(self, url: str, timeout_s: float, client_name: str = "kvrouter") -> None:
         self.url = url
         self.timeout_s = timeout_s
         self.client_name = client_name
-        self._cmd: Any = None
-        self._sub: Any = None
-        self._pubsub: Any = None
-        from redis.exceptions import RedisError
+        self._cmd: Connection | None = None
+        self._sub: Connection | None = None
 
-        self.errors: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError, EOFError)
-        """What a failing store raises (every call of this class raises only these, or cancellation)."""
+    async def open(self, channel: str, on_message: Callable[[bytes], None]) -> None:
+        """Connect both connections and subscribe to ``channel``; ``on_message`` gets every message."""
+        self.close()
+        self._cmd = await connect(self.url, self.timeout_s, self.client_name)
+        self._sub = await connect(self.url, self.timeout_s, self.client_name + "-sub", on_message)
+        (confirm,) = self._sub.send([["SUBSCRIBE", channel]])
+        reply = await asyncio.wait_for(confirm, self.timeout_s)
+        if not isinstance(reply, list) or reply[:1] != [b"subscribe"]:
+            raise ConnectionError(f"SUBSCRIBE {channel}: unexpected reply {reply!r}")
 
-    def _client(self, read_timeout: float | None) -> Any:
-        import redis.asyncio as aredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
+    async def lost(self) -> None:
+        """Returns when either connection is lost."""
+        cmd, sub = self._cmd, self._sub
+        if cmd is None or sub is None:
+            return
+        await asyncio.wait([cmd.lost, sub.lost], return_when=asyncio.FIRST_COMPLETED)
 
-        return aredis.from_url(
-            self.url,
-            socket_timeout=read_timeout,
-            socket_connect_timeout=self.timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            client_name=self.client_name,
-            max_connections=4,
-        )
+    def _conn(self) -> Connection:
+        if self._cmd is None:
+            raise ConnectionError("not connected")
+        return self._cmd
 
-    async def open(self, channel: str) -> None:
-        """Connect both connections and subscribe to ``channel``."""
-        await self.close()
-        self._cmd = self._client(self.timeout_s)
-        await asyncio.wait_for(self._cmd.ping(), self.timeout_s)
-        self._sub = self._client(None)
-        self._pubsub = self._sub.pubsub(ignore_subscribe_messages=True)
-        await asyncio.wait_for(self._pubsub.subscribe(channel), self.timeout_s)
-
-    async def next_message(self, timeout_s: float) -> bytes | None:
-        """The next message on the channel, or None after ``timeout_s`` without one."""
-        msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
-        if msg is None or msg.get("type") != "message":
-            return None
-        data = msg["data"]
-        return data if isinstance(data, bytes) else str(data).encode()
+    async def _run(self, commands: list[list[bytes | str | int]]) -> list[object]:
+        replies = await self._conn().execute(commands, self.timeout_s)
+        for r in replies:
+            if isinstance(r, RespError):
+                raise r
+        return replies
 
     async def publish(
         self,
@@ -83,81 +65,68 @@ class RedisStore:
     ) -> None:
         """PUBLISH ``payload`` and, in the same round trip, SET each (key, value, ttl ms) and HSET
         (key, field, value)."""
-        pipe = self._cmd.pipeline(transaction=False)
-        pipe.publish(channel, payload)
+        commands: list[list[bytes | str | int]] = [["PUBLISH", channel, payload]]
         for key, value, ttl_ms in sets:
-            pipe.set(key, value, px=max(1, ttl_ms))
+            commands.append(["SET", key, value, "PX", max(1, ttl_ms)])
         if hset is not None:
-            pipe.hset(hset[0], hset[1], hset[2])
-        await asyncio.wait_for(pipe.execute(), self.timeout_s)
+            commands.append(["HSET", *hset])
+        await self._run(commands)
 
     async def read_states(self, registry: str, key_of: str) -> list[tuple[bytes, int]]:
         """(value, remaining ttl ms) of every live key ``key_of.format(field)`` for the fields of the
         hash ``registry``; fields whose key expired are removed from it."""
-        fields = await asyncio.wait_for(self._cmd.hkeys(registry), self.timeout_s)
-        if not fields:
+        (fields,) = await self._run([["HKEYS", registry]])
+        if not isinstance(fields, list) or not fields:
             return []
-        names = [f.decode() if isinstance(f, bytes) else str(f) for f in fields]
-        pipe = self._cmd.pipeline(transaction=False)
+        names = [f.decode() for f in fields if isinstance(f, bytes)]
+        commands: list[list[bytes | str | int]] = []
         for name in names:
-            pipe.get(key_of.format(name))
-            pipe.pttl(key_of.format(name))
-        replies = await asyncio.wait_for(pipe.execute(), self.timeout_s)
+            commands += [["GET", key_of.format(name)], ["PTTL", key_of.format(name)]]
+        replies = await self._run(commands)
         out: list[tuple[bytes, int]] = []
-        gone: list[str] = []
+        gone: list[bytes | str | int] = []
         for i, name in enumerate(names):
             value, ttl = replies[2 * i], replies[2 * i + 1]
-            if value is None or ttl is None or ttl < 0:
-                gone.append(name)
+            if isinstance(value, bytes) and isinstance(ttl, int) and ttl > 0:
+                out.append((value, ttl))
             else:
-                out.append((value, int(ttl)))
+                gone.append(name)
         if gone:
-            await asyncio.wait_for(self._cmd.hdel(registry, *gone), self.timeout_s)
+            await self._run([["HDEL", registry, *gone]])
         return out
 
     async def scan_values(self, pattern: str, limit: int) -> list[tuple[str, bytes, int]]:
         """(key, value, remaining ttl ms) of up to ``limit`` keys matching ``pattern``."""
         out: list[tuple[str, bytes, int]] = []
-        cursor: int = 0
+        cursor = b"0"
         while len(out) < limit:
-            cursor, keys = await asyncio.wait_for(
-                self._cmd.scan(cursor=cursor, match=pattern, count=1000), self.timeout_s
-            )
+            (reply,) = await self._run([["SCAN", cursor, "MATCH", pattern, "COUNT", 1000]])
+            if not isinstance(reply, list) or len(reply) != 2:
+                raise ConnectionError(f"SCAN: unexpected reply {reply!r}")
+            cursor, keys = reply[0], [k for k in reply[1] if isinstance(k, bytes)]
             if keys:
-                pipe = self._cmd.pipeline(transaction=False)
+                commands: list[list[bytes | str | int]] = []
                 for k in keys:
-                    pipe.get(k)
-                    pipe.pttl(k)
-                replies = await asyncio.wait_for(pipe.execute(), self.timeout_s)
+                    commands += [["GET", k], ["PTTL", k]]
+                replies = await self._run(commands)
                 for i, k in enumerate(keys):
                     value, ttl = replies[2 * i], replies[2 * i + 1]
-                    if value is not None and ttl is not None and ttl > 0:
-                        out.append((k.decode() if isinstance(k, bytes) else str(k), value, int(ttl)))
-            if int(cursor) == 0:
+                    if isinstance(value, bytes) and isinstance(ttl, int) and ttl > 0:
+                        out.append((k.decode(), value, ttl))
+            if cursor == b"0":
                 break
         return out[:limit]
 
     async def remove(self, channel: str, payload: bytes, key: str, registry: str, field: str) -> None:
         """A clean exit: publish ``payload`` (the goodbye), delete ``key`` and the registry field."""
-        pipe = self._cmd.pipeline(transaction=False)
-        pipe.publish(channel, payload)
-        pipe.delete(key)
-        pipe.hdel(registry, field)
-        await asyncio.wait_for(pipe.execute(), self.timeout_s)
+        await self._run([["PUBLISH", channel, payload], ["DEL", key], ["HDEL", registry, field]])
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Close both connections (never raises)."""
-        pubsub, sub, cmd = self._pubsub, self._sub, self._cmd
-        self._pubsub = self._sub = self._cmd = None
-        for obj in (pubsub, sub, cmd):
-            if obj is None:
-                continue
-            try:
-                await asyncio.wait_for(obj.aclose(), self.timeout_s)
-            except BaseException as exc:  # a dead connection may fail to close: it is dropped anyway
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                continue
+        for conn in (self._cmd, self._sub):
+            if conn is not None:
+                conn.close()
+        self._cmd = self._sub = None
 
 
-__all__ = ["RedisStore", "missing_client"]
+__all__ = ["RedisStore"]
