@@ -31,9 +31,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How peers show this replica (/debug/index, dashboard); "" = $HOSTNAME (the pod name in
     Kubernetes) or the host name, with the port."""
     publish_interval_s: float = 0.002
-    """Changes of this replica's in-flight load, its predictions and session pins are sent at most
-    this often (one message per interval, whatever the request rate): the main term of how stale a
-    peer's view is (BENCHMARKS.md: ~1 ms on loopback on top of it)."""
+    """Least time between two messages of this replica (its in-flight load, predictions and session
+    pins that changed meanwhile go out together): bounds the message rate whatever the request rate
+    (500/s at 2 ms). A change after a quiet spell is sent at once; under load a peer's view is at
+    most about this plus the store's round trip behind (BENCHMARKS.md)."""
     heartbeat_s: float = 1.0
     """Every replica re-sends its whole in-flight table this often (and stores it as its snapshot), so
     a lost message is repaired within a heartbeat."""

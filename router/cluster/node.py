@@ -8,10 +8,11 @@ anything: they note what changed and wake the sender.
 
 Tasks, all on the router's event loop, none on the request path:
 
-- the *sender* collects what changed for ``publish_interval_s`` and publishes one message (absolute
-  figures of the targets that changed, the new predictions and pins) plus, every ``heartbeat_s``, the
-  whole table, which is also stored as this replica's snapshot (a key expiring after
-  ``peer_timeout_s``) for replicas that join or reconnect later;
+- the *sender* publishes what changed (absolute figures of the targets that changed, the new
+  predictions and pins) as one message, at most one per ``publish_interval_s`` (a change after a
+  quiet spell goes out at once; under load changes collect until the interval is up), and every
+  ``heartbeat_s`` the whole table, which is also stored as this replica's snapshot (a key expiring
+  after ``peer_timeout_s``) for replicas that join or reconnect later;
 - the *receiver* applies the peers' messages: their figures to the :class:`PeerTable`, their
   predictions to the index (``KVIndex.predict_keys``), their pins to the affinity map. It also reads
   this replica's own messages coming back from the store: the time from a change to its echo is the
@@ -398,10 +399,15 @@ class Cluster:
     async def _sender(self) -> None:
         assert self._wake is not None
         interval = self.config.publish_interval_s
+        last = -interval
         while True:
             await self._wake.wait()
-            await asyncio.sleep(interval)
+            # at most one message per interval, but no waiting after a quiet spell: a change made
+            # when the previous message is older than the interval goes out in this loop iteration
+            # (with whatever else changed in it)
+            await asyncio.sleep(max(0.0, last + interval - time.monotonic()))
             self._wake.clear()
+            last = time.monotonic()
             if not self.connected:
                 self._drop_pending()
                 continue
