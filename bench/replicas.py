@@ -481,8 +481,16 @@ def window_quality(results: Sequence[RequestResult], since_s: float, speedup: fl
     }
 
 
+PARTIAL: Path | None = None
+"""Where records are written as they come (a crash late in a long run keeps the earlier ones)."""
+_SO_FAR: list[dict[str, Any]] = []
+
+
 def record(rec: dict[str, Any], res: ArmResult) -> dict[str, Any]:
     rec.update(row=msgspec.to_builtins(res.row), extra=res.extra)
+    _SO_FAR.append(rec)
+    if PARTIAL is not None:
+        PARTIAL.write_text(json.dumps({"records": _SO_FAR}, indent=1))
     r = res.row
     print(
         f"  {rec['stage']:<8} {rec['trace']:<12} {r.label:<24} hit {r.hit_ratio:.3f} "
@@ -617,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    global PARTIAL
+    PARTIAL = out / "replicas.partial.json"
     started = time.strftime("%Y-%m-%d %H:%M")
     records = asyncio.run(main_async(args))
     meta = {"started": started, "args": vars(args), "load": os.getloadavg()}

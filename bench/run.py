@@ -1,5 +1,5 @@
 """`make bench`: every benchmark in BENCHMARKS.md, one after the other (never two heavy jobs at once on
-the 2-core box). ``--quick`` runs the short variants; ``--only index,router,quality`` picks some.
+the 2-core box). ``--quick`` runs the short variants; ``--only index,router,quality,replicas`` picks some.
 
 Each benchmark prints its own figures; this script only sequences them and stops at the first
 failure. The router benchmark needs ``wrk`` (skipped with a message when it is missing).
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="short variants (minutes instead of tens)")
-    ap.add_argument("--only", default="index,router,quality", help="comma-separated subset")
+    ap.add_argument("--only", default="index,router,quality,replicas", help="comma-separated subset")
     ap.add_argument("--vllm-router", default=None, help="a vllm-router binary to measure in the same run")
     args = ap.parse_args()
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
@@ -37,6 +37,12 @@ def main() -> int:
             plan.append(("router", cmd))
     if "quality" in wanted:
         plan.append(("quality", [py, "bench/quality.py", *(["--quick"] if args.quick else [])]))
+    if "replicas" in wanted:  # router replicas over Redis (needs redis-server)
+        if shutil.which("redis-server") is None and shutil.which("valkey-server") is None:
+            print("replica benchmarks skipped: redis-server is not installed", file=sys.stderr)
+        else:
+            plan.append(("store client", [py, "bench/store_client.py"]))
+            plan.append(("replicas", [py, "bench/replicas.py", *(["--quick"] if args.quick else [])]))
     for name, cmd in plan:
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         rc = subprocess.run(cmd, cwd=ROOT).returncode

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,6 +176,26 @@ def test_two_replicas_share_in_flight_load(
     m = httpx.get(b.url + "/metrics", timeout=10).text
     assert "kvrouter_cluster_connected 1.0" in m
     assert 'kvrouter_cluster_messages_total{direction="received"}' in m
+    assert re.search(r"^kvrouter_cluster_lag_seconds_count [1-9]", m, re.M)  # own messages came back
+
+
+def test_cluster_metrics_are_exported_as_declared(
+    redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
+) -> None:
+    from tests.test_deploy import CLUSTER_METRICS
+
+    reps = cluster_of(config(engines, redis.url, session_header="x-session-id"), 1)
+    wait_for(all_connected(reps, 0), "connected")
+    ready([reps[0].url], 3)
+    httpx.post(reps[0].url + "/v1/completions", json=BODY, headers={"x-session-id": "s"}, timeout=30)
+    text = httpx.get(reps[0].url + "/metrics", timeout=10).text
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
+    for name, (kind, labels) in CLUSTER_METRICS.items():
+        assert (types.get(name) or types.get(name.removesuffix("_total"))) == kind, name
+        sample = re.search(rf"^{re.escape(name)}(?:_bucket|_count)?\{{([^}}]*)\}}", text, re.MULTILINE)
+        if sample:
+            assert {kv.split("=")[0] for kv in sample.group(1).split(",") if kv} - {"le"} == set(labels), name
+    assert 'kvrouter_session_affinity_total{result="new"} 1.0' in text
 
 
 def test_a_clean_shutdown_withdraws_at_once(
@@ -314,7 +335,11 @@ class ServeProcess:
 
     def __init__(self, toml: str, tmp: Path, port: int) -> None:
         path = tmp / f"serve-{port}.toml"
-        path.write_text(toml.replace("[cluster]", f"[server]\nport = {port}\n\n[cluster]", 1))
+        if "[server]" in toml:
+            toml = toml.replace("[server]", f"[server]\nport = {port}", 1)
+        else:
+            toml = toml.replace("[cluster]", f"[server]\nport = {port}\n\n[cluster]", 1)
+        path.write_text(toml)
         self.log = open(tmp / f"serve-{port}.log", "wb")  # noqa: SIM115 - closed in stop()
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
@@ -438,3 +463,43 @@ def test_store_killed_and_restarted_under_traffic(
         assert fut.result().status_code == 200
     m = httpx.get(reps[0].url + "/metrics", timeout=10).text
     assert 'kvrouter_cluster_failures_total{kind="connect"}' in m
+
+
+# --- worker processes and replicas --------------------------------------------------------------
+
+
+def test_workers_are_replicas_without_double_counting(
+    redis: RedisServer, engines: list[FakeEngine], tmp_path: Path, cluster_of: Callable[[str, int], Replicas]
+) -> None:
+    """``server.workers = 2`` with [cluster]: each worker is a replica for the store (predictions and pins
+    reach its sibling), while in-flight load between the two goes through the local board only."""
+    from sim.demo import free_port
+
+    toml = config(engines, redis.url).replace("[cluster]", "[server]\nworkers = 2\n\n[cluster]", 1)
+    two = ServeProcess(toml, tmp_path, free_port())
+    try:
+        two.wait_ready()
+        b = cluster_of(config(engines, redis.url), 1)[0]
+        wait_for(lambda: len(peers_of(b.url)) == 2, "B seeing both workers as replicas")
+
+        def siblings_linked() -> bool:  # each worker sees its sibling (same process) and B
+            peers = peers_of(two.url)
+            return len(peers) == 2 and sum(p["same_process"] for p in peers) == 1
+
+        wait_for(siblings_linked, "each worker seeing its sibling and B")
+        ready([b.url, two.url], 3)
+        for e in engines:
+            e.mode = "stall"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(httpx.post, two.url + "/v1/completions", json=BODY, timeout=30)
+            wait_for(lambda: sum(inflight(b.url).values()) == 1, "B counting the request")
+            # whichever worker answers, it counts the request once (board or store, never both)
+            wait_for(lambda: sum(inflight(two.url).values()) == 1, "the workers counting it")
+            for _ in range(10):
+                assert sum(inflight(two.url).values()) == 1
+            for e in engines:
+                e.mode = "ok"
+            assert fut.result().status_code == 200
+        wait_for(lambda: sum(inflight(b.url).values()) == 0, "B seeing it finish")
+    finally:
+        two.stop()

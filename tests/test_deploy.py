@@ -55,6 +55,9 @@ EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_tokenizer_cache_tokens_total": ("counter", frozenset({"result"})),
     "kvrouter_tokenizer_cache_bytes": ("gauge", frozenset()),
     "kvrouter_tokenizer_cache_disabled": ("gauge", frozenset()),
+}
+# Exported only by routers with a [cluster] table (redis_url, session_header); tests/test_cluster.py scrapes them.
+CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_cluster_connected": ("gauge", frozenset()),
     "kvrouter_cluster_peers": ("gauge", frozenset()),
     "kvrouter_cluster_peer_max_age_seconds": ("gauge", frozenset()),
@@ -97,6 +100,8 @@ PAGE_IDS = (
     "chart-fleet-hit",
     "chart-backend-hit",
     "chart-decisions",
+    "replicas-body",
+    "replicas-summary",
 )
 
 REQUIRED_DEPLOY_FILES = (
