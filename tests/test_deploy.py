@@ -56,7 +56,7 @@ EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_tokenizer_cache_bytes": ("gauge", frozenset()),
     "kvrouter_tokenizer_cache_disabled": ("gauge", frozenset()),
 }
-# Exported only by routers with a [cluster] table (redis_url, session_header); tests/test_cluster.py scrapes them.
+# Exported only by routers with a [cluster] table (redis_url, session_header); test_cluster.py scrapes them.
 CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_cluster_connected": ("gauge", frozenset()),
     "kvrouter_cluster_peers": ("gauge", frozenset()),
