@@ -142,6 +142,7 @@ class Cluster:
         self._seq = 0
         self._first_change: float | None = None
         self._last_message = 0.0
+        self._subscribed_at = 0.0
         self._unacked: dict[int, float] = {}
         self._wake: asyncio.Event | None = None
         self._broken: asyncio.Event | None = None
@@ -247,7 +248,7 @@ class Cluster:
         delay = cfg.reconnect_min_s
         while True:
             try:
-                self._last_message = time.monotonic()
+                self._last_message = self._subscribed_at = time.monotonic()
                 await self.store.open(self.channel, self._on_message)
                 await self._resync()
             except self.store.errors as exc:
@@ -307,6 +308,9 @@ class Cluster:
                 continue
             if msg.replica == self.id or msg.version != VERSION:
                 continue
+            known = self.table.peers.get(msg.replica)
+            if known is not None and known.last_heard >= self._subscribed_at:
+                continue  # heard live since subscribing: newer than its snapshot
             age = max(0.0, timeout - ttl_ms / 1000)  # the store's clock, not the peer's
             peer = self.table.heard(msg.replica, now - age)
             if peer is not None:
@@ -485,8 +489,9 @@ class Cluster:
         if full:
             snapshot = encode(msgspec.structs.replace(msg, predictions=[], pins=[]))
             sets.append((self.state_key.format(self.id), snapshot, int(self.config.peer_timeout_s * 1000)))
-        if len(self._unacked) < _MAX_UNACKED:
-            self._unacked[self._seq] = self._first_change if self._first_change is not None else now
+        if len(self._unacked) >= _MAX_UNACKED:  # echoes that never came back (a lost connection)
+            self._unacked.clear()
+        self._unacked[self._seq] = self._first_change if self._first_change is not None else now
         self._first_change = None
         return payload, sets, full
 
