@@ -503,3 +503,42 @@ def test_workers_are_replicas_without_double_counting(
         wait_for(lambda: sum(inflight(b.url).values()) == 0, "B seeing it finish")
     finally:
         two.stop()
+
+
+# --- the dashboard ----------------------------------------------------------------------------------
+
+
+def test_dashboard_lists_the_peers_in_a_browser(
+    redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
+) -> None:
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install chromium")
+        pytest.skip("chromium is not installed")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    reps = cluster_of(config(engines, redis.url, session_header="x-session-id"), 2)
+    wait_for(all_connected(reps, 1), "connected")
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{reps[0].url}/dashboard")
+            page.wait_for_selector("body[data-state=ok]", timeout=30_000)
+            page.wait_for_function(
+                "document.querySelectorAll('#replicas-body tr[data-replica]').length === 2", timeout=30_000
+            )
+            peer_id = debug(reps[1].url)["cluster"]["replica"]
+            row = page.locator(f"#replicas-body tr[data-replica='{peer_id}']")
+            assert "live" in row.inner_text() and "ago" in row.inner_text()
+            assert page.locator("#replicas-summary").inner_text().startswith("connected to redis://")
+            page.locator("#replicas").screenshot(
+                path=os.environ.get("KVROUTER_SCREENSHOT_REPLICAS", "/tmp/kvrouter-replicas.png")
+            )
+        finally:
+            browser.close()
+    assert not errors, errors
