@@ -73,6 +73,7 @@ CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_session_affinity_total": ("counter", frozenset({"result"})),
     "kvrouter_session_pins": ("gauge", frozenset()),
 }
+ALL_METRICS = {**EXPORTED_METRICS, **CLUSTER_METRICS}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Labels Prometheus attaches at scrape time, usable in any query.
 TARGET_LABELS = frozenset({"job", "instance"})
@@ -254,13 +255,13 @@ def test_grafana_queries_only_exported_metrics() -> None:
         names = re.findall(r"\bkvrouter_[a-zA-Z0-9_]+\b", expr)
         assert names, f"{where}: queries no kvrouter metric: {expr}"
         for name in names:
-            if name in EXPORTED_METRICS:
-                kind = EXPORTED_METRICS[name][0]
+            if name in ALL_METRICS:
+                kind = ALL_METRICS[name][0]
                 assert kind != "histogram", f"{where}: query histogram {name} via _bucket/_sum/_count"
                 continue
             base = next((name[: -len(s)] for s in HISTOGRAM_SUFFIXES if name.endswith(s)), None)
-            assert base in EXPORTED_METRICS, f"{where}: {name} is not an exported metric"
-            assert EXPORTED_METRICS[base][0] == "histogram", f"{where}: {name}: {base} is not a histogram"
+            assert base in ALL_METRICS, f"{where}: {name} is not an exported metric"
+            assert ALL_METRICS[base][0] == "histogram", f"{where}: {name}: {base} is not a histogram"
 
 
 def test_grafana_queries_use_existing_labels() -> None:
@@ -269,10 +270,10 @@ def test_grafana_queries_use_existing_labels() -> None:
         for name in re.findall(r"\bkvrouter_[a-zA-Z0-9_]+\b", expr):
             base = name
             for s in HISTOGRAM_SUFFIXES:
-                if name.endswith(s) and name[: -len(s)] in EXPORTED_METRICS:
+                if name.endswith(s) and name[: -len(s)] in ALL_METRICS:
                     base = name[: -len(s)]
                     allowed.add("le")
-            allowed |= EXPORTED_METRICS.get(base, ("", frozenset()))[1]
+            allowed |= ALL_METRICS.get(base, ("", frozenset()))[1]
         used: set[str] = set()
         for group in re.findall(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", expr):
             used |= {lbl.strip() for lbl in group.split(",") if lbl.strip()}
