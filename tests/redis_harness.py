@@ -41,7 +41,7 @@ def _ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # up (with a password: still up)
     except OSError:
         return False
 
@@ -49,7 +49,8 @@ def _ping(port: int) -> bool:
 class RedisServer:
     """One redis-server process; start/kill/stop, same port across restarts."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, extra_args: list[str] | None = None) -> None:
+        self.extra_args = list(extra_args or [])
         self.binary = redis_binary()
         self.workdir = workdir
         self.port = _free_port()
@@ -78,6 +79,7 @@ class RedisServer:
                         "no",
                         "--dir",
                         str(self.workdir),
+                        *self.extra_args,
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,

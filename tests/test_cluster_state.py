@@ -3,7 +3,9 @@ session pins and their overload bound, the [cluster] config checks, and KVIndex.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -224,3 +226,74 @@ def test_predict_keys_extends_matches_and_tells_no_listener() -> None:
         assert len(told) == 1 and told[0][0] == source and told[0][1] == 16 and len(told[0][2]) == 6
     finally:
         index.stop()
+
+
+# --- the lean client against a real server: TLS, a password, a database ------------------------------
+
+
+def test_store_client_over_tls_with_a_password(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    from router.cluster.resp import RespError
+    from router.cluster.store import RedisStore
+    from tests.redis_harness import RedisServer, _free_port
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    san = ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            *san,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    tls_port = _free_port()
+    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    tls += ["--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no", "--requirepass", "s3cret"]
+    server = RedisServer(tmp_path, tls).start()
+    try:
+        base = f"rediss://:s3cret@127.0.0.1:{tls_port}/3"
+
+        async def scenario() -> None:
+            got: list[bytes] = []
+            store = RedisStore(f"{base}?ssl_ca_certs={cert}", 5.0, "kvrouter-test")
+            await store.open("chan", got.append)
+            try:
+                await store.publish("chan", b"\x00hello\r\n", [("k:1", b"v", 60_000)], ("reg", "1", "x"))
+                deadline = time.monotonic() + 10
+                while not got and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert got == [b"\x00hello\r\n"]  # binary-safe, through TLS
+                assert await store.scan_values("k:*", 10) == [("k:1", b"v", pytest.approx(60_000, abs=5_000))]
+                assert await store.read_states("reg", "k:{}") == [(b"v", pytest.approx(60_000, abs=5_000))]
+            finally:
+                store.close()
+            for url, error in (
+                (f"rediss://:wrong@127.0.0.1:{tls_port}/3?ssl_ca_certs={cert}", RespError),  # password
+                (base, OSError),  # the server's certificate is not one the system trusts
+            ):
+                bad = RedisStore(url, 5.0)
+                with pytest.raises(error):
+                    await bad.open("chan", got.append)
+                bad.close()
+            insecure = RedisStore(f"{base}?ssl_cert_reqs=none", 5.0)
+            await insecure.open("chan", got.append)
+            insecure.close()
+
+        asyncio.run(scenario())
+    finally:
+        server.stop()
