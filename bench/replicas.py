@@ -38,6 +38,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -55,12 +56,15 @@ from sim.demo import RouterProcess, free_port, router_config
 from sim.driver import DriverConfig, RequestResult, run, scrape_engines
 from sim.engine import EngineConfig
 from sim.fleet import Fleet
+from sim.offline import token_bound
 from sim.replay import live_requests, scaled_engine
 from sim.report import Row, from_live
 from sim.traces import load_trace
 from sim.workload import Request
 
 OUT = Path(__file__).resolve().parent / "out"
+CHILDREN: list[Any] = []
+"""Every router and redis process started here, stopped when the run ends however it ends."""
 SESSION_HEADER = "x-session-id"
 
 
@@ -327,6 +331,7 @@ async def run_arm(
                 + cluster_toml(arm, redis.url if redis else None)
             )
             r = RouterProcess(path, tmp / f"{work.name}-{arm.label}-{i}.log", port)
+            CHILDREN.append(r)
             r.start()
             routers.append(r)
         for r in routers:
@@ -453,6 +458,10 @@ def workload(
     base = EngineConfig(model="toy-model", time_scale=1.0 / (speedup * engine_speed))
     engine = scaled_engine(base, trace.scale, capacity_blocks)
     requests, bound = live_requests(trace, engine, 32)
+    # only what can be sent before the deadline: the driver would otherwise sleep until each later
+    # arrival time just to skip it (the sessions trace spans thousands of seconds)
+    requests = [r for r in requests if r.at_s / speedup <= deadline_s]
+    bound = token_bound([r.prompt_token_ids or [] for r in requests], 16)
     return Workload(name, requests, bound, engine, speedup, 4, deadline_s=deadline_s)
 
 
@@ -515,6 +524,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="kvrouter-replicas-") as tmpdir:
         tmp = Path(tmpdir)
         redis = RedisProcess(tmp)
+        CHILDREN.append(redis)
         redis.start()
         try:
             for rnd in range(args.rounds):
@@ -628,7 +638,13 @@ def main(argv: list[str] | None = None) -> int:
     global PARTIAL
     PARTIAL = out / "replicas.partial.json"
     started = time.strftime("%Y-%m-%d %H:%M")
-    records = asyncio.run(main_async(args))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        records = asyncio.run(main_async(args))
+    finally:
+        for child in CHILDREN:
+            with contextlib.suppress(Exception):
+                child.stop()
     meta = {"started": started, "args": vars(args), "load": os.getloadavg()}
     (out / "replicas.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     (out / "replicas.md").write_text(markdown(records))
