@@ -130,6 +130,74 @@ async def measure(url: str | None, store: type[RedisStore], requests: int) -> fl
     return cpu
 
 
+def decision_path(repeat: int = 20_000) -> list[tuple[str, float, float]]:
+    """(what, without sharing us, with sharing us): what sharing adds inside a decision, per decision of
+    8 candidates: the load read per candidate (one more dict lookup per PeerLoads view), the prediction
+    (the listener queues the unconfirmed keys) and a session pin lookup and renewal."""
+    from index.keys import prompt_keys
+    from index.kvindex import MatchReport
+    from index.store import SourceMatch
+    from router.cluster.affinity import SessionAffinity
+    from router.decision.policy import CandidateScore, Decision
+
+    targets = [(f"e{i}", 0) for i in range(8)]
+    alone, shared = LoadTracker(), LoadTracker()
+    node = Cluster(ClusterConfig(redis_url="redis://127.0.0.1:1/0"), KVIndex(IndexConfig()))
+    node.connected = True  # queue as when connected (nothing is sent: no loop runs here)
+    shared.add_peers(node)
+    for t in targets:
+        alone.track(t)
+        shared.track(t)
+        node.table.totals[t] = (3, 1, 500)
+
+    def per_call(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - t0) / repeat * 1e6
+
+    out = [
+        (
+            "load of 8 candidates",
+            per_call(lambda: [alone.get(t) for t in targets]),
+            per_call(lambda: [shared.get(t) for t in targets]),
+        )
+    ]
+    keys = prompt_keys(list(range(512 * 16)), 16)  # an 8k-token prompt
+    report = MatchReport(
+        len(keys) * 16, 16, len(keys), {targets[0]: SourceMatch(targets[0], 500, {"GPU": 500})}, {}
+    )
+    report.keys[16] = keys
+    index = KVIndex(IndexConfig(block_size=16))
+    index.store.add_source(targets[0])
+
+    def predict_alone() -> None:
+        index.prediction_listener = None
+        index.predict(targets[0], report)
+
+    def predict_shared() -> None:
+        index.prediction_listener = node.predicted
+        index.predict(targets[0], report)
+        node._preds.clear()  # what the sender would take
+        node._pending_keys = 0
+
+    out.append(
+        ("prediction, 8k-token prompt (12 new blocks)", per_call(predict_alone), per_call(predict_shared))
+    )
+    aff = SessionAffinity("x-session-id", 600.0, 2.0, 100_000)
+    scores = [
+        CandidateScore(t[0], 0, 0, {}, 0.0, 0.0, 0.0, 1, 0.0, 0.0, i == 0) for i, t in enumerate(targets)
+    ]
+
+    def steer() -> None:
+        aff.steer(12345, Decision("e0", 0, "load", scores))
+
+    out.append(("session pin (steer and renew)", 0.0, per_call(steer)))
+    index.stop()
+    node.index.stop()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--requests", type=int, default=600)
@@ -160,6 +228,9 @@ def main() -> int:
             for label, u, store in rows:
                 cpu = uvloop.run(measure(u, store, args.requests))
                 print(f"{label:<20} {cpu * 1e3:6.2f} ms CPU per request", flush=True)
+            print("inside one decision (us per call): without sharing / with sharing")
+            for what, a, b in decision_path():
+                print(f"  {what:<45} {a:7.2f} / {b:7.2f}", flush=True)
         finally:
             proc.terminate()
             proc.wait(10)
