@@ -1,6 +1,6 @@
 """`make bench`: every benchmark in BENCHMARKS.md, one after the other (never two heavy jobs at once on
 the 2-core box). ``--quick`` runs the short variants; ``--only service,index,router,quality`` picks
-some.
+some (also membership, churn, replicas).
 
 Each benchmark prints its own figures; this script only sequences them and stops at the first
 failure. The service benchmark compares with Dynamo's indexer when ``--dynamo`` names the python of
@@ -23,7 +23,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="short variants (minutes instead of tens)")
     ap.add_argument(
-        "--only", default="service,index,router,quality,membership,churn", help="comma-separated subset"
+        "--only",
+        default="service,index,router,quality,membership,churn,replicas",
+        help="comma-separated subset",
     )
     ap.add_argument("--vllm-router", default=None, help="a vllm-router binary to measure in the same run")
     ap.add_argument("--dynamo", default=None, help="python of a venv with ai-dynamo-runtime==1.6.1")
@@ -53,6 +55,12 @@ def main() -> int:
         plan.append(("membership", [py, "bench/membership_bench.py", *(["--quick"] if args.quick else [])]))
     if "churn" in wanted:
         plan.append(("churn", [py, "bench/churn.py", "--minutes", "1" if args.quick else "10"]))
+    if "replicas" in wanted:  # router replicas over Redis (needs redis-server)
+        if shutil.which("redis-server") is None and shutil.which("valkey-server") is None:
+            print("replica benchmarks skipped: redis-server is not installed", file=sys.stderr)
+        else:
+            plan.append(("store client", [py, "bench/store_client.py"]))
+            plan.append(("replicas", [py, "bench/replicas.py", *(["--quick"] if args.quick else [])]))
     for name, cmd in plan:
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         rc = subprocess.run(cmd, cwd=ROOT).returncode

@@ -14,7 +14,7 @@ cache, so they never outlive or override what the engine reported.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -26,6 +26,9 @@ from index.store import PrefixStore, SourceId, SourceMatch
 from index.subscriber import EventSubscriber, SourceConfig, SourceStatus, SubscriberConfig
 
 PREDICTED = "PREDICTED"
+
+PredictionListener = Callable[[SourceId, int, Sequence[int], float], None]
+"""Called with (source, block size, keys not yet confirmed by events, ttl seconds) after a prediction."""
 
 
 class IndexConfig(msgspec.Struct, frozen=True):
@@ -64,6 +67,9 @@ class KVIndex:
         self.subscriber = EventSubscriber(self.ingestor, config=self.config.subscriber, ctx=ctx)
         self.ingestor.on_reset = self._forget_predictions
         self._predicted: dict[int, dict[int, float]] = {}
+        self.prediction_listener: PredictionListener | None = None
+        """Told of every prediction this process makes (router replicas share them); not of the ones
+        added with :meth:`predict_keys`."""
 
     # --- lifecycle -------------------------------------------------------------------------------
     def add_source(self, cfg: SourceConfig) -> None:
@@ -186,6 +192,37 @@ class KVIndex:
         expiry = now + ttl
         for k in keys:
             pred[k] = expiry
+        if self.prediction_listener is not None:
+            # the blocks the source's events already confirmed are known to every process that follows
+            # the same streams: only the rest is news to them
+            m = report.matches.get(source)
+            confirmed = m.blocks - m.by_medium.get(PREDICTED, 0) if m is not None else 0
+            if confirmed < len(keys):
+                self.prediction_listener(source, size, keys[confirmed:], ttl)
+
+    def predict_keys(self, source: SourceId, block_size: int, keys: Sequence[int], expiry: float) -> bool:
+        """Predicted residencies decided elsewhere (another router replica): ``keys`` (block keys at
+        ``block_size``, in prompt order) on ``source`` until ``expiry`` (``time.monotonic()``). False
+        when not taken: unknown source, another block size than the source's, predictions off, or the
+        cap. The listener is not told (these came from a peer)."""
+        sidx = self.store.source_index(source)
+        if self.config.predict_ttl_s <= 0 or sidx is None or block_size != self.block_size_of(source):
+            return False
+        now = time.monotonic()
+        if expiry <= now or not keys:
+            return False
+        pred = self._predicted.get(sidx)
+        if pred is None:
+            pred = self._predicted[sidx] = {}
+        if len(pred) + len(keys) > self.config.max_predicted_per_source:
+            self._purge(sidx, now)
+            pred = self._predicted[sidx]
+            if len(pred) + len(keys) > self.config.max_predicted_per_source:
+                return False
+        for k in keys:
+            if pred.get(k, 0.0) < expiry:
+                pred[k] = expiry
+        return True
 
     def _purge(self, sidx: int, now: float) -> None:
         pred = self._predicted.get(sidx, {})

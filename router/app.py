@@ -15,6 +15,7 @@ import hmac
 import importlib.resources
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -26,6 +27,7 @@ import zmq
 from index._kvcore import json_prompt
 from index.keys import TokenBuffer
 from index.kvindex import KVIndex
+from router.cluster.replicas import Replicas
 from router.config import RouterConfig
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
@@ -118,6 +120,17 @@ class KVRouter:
         self.proxy = ProxyHandler(
             self.service, self.pool, self.metrics, self.loads, srv, self.authorize, self.health, self.checks
         )
+        # --- router replicas: session pins, shared load and predictions (router/cluster) ---
+        self.replicas = Replicas(
+            config.cluster,
+            self.index,
+            self.loads,
+            port=srv.port,
+            worker=worker.index if worker else None,
+            group=f"{socket.gethostname()}:{worker.run_dir}" if worker else "",
+        )
+        self.service.affinity = self.proxy.affinity = self.replicas.affinity
+        self.replicas.register(self.metrics.registry)
         self._keys = [k.encode() for k in config.api_keys]
         self._admin_keys = [k.encode() for k in config.admin_keys]
         journal = None
@@ -220,6 +233,7 @@ class KVRouter:
             self.config_watcher.start()
         if self.pods is not None:
             self.pods.start()
+        self.replicas.start()
         self._tasks.append(
             asyncio.get_running_loop().create_task(self._housekeeping(), name="kvrouter-housekeeping")
         )
@@ -250,6 +264,7 @@ class KVRouter:
             await self.config_watcher.stop()
         if self.pods is not None:
             await self.pods.stop()
+        await self.replicas.stop()
         await self.fleet.stop()
         self.index.stop()
         self.tokenizer.close()
@@ -268,7 +283,7 @@ class KVRouter:
             await asyncio.sleep(worker.stats_interval_s)
 
     def _dashboard_live(self) -> dict[str, Any]:
-        return dashboard_data(
+        data = dashboard_data(
             self.metrics,
             self.index,
             self.membership,
@@ -277,6 +292,8 @@ class KVRouter:
             [r.explain() for r in list(self.service.recent)[-20:]],
             self.checks.diagnoses() if self.checks is not None else {},
         )
+        data["cluster"] = self.replicas.describe()
+        return data
 
     async def _housekeeping(self) -> None:
         while True:
@@ -319,7 +336,7 @@ class KVRouter:
             data.append(card)
         return {"object": "list", "data": data}
 
-    async def route_answer(self, raw: bytes, query: bytes) -> bytes:
+    async def route_answer(self, raw: bytes, query: bytes, headers: Any = ()) -> bytes:
         """``POST /route``: the decision for a request body, explained (nothing is sent); raises
         :class:`ApiError` for a bad body."""
         body = _token_prompt_body(raw)
@@ -334,7 +351,9 @@ class KVRouter:
             endpoint = q  # type: ignore[assignment]
         else:
             endpoint = "chat" if isinstance(body, dict) and "messages" in body else "completions"
-        decided = await self.service.decide(endpoint, body, dry_run=True)
+        affinity = self.replicas.affinity
+        session = affinity.session_of(headers) if affinity is not None else None
+        decided = await self.service.decide(endpoint, body, dry_run=True, session=session)
         return msgspec.json.encode(decided.explain())
 
     def debug_index_body(self) -> dict[str, Any]:
@@ -357,6 +376,7 @@ class KVRouter:
             ],
             "membership": self._membership_status(),
             "predictions": self.checks.status() if self.checks is not None else None,
+            "cluster": self.replicas.describe(),
         }
 
     @functools.cached_property

@@ -17,6 +17,7 @@ import msgspec
 
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
+from router.cluster.config import ClusterConfig, ClusterError, validate_cluster
 from router.decision.policy import POLICIES, PolicyConfig
 from router.fleet.breaker import BreakerConfig
 from router.observe.checks import ChecksConfig
@@ -187,6 +188,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Decisions kept for the dashboard."""
     membership: MembershipConfig = MembershipConfig()
     checks: ChecksConfig = ChecksConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    """Router replicas sharing load, predictions and session pins (router/cluster)."""
 
 
 _PATH_RE = re.compile(r"\$\.?(.*)$")
@@ -339,6 +342,10 @@ def validate(cfg: RouterConfig) -> None:
     for model, path in cfg.tokenizers.items():
         if not Path(path).exists():
             raise ConfigError(f"tokenizers.{model}: {path!r} does not exist")
+    try:  # [cluster] (router/cluster)
+        validate_cluster(cfg.cluster)
+    except ClusterError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(path: str | Path) -> RouterConfig:
@@ -407,6 +414,7 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
 
 __all__ = [
     "BackendConfig",
+    "ClusterConfig",
     "ConfigError",
     "HealthConfig",
     "IndexConfig",

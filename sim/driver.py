@@ -50,6 +50,8 @@ class DriverConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Per-request timeout."""
     deadline_s: float | None = None
     """Issue no new request after this many seconds."""
+    session_header: str | None = None
+    """Send each request's session name in this header (router session affinity)."""
 
 
 class RequestResult(msgspec.Struct, kw_only=True):
@@ -119,7 +121,8 @@ async def send(
     res.sent_s = start - t0
     text: list[str] = []
     try:
-        async with client.stream("POST", path, json=body, timeout=cfg.timeout_s) as resp:
+        headers = {cfg.session_header: req.session} if cfg.session_header else None
+        async with client.stream("POST", path, json=body, headers=headers, timeout=cfg.timeout_s) as resp:
             res.status = resp.status_code
             res.backend = resp.headers.get(BACKEND_HEADER)
             if resp.status_code != 200:

@@ -130,18 +130,17 @@ def run_offline(args: argparse.Namespace, trace: Trace, policies: list[PolicyCon
     return rows
 
 
-async def run_live(args: argparse.Namespace, trace: Trace, policies: list[PolicyConfig]) -> list[Row]:
-    """Every policy through a fresh mock fleet and a fresh router subprocess."""
-    from sim.demo import ProgressLine, RouterProcess, free_port, router_config
-
-    speedup = args.speedup or 10.0
-    base = EngineConfig(model="toy-model", time_scale=1.0 / speedup)
-    engine = scaled_engine(base, trace.scale, args.capacity_blocks, args.cpu_blocks)
+def live_requests(
+    trace: Trace, engine: EngineConfig, max_tokens: int | None = None
+) -> tuple[list[Request], float]:
+    """The trace's requests as a live replay sends them (token-id prompts cut to fit the engine's
+    context, outputs scaled and capped at ``max_tokens`` simulated tokens, default 32, arrivals from
+    0), and their infinite-cache hit ratio."""
     room = engine.max_model_len
+    cap = max_tokens if max_tokens is not None else 32
     requests: list[Request] = []
     for r in trace.requests:
         ids = r.token_ids() or [5]
-        cap = args.max_tokens if args.max_tokens is not None else 32
         out = max(1, min(cap, math.ceil(r.max_tokens / trace.scale)))
         ids = ids[: max(1, room - out - 2 * BLOCK_SIZE)]
         requests.append(
@@ -154,7 +153,17 @@ async def run_live(args: argparse.Namespace, trace: Trace, policies: list[Policy
                 kind=r.kind,
             )
         )
-    bound = token_bound([r.prompt_token_ids or [] for r in requests], BLOCK_SIZE)
+    return requests, token_bound([r.prompt_token_ids or [] for r in requests], BLOCK_SIZE)
+
+
+async def run_live(args: argparse.Namespace, trace: Trace, policies: list[PolicyConfig]) -> list[Row]:
+    """Every policy through a fresh mock fleet and a fresh router subprocess."""
+    from sim.demo import ProgressLine, RouterProcess, free_port, router_config
+
+    speedup = args.speedup or 10.0
+    base = EngineConfig(model="toy-model", time_scale=1.0 / speedup)
+    engine = scaled_engine(base, trace.scale, args.capacity_blocks, args.cpu_blocks)
+    requests, bound = live_requests(trace, engine, args.max_tokens)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="kvrouter-replay-") as tmp:
         for p in policies:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,24 @@ EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_tokenizer_cache_bytes": ("gauge", frozenset()),
     "kvrouter_tokenizer_cache_disabled": ("gauge", frozenset()),
 }
+# Exported only by routers with a [cluster] table (redis_url, session_header); test_cluster.py scrapes them.
+CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+    "kvrouter_cluster_connected": ("gauge", frozenset()),
+    "kvrouter_cluster_peers": ("gauge", frozenset()),
+    "kvrouter_cluster_peer_max_age_seconds": ("gauge", frozenset()),
+    "kvrouter_cluster_messages_total": ("counter", frozenset({"direction"})),
+    "kvrouter_cluster_bytes_total": ("counter", frozenset({"direction"})),
+    "kvrouter_cluster_predicted_keys_total": ("counter", frozenset({"direction"})),
+    "kvrouter_cluster_pins_total": ("counter", frozenset({"direction"})),
+    "kvrouter_cluster_failures_total": ("counter", frozenset({"kind"})),
+    "kvrouter_cluster_dropped_total": ("counter", frozenset({"what"})),
+    "kvrouter_cluster_peers_expired_total": ("counter", frozenset()),
+    "kvrouter_cluster_missed_messages_total": ("counter", frozenset()),
+    "kvrouter_cluster_lag_seconds": ("histogram", frozenset()),
+    "kvrouter_session_affinity_total": ("counter", frozenset({"result"})),
+    "kvrouter_session_pins": ("gauge", frozenset()),
+}
+ALL_METRICS = {**EXPORTED_METRICS, **CLUSTER_METRICS}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Labels Prometheus attaches at scrape time, usable in any query.
 TARGET_LABELS = frozenset({"job", "instance"})
@@ -82,6 +101,8 @@ PAGE_IDS = (
     "chart-fleet-hit",
     "chart-backend-hit",
     "chart-decisions",
+    "replicas-body",
+    "replicas-summary",
 )
 
 REQUIRED_DEPLOY_FILES = (
@@ -98,6 +119,7 @@ REQUIRED_DEPLOY_FILES = (
     "grafana/kvrouter-dashboard.json",
     "k8s/kustomization.yaml",
     "k8s/kvrouter.yaml",
+    "k8s/redis.yaml",
     "k8s/vllm.yaml",
     "k8s/static/kustomization.yaml",
     "k8s/static/fleet-static.yaml",
@@ -236,13 +258,13 @@ def test_grafana_queries_only_exported_metrics() -> None:
         names = re.findall(r"\bkvrouter_[a-zA-Z0-9_]+\b", expr)
         assert names, f"{where}: queries no kvrouter metric: {expr}"
         for name in names:
-            if name in EXPORTED_METRICS:
-                kind = EXPORTED_METRICS[name][0]
+            if name in ALL_METRICS:
+                kind = ALL_METRICS[name][0]
                 assert kind != "histogram", f"{where}: query histogram {name} via _bucket/_sum/_count"
                 continue
             base = next((name[: -len(s)] for s in HISTOGRAM_SUFFIXES if name.endswith(s)), None)
-            assert base in EXPORTED_METRICS, f"{where}: {name} is not an exported metric"
-            assert EXPORTED_METRICS[base][0] == "histogram", f"{where}: {name}: {base} is not a histogram"
+            assert base in ALL_METRICS, f"{where}: {name} is not an exported metric"
+            assert ALL_METRICS[base][0] == "histogram", f"{where}: {name}: {base} is not a histogram"
 
 
 def test_grafana_queries_use_existing_labels() -> None:
@@ -251,10 +273,10 @@ def test_grafana_queries_use_existing_labels() -> None:
         for name in re.findall(r"\bkvrouter_[a-zA-Z0-9_]+\b", expr):
             base = name
             for s in HISTOGRAM_SUFFIXES:
-                if name.endswith(s) and name[: -len(s)] in EXPORTED_METRICS:
+                if name.endswith(s) and name[: -len(s)] in ALL_METRICS:
                     base = name[: -len(s)]
                     allowed.add("le")
-            allowed |= EXPORTED_METRICS.get(base, ("", frozenset()))[1]
+            allowed |= ALL_METRICS.get(base, ("", frozenset()))[1]
         used: set[str] = set()
         for group in re.findall(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", expr):
             used |= {lbl.strip() for lbl in group.split(",") if lbl.strip()}
@@ -606,3 +628,65 @@ def test_k8s_manifests_match_the_api_schema() -> None:
         for doc in _yaml_docs(path):
             if doc.get("kind") != "Kustomization":
                 validate.validate(doc, "1.30.0", strict=True)
+
+
+# ---- router replicas -----------------------------------------------------------------------------
+
+
+def test_k8s_runs_replicas_that_share_a_store() -> None:
+    objs = _k8s_objects()
+    dep = objs[("Deployment", "kvrouter")]
+    assert dep["spec"]["replicas"] >= 2, "the router runs as two or more replicas"
+    labels = dep["spec"]["selector"]["matchLabels"]
+    pdb = objs[("PodDisruptionBudget", "kvrouter")]
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["selector"]["matchLabels"] == labels
+    assert 1 <= pdb["spec"]["minAvailable"] < dep["spec"]["replicas"], "drains must be able to proceed"
+    spread = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread[0]["labelSelector"]["matchLabels"] == labels
+    fleet = tomllib.loads(objs[("ConfigMap", "kvrouter-config")]["data"]["fleet.toml"])
+    url = fleet["cluster"]["redis_url"]
+    m = re.fullmatch(r"redis://([^:/]+):(\d+)/(\d+)", url)
+    assert m, url
+    svc = objs[("Service", m[1])]
+    store = objs[("Deployment", m[1])]
+    assert svc["spec"]["selector"] == store["spec"]["selector"]["matchLabels"]
+    (port,) = svc["spec"]["ports"]
+    assert port["port"] == int(m[2])
+    (container,) = store["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith(("valkey/valkey:", "redis:"))
+    assert {p["name"] for p in container["ports"]} >= {port["targetPort"]}
+    assert store["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    kustomization = _yaml_docs(K8S / "kustomization.yaml")[0]
+    assert "redis.yaml" in kustomization["resources"]
+    # every [cluster] key the manifest sets is one the router knows (a typo would stop every replica)
+    from router.cluster.config import ClusterConfig
+
+    known = {f.name for f in msgspec.structs.fields(ClusterConfig)}
+    assert set(fleet["cluster"]) <= known
+
+
+@pytest.mark.parametrize(
+    ("compose_file", "fleet_file"),
+    [("docker-compose.yaml", "fleet.toml"), ("docker-compose.mock.yaml", "fleet.mock.toml")],
+)
+def test_compose_runs_two_routers_and_a_store(compose_file: str, fleet_file: str) -> None:
+    services = _compose(compose_file)["services"]
+    first, second = services["kvrouter"], services["kvrouter-2"]
+    assert first["volumes"] == second["volumes"], "both replicas read the same fleet config"
+    assert first["command"] == second["command"] and first["image"] == second["image"]
+    host_ports = {p.rsplit(":", 2)[-2] for r in (first, second) for p in r["ports"]}
+    assert len(host_ports) == 2, "the two routers publish different host ports"
+    fleet = tomllib.loads((COMPOSE / fleet_file).read_text())
+    m = re.fullmatch(r"redis://([^:/]+):(\d+)/\d+", fleet["cluster"]["redis_url"])
+    assert m and m[1] in services, fleet["cluster"]["redis_url"]
+    store = services[m[1]]
+    assert store["image"].startswith(("valkey/valkey:", "redis:"))
+    assert m[2] in [str(p) for p in store["expose"]]
+    for router in (first, second):
+        assert m[1] in router["depends_on"]
+    prom = _yaml_docs(COMPOSE / "prometheus.yml")[0]
+    targets = {
+        t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]
+    }
+    assert {"kvrouter:8000", "kvrouter-2:8000"} <= targets

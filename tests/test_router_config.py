@@ -11,6 +11,7 @@ import pytest
 
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
+from router.cluster.config import ClusterConfig
 from router.config import (
     BackendConfig,
     ConfigError,
@@ -115,6 +116,7 @@ STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [
     ("health.breaker.", BreakerConfig),
     ("checks.", ChecksConfig),
     ("membership.kubernetes.", KubernetesConfig),
+    ("cluster.", ClusterConfig),
 ]
 
 

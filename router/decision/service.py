@@ -10,7 +10,7 @@ import collections
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -23,6 +23,9 @@ from router.fleet.breaker import Breakers
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
 from router.http.errors import ApiError, bad_request, not_found_model, unavailable
+
+if TYPE_CHECKING:
+    from router.cluster.affinity import SessionAffinity
 
 log = logging.getLogger("kvrouter.route")
 
@@ -50,6 +53,8 @@ class Route(msgspec.Struct):
     members: dict[str, Member] = {}
     """The candidates' members as they were when decided (the proxy sends to these, even if the
     membership changed meanwhile: a request decided before a drain still goes where it was sent)."""
+    affinity: str = ""
+    """With a session header: what its pin did (router.cluster.affinity.Result); "" otherwise."""
 
     def explain(self) -> dict[str, Any]:
         """The JSON body of ``/route`` (and of the dashboard's recent decisions); the candidates'
@@ -142,6 +147,8 @@ class RouterService:
         self.policy = policy
         self.tokenizer = tokenizer
         self.recent: collections.deque[Route] = collections.deque(maxlen=recent)
+        self.affinity: SessionAffinity | None = None
+        """Session pins (``[cluster] session_header``), applied after the policy (router/cluster)."""
 
     def candidates_for(self, model: str) -> list[Member]:
         """Members that may take a request for a model now (ready, healthy, not ejected by their
@@ -155,8 +162,11 @@ class RouterService:
         ok = [b for b in backends if available(b.name)]
         return ok or backends
 
-    async def decide(self, endpoint: Endpoint, body: dict[str, Any], *, dry_run: bool = False) -> Route:
-        """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`).
+    async def decide(
+        self, endpoint: Endpoint, body: dict[str, Any], *, dry_run: bool = False, session: int | None = None
+    ) -> Route:
+        """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`, no
+        pin); ``session``: the request's session id, when session affinity is on.
 
         The candidates are taken after tokenizing (the only await): from there until the proxy takes
         its load ticket nothing yields to the event loop, so a backend that starts draining meanwhile
@@ -203,6 +213,9 @@ class RouterService:
         decision: Decision = self.policy.choose(
             prompt_blocks, block_size, cands, have_prompt=tokens is not None
         )
+        affinity = ""  # --- session affinity (router/cluster) ---
+        if session is not None and self.affinity is not None:
+            affinity = self.affinity.steer(session, decision, dry_run=dry_run)
         t3 = time.perf_counter()
         chosen: SourceMatch | None = matches.get((decision.backend, decision.dp_rank))
         route = Route(
@@ -210,7 +223,7 @@ class RouterService:
             endpoint=endpoint,
             backend=decision.backend,
             dp_rank=decision.dp_rank,
-            outcome=decision.outcome,
+            outcome="session" if affinity == "steered" else decision.outcome,
             prompt_tokens=len(tokens) if tokens is not None else 0,
             prompt_blocks=prompt_blocks,
             block_size=block_size,
@@ -227,6 +240,7 @@ class RouterService:
             report=report,
             policy=self.policy.config.name,
             members={b.name: b for b in backends},
+            affinity=affinity,
         )
         if not dry_run:
             if report is not None:

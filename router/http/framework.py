@@ -83,7 +83,9 @@ def build_api(router: KVRouter) -> FastAPI:
             raw = await read_body(request.scope, request.receive, router.config.server.max_body_bytes)
         except asyncio.CancelledError:
             return Response(status_code=499)
-        answer = await router.route_answer(raw, request.scope.get("query_string", b""))
+        answer = await router.route_answer(
+            raw, request.scope.get("query_string", b""), request.scope["headers"]
+        )
         return Response(answer, media_type="application/json")
 
     @api.get("/debug/index")

@@ -80,7 +80,7 @@ class NativeEndpoints:
     async def _route(self, headers: Headers, query: bytes, raw: bytes, writer: ResponseWriter) -> None:
         try:
             self.app.authorize({"path": "/route", "headers": headers, "query_string": query})
-            answer = await self.app.route_answer(raw, query)
+            answer = await self.app.route_answer(raw, query, headers)
         except ApiError as err:
             await send_error(writer, err)
             return

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -40,6 +40,9 @@ from router.http.upstream import (
 )
 from router.observe.checks import PredictionChecks, strip_usage, usage_event, usage_in_json
 from router.observe.metrics import RouterMetrics
+
+if TYPE_CHECKING:
+    from router.cluster.affinity import SessionAffinity
 
 log = logging.getLogger("kvrouter.proxy")
 
@@ -146,6 +149,8 @@ class ProxyHandler:
         self.loads = loads
         self.server = server
         self.authorize = authorize
+        self.affinity: SessionAffinity | None = None
+        """Reads the session header when session affinity is on (router/cluster)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: read the body, then :meth:`handle` with a task watching for the client leaving."""
@@ -203,7 +208,8 @@ class ProxyHandler:
             except msgspec.DecodeError as exc:
                 raise bad_request(f"The body is not valid JSON: {exc}") from None
             t0 = time.perf_counter()
-            route = await self.service.decide(endpoint, parsed)
+            session = self.affinity.session_of(headers) if self.affinity is not None else None
+            route = await self.service.decide(endpoint, parsed, session=session)
             decision_s = time.perf_counter() - t0
         except ApiError as err:
             await send_error(writer, err)

@@ -49,6 +49,16 @@ SUMMED = frozenset(
         "kvrouter_tokenizer_cache_tokens",
         "kvrouter_tokenizer_cache_bytes",
         "kvrouter_tokenizer_cache_disabled",
+        # each worker is a replica of its own (router/cluster): its traffic and pins add up
+        "kvrouter_cluster_messages",
+        "kvrouter_cluster_bytes",
+        "kvrouter_cluster_predicted_keys",
+        "kvrouter_cluster_pins",
+        "kvrouter_cluster_failures",
+        "kvrouter_cluster_dropped",
+        "kvrouter_cluster_lag_seconds",
+        "kvrouter_session_affinity",
+        "kvrouter_session_pins",
     }
 )
 """Families summed over workers; the rest comes from the lowest worker."""

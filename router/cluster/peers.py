@@ -1,0 +1,136 @@
+"""The other replicas as this one last heard them: their in-flight figures per target, summed.
+
+Pure state, no I/O: the :class:`~router.cluster.node.Cluster` feeds it decoded messages and the
+time they arrived (this replica's monotonic clock: a peer's own clock is never read), and the load
+tracker reads :meth:`PeerTable.others` for every candidate of every decision, so that read is one
+dict lookup. Sums are kept up to date as figures change, and a peer that goes silent for
+``peer_timeout_s`` (or says goodbye) is removed together with everything it contributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from router.cluster.wire import LoadRow
+from router.fleet.load import Target
+
+Figures = tuple[int, int, int]
+"""(active, prefilling, pending prefill tokens)."""
+
+_ZERO: Figures = (0, 0, 0)
+
+
+class Peer:
+    """One other replica."""
+
+    __slots__ = ("first_heard", "group", "id", "last_heard", "loads", "messages", "missed", "name", "seq")
+
+    def __init__(self, replica: str, now: float) -> None:
+        self.id = replica
+        self.name = ""
+        self.group = ""
+        self.first_heard = now
+        self.last_heard = now
+        self.seq = -1
+        self.messages = 0
+        self.missed = 0
+        self.loads: dict[Target, Figures] = {}
+
+    def inflight(self) -> int:
+        """Requests this peer has in flight, over every target."""
+        return sum(f[0] for f in self.loads.values())
+
+
+class PeerTable:
+    """Every live peer and the sum of their figures per target (peers of ``group`` excluded from the
+    sums: they are this process's sibling workers, whose load the local board already adds)."""
+
+    MAX_PEERS = 1024
+    MAX_TARGETS = 65_536
+
+    def __init__(self, group: str = "") -> None:
+        self.group = group
+        self.peers: dict[str, Peer] = {}
+        self.totals: dict[Target, Figures] = {}
+        self.expired = 0
+        self.missed = 0
+        """Messages of peers never received (sequence gaps), over every peer ever heard."""
+        self.refused = 0
+        """Messages from new peers refused because :attr:`MAX_PEERS` were known."""
+
+    def others(self, target: Target) -> Figures:
+        """The peers' summed figures for one target."""
+        return self.totals.get(target, _ZERO)
+
+    def heard(self, replica: str, now: float, seq: int | None = None) -> Peer | None:
+        """Note a message from ``replica`` at ``now``; the peer (None when the table is full)."""
+        peer = self.peers.get(replica)
+        if peer is None:
+            if len(self.peers) >= self.MAX_PEERS:
+                self.refused += 1
+                return None
+            peer = self.peers[replica] = Peer(replica, now)
+        peer.last_heard = max(peer.last_heard, now)
+        peer.messages += 1
+        if seq is not None:
+            if peer.seq >= 0 and seq > peer.seq + 1:
+                peer.missed += seq - peer.seq - 1
+                self.missed += seq - peer.seq - 1
+            peer.seq = max(peer.seq, seq)
+        return peer
+
+    def counts(self, peer: Peer) -> bool:
+        """Whether a peer's load is added to the sums (not a sibling worker of this process)."""
+        return not (self.group and peer.group == self.group)
+
+    def set_loads(self, peer: Peer, rows: Iterable[LoadRow], full: bool) -> None:
+        """Apply a peer's figures: the listed targets change; with ``full`` the others drop to zero."""
+        new: dict[Target, Figures] = {}
+        for r in rows:
+            new[(r.backend, r.rank)] = (r.active, r.prefilling, r.pending_tokens)
+        if full:
+            for target in list(peer.loads):
+                if target not in new:
+                    self._set(peer, target, _ZERO)
+        for target, figures in new.items():
+            if target in peer.loads or len(peer.loads) < self.MAX_TARGETS:
+                self._set(peer, target, figures)
+
+    def _set(self, peer: Peer, target: Target, figures: Figures) -> None:
+        old = peer.loads.get(target, _ZERO)
+        if figures == _ZERO:
+            peer.loads.pop(target, None)
+        else:
+            peer.loads[target] = figures
+        if old == figures or not self.counts(peer):
+            return
+        t = self.totals.get(target, _ZERO)
+        total = (t[0] + figures[0] - old[0], t[1] + figures[1] - old[1], t[2] + figures[2] - old[2])
+        if total == _ZERO:
+            self.totals.pop(target, None)
+        else:
+            self.totals[target] = total
+
+    def drop(self, replica: str) -> Peer | None:
+        """Forget a peer and withdraw its figures from the sums."""
+        peer = self.peers.pop(replica, None)
+        if peer is not None:
+            for target in list(peer.loads):
+                self._set(peer, target, _ZERO)
+        return peer
+
+    def expire(self, now: float, timeout_s: float) -> list[Peer]:
+        """Drop every peer not heard from for ``timeout_s``; the dropped ones."""
+        gone = [p for p in self.peers.values() if now - p.last_heard > timeout_s]
+        for p in gone:
+            self.drop(p.id)
+        self.expired += len(gone)
+        return gone
+
+    def clear(self) -> None:
+        """Forget every peer."""
+        for replica in list(self.peers):
+            self.drop(replica)
+
+
+__all__ = ["Figures", "Peer", "PeerTable"]

@@ -1,0 +1,92 @@
+"""What the rest of the router holds for "replicas": the session pins and the store link, either
+optional, built from the ``[cluster]`` table.
+
+- no ``[cluster]`` keys: nothing (a router alone, as before);
+- ``session_header`` alone: session affinity local to this replica;
+- ``redis_url``: the :class:`~router.cluster.node.Cluster` link, added to the load tracker as one more
+  :class:`~router.fleet.load.PeerLoads` and to the index as its prediction listener, sharing the pins
+  too when ``session_header`` is set.
+
+Nothing of the store link is imported or started in the first two cases.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from index.kvindex import KVIndex
+from router.cluster.affinity import SessionAffinity
+from router.cluster.config import ClusterConfig
+from router.fleet.load import LoadTracker
+
+
+class Replicas:
+    """Session affinity and the cluster link of one router process (each may be None)."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        index: KVIndex,
+        loads: LoadTracker,
+        *,
+        port: int = 0,
+        worker: int | None = None,
+        group: str = "",
+    ) -> None:
+        self.config = config
+        self.affinity: SessionAffinity | None = None
+        if config.session_header:
+            self.affinity = SessionAffinity(
+                config.session_header, config.session_ttl_s, config.session_load_factor, config.max_sessions
+            )
+        self.cluster: Any = None
+        if config.redis_url:
+            from router.cluster.node import Cluster
+
+            host = config.replica_name or os.environ.get("HOSTNAME") or socket.gethostname()
+            name = config.replica_name or f"{host}:{port}" + (f"/w{worker}" if worker is not None else "")
+            self.cluster = Cluster(config, index, self.affinity, name=name, group=group)
+            loads.add_peers(self.cluster)
+            if config.share_predictions:
+                index.prediction_listener = self.cluster.predicted
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """Export the cluster and affinity metrics from ``registry``."""
+        if self.affinity is None and self.cluster is None:
+            return
+        from router.cluster.metrics import ClusterCollector
+
+        registry.register(ClusterCollector(self.cluster, self.affinity))
+
+    def start(self) -> None:
+        """Start the store link, if any (returns at once)."""
+        if self.cluster is not None:
+            self.cluster.start()
+
+    async def stop(self) -> None:
+        """Say goodbye to the peers and close the link."""
+        if self.cluster is not None:
+            await self.cluster.stop()
+
+    def describe(self) -> dict[str, Any]:
+        """``/debug/index``'s and the dashboard's ``cluster`` section."""
+        out: dict[str, Any] = {"enabled": self.cluster is not None}
+        if self.cluster is not None:
+            out.update(self.cluster.describe())
+        if self.affinity is not None:
+            a = self.affinity
+            out["sessions"] = {
+                "header": self.config.session_header,
+                "pins": len(a.pins),
+                "ttl_s": a.ttl_s,
+                "load_factor": a.load_factor,
+                "results": dict(a.results),
+            }
+        return out
+
+
+__all__ = ["Replicas"]
