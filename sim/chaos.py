@@ -68,7 +68,7 @@ class SoakConfig(msgspec.Struct, kw_only=True):
     clients: int = 4
     fault_interval_s: float = 12.0
     fault_hold_s: float = 4.0
-    faults: list[str] = list(FAULTS)
+    faults: list[str] = msgspec.field(default_factory=lambda: list(FAULTS))
     rss_bound_mb: float = 700.0
     converge_bound_s: float = 2.0
     """The stated bound: divergence back to 0 within this long of a heal."""
