@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from index.kvindex import KVIndex
 from router.config import RouterConfig
+from router.decision.pd import PDPlanner
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
 from router.decision.tokenizer import ChatTokenizer, RequestTokenizer
@@ -38,6 +39,8 @@ from router.http.errors import ApiError, bad_request, unauthorized, unavailable
 from router.http.proxy import PATHS, ProxyHandler, read_body
 from router.http.upstream import UpstreamPool
 from router.observe.metrics import RouterMetrics, dashboard_data
+from router.pd.exchange import PDExchange
+from router.pd.metrics import PDMetrics, merge_dashboards
 from router.workers.stats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
 from router.workers.supervisor import WorkerContext
 
@@ -88,15 +91,30 @@ class KVRouter:
             backend_for=self._tokenize_backend if config.remote_tokenize else None,
         )
         self.service = RouterService(
-            self.index, self.membership, self.loads, self.policy, self.tokenizer, config.recent_decisions
+            self.index,
+            self.membership,
+            self.loads,
+            self.policy,
+            self.tokenizer,
+            config.recent_decisions,
+            pd=PDPlanner(config.pd, config.policy),
         )
         caches = [t.segments for t in loaded.values()]
         self.metrics = RouterMetrics(self.index, self.membership, self.loads, caches)
+        self.pd_metrics = PDMetrics()
+        self.metrics.add_series(self.pd_metrics.series)
         self.pool = UpstreamPool(
             srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
         )
         self.proxy = ProxyHandler(
-            self.service, self.pool, self.metrics, self.loads, srv, self.authorize, self.health
+            self.service,
+            self.pool,
+            self.metrics,
+            self.loads,
+            srv,
+            self.authorize,
+            self.health,
+            pd=PDExchange(config.pd, self.pool, self.loads, self.pd_metrics, self.health),
         )
         self._keys = [k.encode() for k in config.api_keys]
         self._tasks: list[asyncio.Task[None]] = []
@@ -185,7 +203,7 @@ class KVRouter:
             await asyncio.sleep(worker.stats_interval_s)
 
     def _dashboard_live(self) -> dict[str, Any]:
-        return dashboard_data(
+        data = dashboard_data(
             self.metrics,
             self.index,
             self.membership,
@@ -193,6 +211,8 @@ class KVRouter:
             self.config.policy.name,
             [r.explain() for r in list(self.service.recent)[-20:]],
         )
+        data["pd"] = self.pd_metrics.dashboard()  # P/D panel (router/pd/metrics.py)
+        return data
 
     async def _housekeeping(self) -> None:
         while True:
@@ -316,7 +336,9 @@ class KVRouter:
         async def dashboard_json() -> Response:
             data = self._dashboard_live()
             if self.worker is not None:
-                data = merge_dashboard(data, read_snapshots(self.worker.run_dir))
+                snaps = read_snapshots(self.worker.run_dir)
+                data = merge_dashboard(data, snaps)
+                data["pd"] = merge_dashboards([s.dashboard.get("pd") or {} for s in snaps])  # P/D panel
             return Response(msgspec.json.encode(data), media_type="application/json")
 
         return api

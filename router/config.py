@@ -18,6 +18,7 @@ import msgspec
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
 from router.decision.policy import POLICIES, PolicyConfig
+from router.pd.config import PDConfig
 
 
 class ConfigError(ValueError):
@@ -183,6 +184,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     recent_decisions: int = 50
     """Decisions kept for the dashboard."""
     membership: MembershipConfig = MembershipConfig()
+    pd: PDConfig = PDConfig()
+    """Prefill/decode disaggregation, for models served by ``role = "prefill"`` engines."""
 
 
 _PATH_RE = re.compile(r"\$\.?(.*)$")
@@ -304,6 +307,10 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("block_size: must be between 1 and 4096")
     if cfg.policy.name not in POLICIES:
         raise ConfigError(f"policy.name: must be one of {', '.join(POLICIES)}")
+    if cfg.pd.min_uncached_tokens < 0 or cfg.pd.max_prefill_queue_tokens < 0:
+        raise ConfigError("pd: min_uncached_tokens and max_prefill_queue_tokens must be >= 0")
+    if cfg.pd.prefill_timeout_s <= 0:
+        raise ConfigError("pd.prefill_timeout_s: must be positive")
     if not 0 < cfg.server.port < 65536:
         raise ConfigError("server.port: must be between 1 and 65535")
     if cfg.server.max_body_bytes < 1024:
@@ -408,6 +415,7 @@ __all__ = [
     "IndexConfig",
     "KubernetesConfig",
     "MembershipConfig",
+    "PDConfig",
     "Role",
     "RouterConfig",
     "ServerConfig",

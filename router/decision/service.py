@@ -15,6 +15,7 @@ import msgspec
 
 from index.kvindex import KVIndex, MatchReport
 from index.store import SourceMatch
+from router.decision.pd import PDPlan, PDPlanner
 from router.decision.policy import Candidate, CandidateScore, Decision, Policy, explain
 from router.decision.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
 from router.fleet.load import LoadTracker
@@ -47,12 +48,17 @@ class Route(msgspec.Struct):
     members: dict[str, Member] = {}
     """The candidates' members as they were when decided (the proxy sends to these, even if the
     membership changed meanwhile: a request decided before a drain still goes where it was sent)."""
+    pd: PDPlan | None = None
+    """Prefill/decode disaggregation: the prefill choice and whether its leg runs (None: the model
+    is not disaggregated). ``backend``/``candidates`` are then the decode choice."""
 
     def explain(self) -> dict[str, Any]:
         """The JSON body of ``/route`` (and of the dashboard's recent decisions); the candidates'
         reasons are written here, the first time the decision is shown."""
         if self.candidates and not any(c.reason for c in self.candidates):
             explain(self.policy, self.candidates, self.outcome)
+        if self.pd is not None:
+            self.pd.explain()
         members, self.members = self.members, {}
         try:
             out: dict[str, Any] = msgspec.to_builtins(self)
@@ -126,7 +132,12 @@ class RouterService:
         policy: Policy,
         tokenizer: RequestTokenizer,
         recent: int = 50,
+        pd: PDPlanner | None = None,
     ) -> None:
+        self.pd = pd
+        """Prefill/decode disaggregation (router/decision/pd.py); None: roles are ignored."""
+        self._prefill_version = -1
+        self._prefill_members: list[Member] = []
         self.index = index
         self.membership = membership
         self.loads = loads
@@ -183,9 +194,26 @@ class RouterService:
                 cands.append(Candidate(target[0], target[1], 0, {}, get_load(target)))
             else:
                 cands.append(Candidate(target[0], target[1], m.blocks, m.by_medium, get_load(target)))
-        decision: Decision = self.policy.choose(
-            prompt_blocks, block_size, cands, have_prompt=tokens is not None
-        )
+        # --- P/D hook (router/decision/pd.py): two pools when prefill-role engines take this model
+        pools = self._pools(model, backends, cands) if self.pd is not None else None
+        plan: PDPlan | None = None
+        if pools is None:
+            decision: Decision = self.policy.choose(
+                prompt_blocks, block_size, cands, have_prompt=tokens is not None
+            )
+        else:
+            assert self.pd is not None
+            decision, plan = self.pd.choose(
+                self.policy,
+                len(tokens) if tokens is not None else 0,
+                prompt_blocks,
+                block_size,
+                pools[0],
+                pools[1],
+                have_prompt=tokens is not None,
+                dry_run=dry_run,
+            )
+        # --- end P/D hook
         t3 = time.perf_counter()
         chosen: SourceMatch | None = matches.get((decision.backend, decision.dp_rank))
         route = Route(
@@ -210,17 +238,38 @@ class RouterService:
             report=report,
             policy=self.policy.config.name,
             members={b.name: b for b in backends},
+            pd=plan,
         )
         if not dry_run:
             if report is not None:
                 self.index.predict((decision.backend, decision.dp_rank), report)
+                if plan is not None and plan.prefill_target is not None:  # P/D: both legs' engines
+                    self.index.predict(plan.prefill_target, report)
             self.recent.append(route)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", msgspec.json.encode(route.explain()).decode())
         return route
 
+    def _pools(
+        self, model: str, backends: list[Member], cands: list[Candidate]
+    ) -> tuple[list[Candidate], list[Candidate]] | None:
+        """(prefill pool, decode pool) candidates when the model has prefill-role engines (in any
+        state: with all of them down it is still disaggregated, its prefill legs skipped), else None.
+        A fleet without prefill engines pays one version check."""
+        if self._prefill_version != self.membership.version:
+            self._prefill_version = self.membership.version
+            self._prefill_members = [m for m in self.membership.members.values() if m.spec.role == "prefill"]
+        if not any(m.serves(model) for m in self._prefill_members):
+            return None
+        roles = {b.name: b.spec.role for b in backends}
+        prefill = [c for c in cands if roles[c.backend] == "prefill"]
+        decode = [c for c in cands if roles[c.backend] != "prefill"]
+        return prefill, decode
+
     def uncached_tokens(self, route: Route, target: tuple[str, int]) -> int:
         """Prompt tokens the target still has to compute (for the load tracker)."""
+        if route.pd is not None and route.pd.prefill_status == "ok":
+            return 0  # P/D: the decode engine pulls the prompt's blocks; it computes (almost) nothing
         for c in route.candidates:
             if (c.backend, c.dp_rank) == target:
                 return max(route.prompt_tokens - c.matched_blocks * route.block_size, 0)

@@ -39,6 +39,7 @@ from router.http.upstream import (
     UpstreamTimeout,
 )
 from router.observe.metrics import RouterMetrics
+from router.pd.exchange import PDExchange
 
 log = logging.getLogger("kvrouter.proxy")
 
@@ -125,7 +126,10 @@ class ProxyHandler:
         server: ServerConfig,
         authorize: Callable[[Scope], None],
         health: HealthChecker,
+        pd: PDExchange | None = None,
     ) -> None:
+        self.pd = pd
+        """Prefill/decode disaggregation: runs a decision's prefill leg, then :meth:`_exchange`."""
         self.service = service
         self.health = health
         self.pool = pool
@@ -206,7 +210,12 @@ class ProxyHandler:
             decision_s,
         )
         try:
-            await self._exchange(path, headers, writer, body, route)
+            if route.pd is not None and self.pd is not None:  # P/D hook (router/pd/exchange.py)
+                await self.pd.run(
+                    path, list(headers), body, parsed, route, writer, self._exchange, self._headers
+                )
+            else:
+                await self._exchange(path, headers, writer, body, route)
         except asyncio.CancelledError:
             if gone():
                 log.debug("client disconnected; upstream request to %s cancelled", route.backend)
