@@ -70,6 +70,18 @@ def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.Argume
     p.add_argument(
         "--tokenizer", default=None, help="HF tokenizer dir or tokenizer.json (default: UTF-8 bytes)"
     )
+    p.add_argument(
+        "--kv-connector",
+        choices=["NixlConnector"],
+        default=None,
+        help="play vLLM's NIXL roles for P/D disaggregation (prefill and decode legs, sim/nixl.py)",
+    )
+    p.add_argument(
+        "--kv-side-channel-port",
+        type=int,
+        default=0,
+        help="NIXL side channel of engine i rank r at PORT + i*DP_SIZE + r (default 0: ephemeral)",
+    )
     p.add_argument("--json", action="store_true", help="print the endpoints as one JSON document")
     p.set_defaults(func=run_mock_engine)
 
@@ -94,6 +106,8 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         time_scale=args.time_scale,
         tokenizer=args.tokenizer,
+        kv_connector=args.kv_connector,
+        kv_side_channel_port=args.kv_side_channel_port,
     )
 
 
@@ -101,6 +115,8 @@ def _check_ports(args: argparse.Namespace) -> str | None:
     """The fixed port ranges (HTTP, KV, replay) must not overlap; returns an error message if they do."""
     n, dp = args.engines, args.dp_size
     ranges = [("--port", args.port, n), ("--kv-port", args.kv_port, n * dp)]
+    if args.kv_connector:
+        ranges.append(("--kv-side-channel-port", args.kv_side_channel_port, n * dp))
     if not args.no_replay:
         ranges.append(("--replay-port", args.replay_port, n * dp))
     fixed = [(name, lo, lo + size) for name, lo, size in ranges if lo]
@@ -135,6 +151,7 @@ async def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         kv_port=args.kv_port,
         replay_port=None if args.no_replay else args.replay_port,
+        side_channel_port=args.kv_side_channel_port,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -157,6 +174,8 @@ async def _serve(args: argparse.Namespace) -> int:
                     zip(e["kv_endpoints"], e["replay_endpoints"], strict=True)
                 ):
                     print(f"  dp rank {rank}: kv events {kv}  replay {replay or '-'}")
+                for rank, side in enumerate(e["side_channels"]):
+                    print(f"  dp rank {rank}: NIXL side channel {side}")
             print("serving; Ctrl-C to stop", flush=True)
         sys.stdout.flush()
         await stop.wait()

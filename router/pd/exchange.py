@@ -70,7 +70,8 @@ class _Fallback(Exception):
 
 
 class LegWriter:
-    """Passes the decode leg's response through and notes its status, backend and first byte."""
+    """Passes the decode leg's response through and notes its status, backend and first body byte
+    (headers sent ahead of the body, as a streaming engine sends them, do not count)."""
 
     def __init__(self, inner: ResponseWriter, backend: str) -> None:
         self.inner = inner
@@ -93,8 +94,7 @@ class LegWriter:
         await self.inner.start(status, headers)
 
     def flush(self) -> None:
-        self._first()
-        self.inner.flush()
+        self.inner.flush()  # headers only: not the first byte of the answer
 
     async def send(self, chunk: bytes) -> None:
         if chunk:
