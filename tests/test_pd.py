@@ -533,3 +533,49 @@ def test_nixl_connector_shapes() -> None:
     assert json.dumps(c.decode_body(body, {"a": 1}, None)) == json.dumps(
         {**body, "kv_transfer_params": {"a": 1}}
     )  # type: ignore[arg-type]
+
+
+# ---- the dashboard shows both pools ------------------------------------------------------------------
+
+
+def test_dashboard_shows_both_pools(fakes: Fleet) -> None:
+    from test_dashboard import CHROMIUM, IN_CI
+
+    if not IN_CI and CHROMIUM is None:
+        pytest.skip("chromium is not installed (CI installs it)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if IN_CI:
+            raise
+        pytest.skip("playwright is not installed")
+    router, p, _ = fakes()
+    for i in range(3):
+        r = httpx.post(
+            f"{router.url}/v1/completions", json={"model": "toy", "prompt": f"ship {i}"}, timeout=30
+        )
+        assert r.status_code == 200
+    p.mode = "error500"
+    assert httpx.post(f"{router.url}/v1/completions", json={"model": "toy", "prompt": "x"}).status_code == 200
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{router.url}/dashboard")
+            page.wait_for_selector("#pd-panel:not([hidden])", timeout=30_000)
+            page.wait_for_selector("#pd-pools tbody tr[data-pool=prefill][data-backend=p]", timeout=30_000)
+            assert page.locator("#pd-pools tbody tr[data-pool=decode][data-backend=d]").count() == 1
+            assert page.locator("#pd-disaggregated").get_attribute("data-value") == "4"
+            assert page.locator("#pd-fallbacks").get_attribute("data-value") == "1"
+            assert page.locator("#pd-skip-ratio").get_attribute("data-value") == "0"
+            assert "upstream_5xx 1" in page.locator("#pd-fallback-reasons").inner_text()
+            page.locator("#decisions details.decision").first.click()
+            page.wait_for_selector("#decisions details[open] table.pd-prefill", timeout=30_000)
+            note = page.locator("#decisions details[open] [data-pd-mode]").inner_text()
+            assert "disaggregated" in note and "fallback: upstream_5xx" in note
+        finally:
+            browser.close()
+    assert not errors, errors

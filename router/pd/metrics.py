@@ -120,8 +120,11 @@ class PDMetrics:
         """Cumulative figures for ``/dashboard/data`` (``pd``)."""
         requests = {k[0]: v for k, v in self.requests.values.items()}
         legs: dict[str, dict[str, float]] = {leg: {} for leg in LEGS}
-        for (leg, _backend, status), n in list(self.legs.values.items()):
+        by_backend: dict[str, dict[str, float]] = {}
+        for (leg, backend, status), n in list(self.legs.values.items()):
             legs[leg][status] = legs[leg].get(status, 0.0) + n
+            per = by_backend.setdefault(backend, {})
+            per[leg] = per.get(leg, 0.0) + n
         first = {}
         for (leg,), s in list(self.first_byte.series.items()):
             count = sum(s[:-1])
@@ -135,6 +138,7 @@ class PDMetrics:
                 for r in FALLBACK_REASONS
             },
             "legs": legs,
+            "legs_by_backend": by_backend,
             "first_byte": first,
             "prompt_tokens": {leg: self.prompt_tokens.values.get((leg,), 0.0) for leg in LEGS},
             "matched_tokens": {leg: self.matched_tokens.values.get((leg,), 0.0) for leg in LEGS},
