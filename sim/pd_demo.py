@@ -16,7 +16,8 @@ by the live driver. Arms:
   ``P/D always, round-robin``.
 
 Reported per arm: TTFT p50/p90 (all requests, and follow-up turns of conversations alone),
-inter-token latency (per request: (end - first token) / (output tokens - 1); p50/p90 over requests),
+inter-token latency (every gap between two streamed output chunks of every request: p50/p90/p99;
+the JSON also has the time per output token, per request),
 the prefix-cache hit ratio of each pool as its engines count it (``vllm:prefix_cache_hits`` /
 ``queries``; tokens a decode engine pulled are not hits), the share of requests whose prefill leg
 was skipped, and the fallbacks.
@@ -129,6 +130,10 @@ class PDRow(msgspec.Struct, kw_only=True):
     first_turn_ttft_p50: float = math.nan
     itl_p50: float = math.nan
     itl_p90: float = math.nan
+    itl_p99: float = math.nan
+    """Inter-token latency: every gap between two output chunks of every request."""
+    tpot_p50: float = math.nan
+    """Time per output token after the first, per request (median over requests)."""
     hit_ratio: float | None = None
     """All engines."""
     prefill_hit_ratio: float | None = None
@@ -151,8 +156,8 @@ def _hit(counters: Sequence[EngineCounters]) -> float | None:
     return sum(c.hits for c in counters) / queries if queries else None
 
 
-def itl(r: RequestResult) -> float | None:
-    """Mean time between output tokens after the first (what a reader of the stream waits)."""
+def tpot(r: RequestResult) -> float | None:
+    """A request's mean time per output token after the first."""
     if r.ttft_s is None or r.e2e_s is None or r.completion_tokens < 2:
         return None
     return (r.e2e_s - r.ttft_s) / (r.completion_tokens - 1)
@@ -171,7 +176,8 @@ def row_of(
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     follow = [r.ttft_s for r in ok if r.ttft_s is not None and requests[r.index].turn > 0]
     first = [r.ttft_s for r in ok if r.ttft_s is not None and requests[r.index].turn == 0]
-    itls = [x for r in ok if (x := itl(r)) is not None]
+    tpots = [x for r in ok if (x := tpot(r)) is not None]
+    gaps = [g for r in ok for g in r.gaps_s]
     row = PDRow(
         label=label,
         requests=len(ok),
@@ -182,8 +188,10 @@ def row_of(
         followup_ttft_p50=_pct(follow, 0.5),
         followup_ttft_p90=_pct(follow, 0.9),
         first_turn_ttft_p50=_pct(first, 0.5),
-        itl_p50=_pct(itls, 0.5),
-        itl_p90=_pct(itls, 0.9),
+        itl_p50=_pct(gaps, 0.5),
+        itl_p90=_pct(gaps, 0.9),
+        itl_p99=_pct(gaps, 0.99),
+        tpot_p50=_pct(tpots, 0.5),
         hit_ratio=_hit([*prefill, *decode]),
         prefill_hit_ratio=_hit(prefill) if prefill else None,
         decode_hit_ratio=_hit(decode),
@@ -348,6 +356,7 @@ COLUMNS = (
     "p90",
     "ITL p50",
     "p90",
+    "p99",
     "hit prefill pool",
     "hit decode pool",
     "skipped",
@@ -365,6 +374,7 @@ def _cells(r: PDRow) -> list[str]:
         _ms(r.followup_ttft_p90),
         f"{r.itl_p50 * 1000:.1f} ms" if math.isfinite(r.itl_p50) else "-",
         f"{r.itl_p90 * 1000:.1f} ms" if math.isfinite(r.itl_p90) else "-",
+        f"{r.itl_p99 * 1000:.1f} ms" if math.isfinite(r.itl_p99) else "-",
         _ratio(r.prefill_hit_ratio),
         _ratio(r.decode_hit_ratio),
         "-" if r.skip_ratio is None else f"{r.skip_ratio:.0%}",
@@ -444,13 +454,13 @@ def summary_lines(rows: Sequence[PDRow]) -> list[str]:
     if kv and akv:
         out.append(
             f"conditional vs always-disaggregate: follow-up TTFT p50 {_ms(kv.followup_ttft_p50)} vs "
-            f"{_ms(akv.followup_ttft_p50)}; ITL p90 {kv.itl_p90 * 1000:.1f} vs {akv.itl_p90 * 1000:.1f} ms"
+            f"{_ms(akv.followup_ttft_p50)}; ITL p99 {kv.itl_p99 * 1000:.1f} vs {akv.itl_p99 * 1000:.1f} ms"
         )
     agg = by.get("aggregated")
     if agg and kv:
         out.append(
-            f"P/D kv vs aggregated: TTFT p50 {_ms(kv.ttft_p50)} vs {_ms(agg.ttft_p50)}, ITL p90 "
-            f"{kv.itl_p90 * 1000:.1f} vs {agg.itl_p90 * 1000:.1f} ms"
+            f"P/D kv vs aggregated: TTFT p50 {_ms(kv.ttft_p50)} vs {_ms(agg.ttft_p50)}, ITL p99 "
+            f"{kv.itl_p99 * 1000:.1f} vs {agg.itl_p99 * 1000:.1f} ms"
         )
     return out
 
