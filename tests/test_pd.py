@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import msgspec
 import openai
 import pytest
 import zmq
@@ -76,6 +77,11 @@ class EngineLoop:
 
 
 def mock_toml(name: str, eng: MockEngine, role: str) -> str:
+    if eng.config.dp_size > 1:  # its ranks' ephemeral event ports do not follow vLLM's port + rank
+        return (
+            f'[[backends]]\nname = "{name}"\nurl = "{eng.url}"\nrole = "{role}"\nmodels = ["toy"]\n'
+            f"dp_size = {eng.config.dp_size}\n"
+        )
     return (
         f'[[backends]]\nname = "{name}"\nurl = "{eng.url}"\nkv_events = "{eng.kv_endpoints[0]}"\n'
         f'kv_replay = "{eng.replay_endpoints[0]}"\nrole = "{role}"\nmodels = ["toy"]\n'
@@ -198,6 +204,34 @@ def test_chat_stream_with_the_openai_client_then_a_follow_up_skips_the_prefill_l
     assert "kv_transfer_params" not in d.received[-1][2]
     metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
     assert 'kvrouter_pd_skips_total{reason="cached"} 1.0' in metrics
+
+
+def test_a_prefill_engine_with_dp_ranks(tmp_path: Path, tokdir: Path) -> None:
+    """The prefill leg goes to the chosen rank (X-data-parallel-rank) and the decode engine pulls
+    from that rank's side channel (vLLM: engine id + ``_dp{rank}``, side channel port + rank)."""
+    loop = EngineLoop()
+    router: RouterRunner | None = None
+    try:
+        base = EngineConfig(model="toy", tokenizer=str(tokdir), kv_connector="NixlConnector", time_scale=0.05)
+        p = loop.start(msgspec.structs.replace(base, dp_size=2))
+        d = loop.start(base)
+        toml = f'block_size = 16\ntokenizer = "{tokdir}"\n[pd]\nmin_uncached_tokens = 0\n'
+        toml += mock_toml("p", p, "prefill") + mock_toml("d", d, "decode")
+        router = RouterRunner(toml, tmp_path)
+        for i in range(4):
+            body = {"model": "toy", "prompt": f"{i} " + SYSTEM, "max_tokens": 2}
+            reads = [r.side.reads for r in p.ranks if r.side is not None]
+            r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            rank = int(p.received[-1][1]["x-data-parallel-rank"])
+            params = d.received[-1][2]["kv_transfer_params"]
+            assert params["remote_engine_id"] == f"{p.engine_id}_dp{rank}"
+            side = p.ranks[rank].side
+            assert side is not None and params["remote_port"] == side.port and side.reads == reads[rank] + 1
+    finally:
+        if router is not None:
+            router.stop()
+        loop.close()
 
 
 # ---- scriptable engines: the legs' exact fields and every failure rule --------------------------------
