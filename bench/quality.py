@@ -15,8 +15,9 @@ Stages, each on every selected trace:
    arrival speed;
 5. ``pd``: prefill/decode disaggregation, live (mock engines in their own processes, the real
    ``kvrouter serve``): 2 prefill + 2 decode engines against 4 aggregated ones on the same
-   workloads (the demo's chat mix and a conversation-heavy one), KV-aware vs round-robin prefill
-   placement, conditional vs always-disaggregate (``sim/pd_demo.py``), written to
+   workloads (the demo's chat mix, a conversation-heavy one, agent-like long sessions),
+   KV-aware vs round-robin prefill placement, conditional vs always-disaggregate
+   (``sim/pd_demo.py``), written to
    ``bench/out/pd.json`` and ``pd.md``; ``pd_threshold`` (not run by default) sweeps
    ``pd.min_uncached_tokens``, the measurement behind its default, and ``pd_capacity`` (not run by
    default) repeats the P/D arms with smaller and larger engine caches.
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="worker processes (the box has 2 shared cores)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--markdown-only", action="store_true", help="rewrite quality.md from quality.json")
+    p.add_argument("--pd-repeat", type=int, default=1, help="run the live P/D stages this many times")
     args = p.parse_args(argv)
     if args.markdown_only:
         out = Path(args.out)
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         write_markdown(records, out / "quality.md")
         print(f"wrote {out / 'quality.json'} and {out / 'quality.md'}", file=sys.stderr)
     if stages & {"pd", "pd_threshold", "pd_capacity"}:  # live P/D scenarios (sim/pd_demo.py)
-        run_pd(out, stages, args.quick)
+        run_pd(out, stages, args.quick, args.pd_repeat)
     return 0
 
 
@@ -284,7 +286,7 @@ PD_THRESHOLDS = (0, 64, 128, 256, 512, 1024, 1_000_000)
 """``pd.min_uncached_tokens`` values of the ``pd_threshold`` sweep (1,000,000: never disaggregate)."""
 
 
-def run_pd(out: Path, stages: set[str], quick: bool) -> None:
+def run_pd(out: Path, stages: set[str], quick: bool, repeat: int = 1) -> None:
     """The live P/D stages: every arm on each workload (``pd``), the threshold sweep (``pd_threshold``)."""
     import asyncio
 
@@ -293,6 +295,7 @@ def run_pd(out: Path, stages: set[str], quick: bool) -> None:
         PDArm,
         PDScenario,
         conversations,
+        long_sessions,
         markdown,
         quick_scenario,
         run_scenario,
@@ -307,10 +310,13 @@ def run_pd(out: Path, stages: set[str], quick: bool) -> None:
         else:
             runs.append(("chat", PDScenario(workload=demo_config())))
             runs.append(("conversations", PDScenario(workload=conversations())))
+            runs.append(("long sessions", PDScenario(workload=long_sessions(), deadline_s=60.0)))
     if "pd_capacity" in stages:  # where KV-aware prefill placement pays: cache pressure
         for blocks in PD_CAPACITIES:
             scn = PDScenario(workload=conversations(), arms=ARMS[1:], num_gpu_blocks=blocks)
             runs.append((f"conversations, {blocks} blocks per engine", scn))
+        scn = PDScenario(workload=long_sessions(), arms=ARMS[1:], num_gpu_blocks=1280, deadline_s=60.0)
+        runs.append(("long sessions, 1280 blocks per engine", scn))
     if "pd_threshold" in stages:
         arms = tuple(
             PDArm(label=f"min_uncached_tokens={t}", prefill=2, decode=2, pd={"min_uncached_tokens": t})
@@ -320,7 +326,9 @@ def run_pd(out: Path, stages: set[str], quick: bool) -> None:
             runs.append((f"{name}, pd.min_uncached_tokens", PDScenario(workload=workload, arms=arms)))
     md: list[str] = ["# Prefill/decode disaggregation (live)", ""]
     doc: list[dict[str, Any]] = []
-    for title, scn in runs:
+    for k, (title, scn) in enumerate(runs * max(1, repeat)):
+        if repeat > 1:
+            title = f"{title} (run {k // len(runs) + 1})"
         rows = asyncio.run(run_scenario(scn, title=f"P/D, {title}", out=sys.stderr))
         md += [markdown(rows, f"{title}: {len(generate(scn.workload))} requests"), ""]
         md += [f"- {line}" for line in summary_lines(rows)] + [""]

@@ -101,6 +101,25 @@ def quick_scenario(seed: int = 0) -> PDScenario:
     )
 
 
+def long_sessions(seed: int = 0) -> WorkloadConfig:
+    """Agent-like sessions: long shared instructions, then turns that each add hundreds of tokens
+    (tool output, files), so a session's context grows to several thousand tokens and every turn
+    has more new tokens than ``pd.min_uncached_tokens``: every request takes both legs, and the
+    prefill pool's caches hold only part of the live contexts."""
+    return WorkloadConfig(
+        seed=seed,
+        duration_s=20.0,
+        session_rate=0.6,
+        turns=(5, 9),
+        think_s=1.0,
+        system_prompt_tokens=(1500, 2500),
+        system_prompt_weights=(0.5, 0.5),
+        user_tokens=(250, 700),
+        answer_tokens=48,
+        doc_rate=0.0,
+    )
+
+
 def conversations(seed: int = 0) -> WorkloadConfig:
     """A conversation-heavy workload for the benchmark: many multi-turn chats over long system
     prompts, longer answers (inter-token latency matters), a few document questions."""
@@ -495,6 +514,7 @@ __all__ = [
     "PDRow",
     "PDScenario",
     "conversations",
+    "long_sessions",
     "markdown",
     "quick_scenario",
     "row_of",

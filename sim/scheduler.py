@@ -200,10 +200,10 @@ class StepScheduler(Generic[R]):
                     break
             adm = cache.admit(req.request_id, tokens, external)
             if adm is None:
-                if not self.running:  # cannot fit even alone: the caller fails it
-                    rejected.append(self.waiting.popleft())
+                if -(-len(tokens) // model.block_size) > cache.num_blocks:
+                    rejected.append(self.waiting.popleft())  # cannot fit even alone: the caller fails it
                     continue
-                break
+                break  # wait: running requests finish, blocks kept for a P/D transfer are read
             self.waiting.popleft()
             self.running.append(req)
             admitted.append(req)

@@ -234,6 +234,49 @@ def test_a_prefill_engine_with_dp_ranks(tmp_path: Path, tokdir: Path) -> None:
         loop.close()
 
 
+def test_blocks_kept_for_a_transfer_make_the_next_prefill_wait_not_fail() -> None:
+    """A prefill engine whose cache is full of blocks kept for a decode engine queues the next
+    request until they are read, as vLLM does (the blocks are pinned, not lost)."""
+
+    async def scenario() -> None:
+        cfg = EngineConfig(model="toy", kv_connector="NixlConnector", num_gpu_blocks=16, time_scale=0.05)
+        async with MockEngine(cfg) as p, MockEngine(cfg) as d, httpx.AsyncClient(timeout=30) as c:
+            prefill = {"max_tokens": 1, "kv_transfer_params": NIXL_REQUEST}
+            a = await c.post(
+                f"{p.url}/v1/completions", json={"model": "toy", "prompt": list(range(1, 200)), **prefill}
+            )
+            params = a.json()["kv_transfer_params"]
+            assert len(params["remote_block_ids"]) == 13
+            b = asyncio.create_task(
+                c.post(
+                    f"{p.url}/v1/completions",
+                    json={"model": "toy", "prompt": list(range(300, 500)), **prefill},
+                )
+            )
+            await asyncio.sleep(0)
+            for _ in range(200):  # b is queued behind the kept blocks (3 of 16 free), not failed
+                if p.ranks[0].waiting:
+                    break
+                await asyncio.sleep(0.01)
+            assert p.ranks[0].waiting and not b.done()
+            got = await c.post(
+                f"{d.url}/v1/completions",
+                json={
+                    "model": "toy",
+                    "prompt": list(range(1, 200)),
+                    "max_tokens": 2,
+                    "kv_transfer_params": params,
+                },
+            )
+            assert (
+                got.status_code == 200
+                and got.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 198
+            )
+            assert (await b).status_code == 200  # admitted once the read released a's blocks
+
+    asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
+
+
 # ---- scriptable engines: the legs' exact fields and every failure rule --------------------------------
 
 

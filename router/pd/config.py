@@ -20,11 +20,12 @@ class PDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     connector: ConnectorName = "nixl"
     """The engines' KV connector protocol: vLLM's NixlConnector (pull: prefill leg, then decode leg)."""
-    min_uncached_tokens: int = 256
+    min_uncached_tokens: int = 128
     """Run the prefill leg only when the decode target would have at least this many prompt tokens
     it does not cache; below that it prefills the remainder itself (conditional disaggregation). 0:
-    always disaggregate. 256 (measured): a follow-up turn then skips the prefill leg, a new prompt
-    or document does not."""
+    always disaggregate. 128 (measured, BENCHMARKS.md): about where computing the remainder on the
+    decode engine costs what a prefill leg adds (a prefill step, a hop, a transfer, the wait for the
+    decode step), and the decode engine's step grows by at most ~13 ms (0.1 ms per token)."""
     max_prefill_queue_tokens: int = 0
     """The prefill pool counts as saturated when every prefill engine has at least this many
     uncached prompt tokens of prefill legs in flight: requests then prefill on their decode target
