@@ -1,5 +1,5 @@
 """`make bench`: every benchmark in BENCHMARKS.md, one after the other (never two heavy jobs at once on
-the 2-core box). ``--quick`` runs the short variants; ``--only index,router,quality`` picks some.
+the 2-core box). ``--quick`` runs the short variants; ``--only index,router,pd,quality`` picks some.
 
 Each benchmark prints its own figures; this script only sequences them and stops at the first
 failure. The router benchmark needs ``wrk`` (skipped with a message when it is missing).
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="short variants (minutes instead of tens)")
-    ap.add_argument("--only", default="index,router,quality", help="comma-separated subset")
+    ap.add_argument("--only", default="index,router,pd,quality", help="comma-separated subset")
     ap.add_argument("--vllm-router", default=None, help="a vllm-router binary to measure in the same run")
     args = ap.parse_args()
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
@@ -35,6 +35,8 @@ def main() -> int:
             cmd += ["--seconds", "4", "--ttft-requests", "100"] if args.quick else []
             cmd += ["--vllm-router", args.vllm_router] if args.vllm_router else []
             plan.append(("router", cmd))
+    if "pd" in wanted:  # the P/D path's added TTFT (the live P/D scenario is quality.py's pd stage)
+        plan.append(("pd", [py, "bench/pd_bench.py", *(["--requests", "100"] if args.quick else [])]))
     if "quality" in wanted:
         plan.append(("quality", [py, "bench/quality.py", *(["--quick"] if args.quick else [])]))
     for name, cmd in plan:
