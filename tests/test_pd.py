@@ -656,3 +656,24 @@ def test_dashboard_shows_both_pools(fakes: Fleet) -> None:
         finally:
             browser.close()
     assert not errors, errors
+
+
+def test_pd_dashboard_figures_sum_over_workers() -> None:
+    from router.pd.metrics import PDMetrics, merge_dashboards
+
+    a, b = PDMetrics(), PDMetrics()
+    a.decided("disaggregated", None)
+    a.leg("prefill", "p", 200, 0.01)
+    a.fallback("p", "timeout")
+    b.decided("skipped", "cached")
+    b.decided("disaggregated", None)
+    b.leg("prefill", "p", 0, None)
+    b.tokens("prefill", 100, 40)
+    merged = merge_dashboards([a.dashboard(), b.dashboard()])
+    assert merged["requests"] == {"disaggregated": 2.0, "skipped": 1.0}
+    assert merged["skips"]["cached"] == 1.0 and merged["fallbacks"] == 1.0
+    assert merged["fallbacks_by_reason"]["timeout"] == 1.0
+    assert merged["legs"]["prefill"] == {"2xx": 1.0, "error": 1.0}
+    assert merged["legs_by_backend"]["p"] == {"prefill": 2.0}
+    assert merged["prompt_tokens"]["prefill"] == 100.0 and merged["matched_tokens"]["prefill"] == 40.0
+    assert merge_dashboards([]) == {}
