@@ -9,7 +9,14 @@ setup(
             "index._kvcore",
             sources=["index/_kvcore.c"],
             depends=["index/_kvingest.h"],
-            extra_compile_args=["-O2", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_compile_args=[
+                "-O2",
+                "-std=gnu11",
+                "-fno-strict-aliasing",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+            ],
         )
     ]
 )

@@ -12,7 +12,15 @@ Stages, each on every selected trace:
 3. ``cpu``: ``cpu_credit`` with a CPU offload tier (conversation only);
 4. ``recommended``: ``RECOMMENDED`` (the defaults with the changes this benchmark argues for) and
    ``BASELINE`` (the defaults before the sweeps) at every capacity, and both with round_robin at 2x
-   arrival speed.
+   arrival speed;
+5. ``pd``: prefill/decode disaggregation, live (mock engines in their own processes, the real
+   ``kvrouter serve``): 2 prefill + 2 decode engines against 4 aggregated ones on the same
+   workloads (the demo's chat mix, a conversation-heavy one, agent-like long sessions),
+   KV-aware vs round-robin prefill placement, conditional vs always-disaggregate
+   (``sim/pd_demo.py``), written to
+   ``bench/out/pd.json`` and ``pd.md``; ``pd_threshold`` (not run by default) sweeps
+   ``pd.min_uncached_tokens``, the measurement behind its default, and ``pd_capacity`` (not run by
+   default) repeats the P/D arms with smaller and larger engine caches.
 
 Capacities are real 16-token KV blocks per engine (32k blocks = 512k tokens: the README's 1,000-block
 LRU row for Mooncake). Mooncake runs scale a 512-token block to 128 tokens and sessions a 64-token
@@ -228,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="smaller traces, fewer capacities and knobs")
     p.add_argument("--traces", default="conversation,synthetic,sessions")
-    p.add_argument("--stages", default="policies,knobs,cpu,recommended")
+    p.add_argument("--stages", default="policies,knobs,cpu,recommended,pd")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (the box has 2 shared cores)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--markdown-only", action="store_true", help="rewrite quality.md from quality.json")
+    p.add_argument("--pd-repeat", type=int, default=1, help="run the live P/D stages this many times")
     args = p.parse_args(argv)
     if args.markdown_only:
         out = Path(args.out)
@@ -263,9 +272,70 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             (out / "quality.json").write_text(json.dumps({"records": records}, indent=1))
-    write_markdown(records, out / "quality.md")
-    print(f"wrote {out / 'quality.json'} and {out / 'quality.md'}", file=sys.stderr)
+    if records:
+        write_markdown(records, out / "quality.md")
+        print(f"wrote {out / 'quality.json'} and {out / 'quality.md'}", file=sys.stderr)
+    if stages & {"pd", "pd_threshold", "pd_capacity"}:  # live P/D scenarios (sim/pd_demo.py)
+        run_pd(out, stages, args.quick, args.pd_repeat)
     return 0
+
+
+PD_CAPACITIES = (320, 1280, 2560)
+"""KV blocks per engine of the ``pd_capacity`` stage (``pd`` runs 640)."""
+PD_THRESHOLDS = (0, 64, 128, 256, 512, 1024, 1_000_000)
+"""``pd.min_uncached_tokens`` values of the ``pd_threshold`` sweep (1,000,000: never disaggregate)."""
+
+
+def run_pd(out: Path, stages: set[str], quick: bool, repeat: int = 1) -> None:
+    """The live P/D stages: every arm on each workload (``pd``), the threshold sweep (``pd_threshold``)."""
+    import asyncio
+
+    from sim.pd_demo import (
+        ARMS,
+        PDArm,
+        PDScenario,
+        conversations,
+        long_sessions,
+        markdown,
+        quick_scenario,
+        run_scenario,
+        summary_lines,
+    )
+    from sim.workload import demo_config, generate
+
+    runs: list[tuple[str, PDScenario]] = []
+    if "pd" in stages:
+        if quick:
+            runs.append(("chat (quick)", quick_scenario()))
+        else:
+            runs.append(("chat", PDScenario(workload=demo_config())))
+            runs.append(("conversations", PDScenario(workload=conversations())))
+            runs.append(("long sessions", PDScenario(workload=long_sessions(), deadline_s=60.0)))
+    if "pd_capacity" in stages:  # where KV-aware prefill placement pays: cache pressure
+        for blocks in PD_CAPACITIES:
+            scn = PDScenario(workload=conversations(), arms=ARMS[1:], num_gpu_blocks=blocks)
+            runs.append((f"conversations, {blocks} blocks per engine", scn))
+        scn = PDScenario(workload=long_sessions(), arms=ARMS[1:], num_gpu_blocks=1280, deadline_s=60.0)
+        runs.append(("long sessions, 1280 blocks per engine", scn))
+    if "pd_threshold" in stages:
+        arms = tuple(
+            PDArm(label=f"min_uncached_tokens={t}", prefill=2, decode=2, pd={"min_uncached_tokens": t})
+            for t in PD_THRESHOLDS
+        )
+        for name, workload in (("chat", demo_config()), ("conversations", conversations())):
+            runs.append((f"{name}, pd.min_uncached_tokens", PDScenario(workload=workload, arms=arms)))
+    md: list[str] = ["# Prefill/decode disaggregation (live)", ""]
+    doc: list[dict[str, Any]] = []
+    for k, (title, scn) in enumerate(runs * max(1, repeat)):
+        if repeat > 1:
+            title = f"{title} (run {k // len(runs) + 1})"
+        rows = asyncio.run(run_scenario(scn, title=f"P/D, {title}", out=sys.stderr))
+        md += [markdown(rows, f"{title}: {len(generate(scn.workload))} requests"), ""]
+        md += [f"- {line}" for line in summary_lines(rows)] + [""]
+        doc.append({"title": title, "scenario": msgspec.to_builtins(scn), "rows": msgspec.to_builtins(rows)})
+        (out / "pd.json").write_text(json.dumps(doc, indent=1))
+        (out / "pd.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out / 'pd.json'} and {out / 'pd.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

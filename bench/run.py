@@ -1,6 +1,6 @@
 """`make bench`: every benchmark in BENCHMARKS.md, one after the other (never two heavy jobs at once on
 the 2-core box). ``--quick`` runs the short variants; ``--only service,index,router,quality`` picks
-some (also membership, churn, replicas).
+some (also pd, membership, churn, replicas).
 
 Each benchmark prints its own figures; this script only sequences them and stops at the first
 failure. The service benchmark compares with Dynamo's indexer when ``--dynamo`` names the python of
@@ -24,7 +24,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="short variants (minutes instead of tens)")
     ap.add_argument(
         "--only",
-        default="service,index,router,quality,membership,churn,replicas",
+        default="service,index,router,pd,quality,membership,churn,replicas",
         help="comma-separated subset",
     )
     ap.add_argument("--vllm-router", default=None, help="a vllm-router binary to measure in the same run")
@@ -49,6 +49,8 @@ def main() -> int:
             cmd += ["--seconds", "4", "--ttft-requests", "100"] if args.quick else []
             cmd += ["--vllm-router", args.vllm_router] if args.vllm_router else []
             plan.append(("router", cmd))
+    if "pd" in wanted:  # the P/D path's added TTFT (the live P/D scenario is quality.py's pd stage)
+        plan.append(("pd", [py, "bench/pd_bench.py", *(["--requests", "100"] if args.quick else [])]))
     if "quality" in wanted:
         plan.append(("quality", [py, "bench/quality.py", *(["--quick"] if args.quick else [])]))
     if "membership" in wanted:

@@ -2,8 +2,10 @@
 
 ``python bench/zero_mock.py PORT [--chunks N] [--pace-ms MS]``: non-stream requests get a fixed JSON
 completion at once; ``"stream": true`` requests get N SSE chunks (the first at once, the rest
-``--pace-ms`` apart) and ``data: [DONE]``. It answers /health, /v1/models and /tokenize (vllm-router's
-kv_aware policy calls it) so routers accept it: by default with a fixed answer (no work at all),
+``--pace-ms`` apart) and ``data: [DONE]``; a P/D prefill leg (``kv_transfer_params`` with
+``do_remote_decode``) gets a completion with transfer parameters, as a vLLM prefill engine
+answers. It answers /health, /v1/models and /tokenize (vllm-router's kv_aware policy calls it) so
+routers accept it: by default with a fixed answer (no work at all),
 with ``--tokenizer PATH`` by really tokenizing the prompt with that HF tokenizer.json, as a vLLM
 engine's /tokenize does (and charges to the engine's CPU).
 Deliberately minimal so that the upstream is not the bottleneck of the measurement.
@@ -42,6 +44,27 @@ EVENT = json.dumps(
         "choices": [{"index": 0, "text": " tok", "finish_reason": None}],
     }
 ).encode()
+COMPLETION_PD = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 1,
+        "model": "toy",
+        "choices": [{"index": 0, "text": "hello", "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [1, 2, 3],
+            "remote_engine_id": "bench",
+            "remote_request_id": "cmpl-bench",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+        },
+    }
+).encode()
+"""A prefill leg's answer (P/D): a request asking ``do_remote_decode`` gets transfer parameters."""
 MODELS = json.dumps({"object": "list", "data": [{"id": "toy", "object": "model"}]}).encode()
 HEALTH = b"{}"
 TOKENIZE = json.dumps({"count": 12, "max_model_len": 4096, "tokens": list(range(100, 112))}).encode()
@@ -117,6 +140,8 @@ async def handle(
                 writer.write(_response(MODELS))
             elif path == b"/tokenize":
                 writer.write(_response(tokenize(body)))
+            elif b'"do_remote_decode":true' in body.replace(b" ", b""):
+                writer.write(_response(COMPLETION_PD))
             elif b'"stream":true' in body.replace(b" ", b""):
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"

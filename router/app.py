@@ -29,6 +29,7 @@ from index.keys import TokenBuffer
 from index.kvindex import KVIndex
 from router.cluster.replicas import Replicas
 from router.config import RouterConfig
+from router.decision.pd import PDPlanner
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
 from router.decision.tokenizer import ChatTokenizer, RequestTokenizer
@@ -51,6 +52,8 @@ from router.observe.metrics import (
     SourcesCollector,
     dashboard_data,
 )
+from router.pd.exchange import PDExchange
+from router.pd.metrics import PDMetrics, merge_dashboards
 from router.workers.stats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
 from router.workers.supervisor import WorkerContext
 
@@ -110,15 +113,26 @@ class KVRouter:
             self.tokenizer,
             config.recent_decisions,
             self.breakers,
+            pd=PDPlanner(config.pd, config.policy),
         )
         caches = [t.segments for t in loaded.values()]
         self.metrics = RouterMetrics(self.index, self.membership, self.loads, caches)
+        self.pd_metrics = PDMetrics()
+        self.metrics.add_series(self.pd_metrics.series)
         self.pool = UpstreamPool(
             srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
         )
         self.checks = PredictionChecks(config.checks, self._stream_stats) if config.checks.enabled else None
         self.proxy = ProxyHandler(
-            self.service, self.pool, self.metrics, self.loads, srv, self.authorize, self.health, self.checks
+            self.service,
+            self.pool,
+            self.metrics,
+            self.loads,
+            srv,
+            self.authorize,
+            self.health,
+            self.checks,
+            pd=PDExchange(config.pd, self.pool, self.loads, self.pd_metrics, self.health),
         )
         # --- router replicas: session pins, shared load and predictions (router/cluster) ---
         self.replicas = Replicas(
@@ -293,6 +307,7 @@ class KVRouter:
             self.checks.diagnoses() if self.checks is not None else {},
         )
         data["cluster"] = self.replicas.describe()
+        data["pd"] = self.pd_metrics.dashboard()  # P/D panel (router/pd/metrics.py)
         return data
 
     async def _housekeeping(self) -> None:
@@ -399,7 +414,9 @@ class KVRouter:
         """``GET /dashboard/data``: the live figures the page polls."""
         data = self._dashboard_live()
         if self.worker is not None:
-            data = merge_dashboard(data, read_snapshots(self.worker.run_dir))
+            snaps = read_snapshots(self.worker.run_dir)
+            data = merge_dashboard(data, snaps)
+            data["pd"] = merge_dashboards([s.dashboard.get("pd") or {} for s in snaps])  # P/D panel
         return data
 
     def _membership_status(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from router.cluster.config import ClusterConfig, ClusterError, validate_cluster
 from router.decision.policy import POLICIES, PolicyConfig
 from router.fleet.breaker import BreakerConfig
 from router.observe.checks import ChecksConfig
+from router.pd.config import PDConfig
 
 
 class ConfigError(ValueError):
@@ -190,6 +191,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checks: ChecksConfig = ChecksConfig()
     cluster: ClusterConfig = ClusterConfig()
     """Router replicas sharing load, predictions and session pins (router/cluster)."""
+    pd: PDConfig = PDConfig()
+    """Prefill/decode disaggregation, for models served by ``role = "prefill"`` engines."""
 
 
 _PATH_RE = re.compile(r"\$\.?(.*)$")
@@ -311,6 +314,10 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("block_size: must be between 1 and 4096")
     if cfg.policy.name not in POLICIES:
         raise ConfigError(f"policy.name: must be one of {', '.join(POLICIES)}")
+    if cfg.pd.min_uncached_tokens < 0 or cfg.pd.max_prefill_queue_tokens < 0:
+        raise ConfigError("pd: min_uncached_tokens and max_prefill_queue_tokens must be >= 0")
+    if cfg.pd.prefill_timeout_s <= 0:
+        raise ConfigError("pd.prefill_timeout_s: must be positive")
     if not 0 < cfg.server.port < 65536:
         raise ConfigError("server.port: must be between 1 and 65535")
     if cfg.server.max_body_bytes < 1024:
@@ -420,6 +427,7 @@ __all__ = [
     "IndexConfig",
     "KubernetesConfig",
     "MembershipConfig",
+    "PDConfig",
     "Role",
     "RouterConfig",
     "ServerConfig",

@@ -71,6 +71,18 @@ def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.Argume
     p.add_argument(
         "--tokenizer", default=None, help="HF tokenizer dir or tokenizer.json (default: UTF-8 bytes)"
     )
+    p.add_argument(
+        "--kv-connector",
+        choices=["NixlConnector"],
+        default=None,
+        help="play vLLM's NIXL roles for P/D disaggregation (prefill and decode legs, sim/nixl.py)",
+    )
+    p.add_argument(
+        "--kv-side-channel-port",
+        type=int,
+        default=0,
+        help="NIXL side channel of engine i rank r at PORT + i*DP_SIZE + r (default 0: ephemeral)",
+    )
     p.add_argument("--json", action="store_true", help="print the endpoints as one JSON document")
     p.add_argument("--no-kv-events", action="store_true", help="publish no KV event (events off)")
     p.add_argument("--lose-events", type=float, default=0.0, help="share of event batches lost for good")
@@ -105,6 +117,8 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         lose_events=args.lose_events,
         prompt_tokens_details=not args.no_prompt_tokens_details,
         chat_template=Path(args.chat_template_file).read_text() if args.chat_template_file else None,
+        kv_connector=args.kv_connector,
+        kv_side_channel_port=args.kv_side_channel_port,
     )
 
 
@@ -112,6 +126,8 @@ def _check_ports(args: argparse.Namespace) -> str | None:
     """The fixed port ranges (HTTP, KV, replay) must not overlap; returns an error message if they do."""
     n, dp = args.engines, args.dp_size
     ranges = [("--port", args.port, n), ("--kv-port", args.kv_port, n * dp)]
+    if args.kv_connector:
+        ranges.append(("--kv-side-channel-port", args.kv_side_channel_port, n * dp))
     if not args.no_replay:
         ranges.append(("--replay-port", args.replay_port, n * dp))
     fixed = [(name, lo, lo + size) for name, lo, size in ranges if lo]
@@ -146,6 +162,7 @@ async def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         kv_port=args.kv_port,
         replay_port=None if args.no_replay else args.replay_port,
+        side_channel_port=args.kv_side_channel_port,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -168,6 +185,8 @@ async def _serve(args: argparse.Namespace) -> int:
                     zip(e["kv_endpoints"], e["replay_endpoints"], strict=True)
                 ):
                     print(f"  dp rank {rank}: kv events {kv}  replay {replay or '-'}")
+                for rank, side in enumerate(e["side_channels"]):
+                    print(f"  dp rank {rank}: NIXL side channel {side}")
             print("serving; Ctrl-C to stop", flush=True)
         sys.stdout.flush()
         await stop.wait()

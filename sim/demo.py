@@ -342,6 +342,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)  # dev: engines without router
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="prefill/decode disaggregation: 2 prefill + 2 decode engines vs 4 aggregated (sim/pd_demo.py)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -361,6 +366,10 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 
 def run_command(args: argparse.Namespace) -> int:
     """Entry point of `kvrouter demo`."""
+    if getattr(args, "pd", False):  # P/D hook: the arms of sim/pd_demo.py instead of the policies
+        from sim import pd_demo
+
+        return pd_demo.run_command(args)
     cfg = config_from_args(args)
     if not args.direct:
         why = router_available()

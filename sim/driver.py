@@ -73,6 +73,8 @@ class RequestResult(msgspec.Struct, kw_only=True):
     backend: str | None = None
     skipped: bool = False
     """Not sent (deadline passed)."""
+    gaps_s: list[float] = []
+    """Time between consecutive content chunks (inter-token latency, one gap per chunk after the first)."""
 
 
 Progress = Callable[[int, int], None]
@@ -120,6 +122,9 @@ async def send(
     start = time.monotonic()
     res.sent_s = start - t0
     text: list[str] = []
+    gaps: list[float] = []
+    res.gaps_s = gaps
+    last = start
     try:
         headers = {cfg.session_header: req.session} if cfg.session_header else None
         async with client.stream("POST", path, json=body, headers=headers, timeout=cfg.timeout_s) as resp:
@@ -141,8 +146,12 @@ async def send(
                     return res, ""
                 piece = _content(chunk)
                 if piece:
+                    now = time.monotonic()
                     if res.ttft_s is None:
-                        res.ttft_s = time.monotonic() - start
+                        res.ttft_s = now - start
+                    else:
+                        gaps.append(now - last)
+                    last = now
                     text.append(piece)
                 usage = chunk.get("usage")
                 if usage:

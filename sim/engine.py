@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import random
 import socket
 import time
@@ -29,16 +30,20 @@ from typing import Any, Literal
 
 import msgspec
 import uvicorn
+import zmq
+import zmq.asyncio
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 
 from router.decision.tokenizer import ChatTokenizer, TokenizerError, TokenizerUnavailable
+from sim import nixl
 from sim.kvcache import PrefixCache
 from sim.publisher import KVEventPublisher
 from sim.scheduler import StepModel, StepScheduler
 
 DP_RANK_HEADER = "x-data-parallel-rank"
+log = logging.getLogger("sim.engine")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -106,6 +111,20 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Share of event batches lost for good: neither sent nor kept for replay."""
     prompt_tokens_details: bool = True
     """False: usage without prompt_tokens_details (vLLM without --enable-prompt-tokens-details)."""
+    # P/D disaggregation (sim/nixl.py): vLLM's --kv-transfer-config '{"kv_connector": "NixlConnector",
+    # "kv_role": "kv_both"}'; the engine then plays whichever role a request's kv_transfer_params asks
+    kv_connector: Literal["NixlConnector"] | None = None
+    """None: kv_transfer_params are ignored, as by a vLLM without a KV connector."""
+    kv_side_channel_port: int = 0
+    """Rank r's NIXL side channel is on this port + r (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); 0 = ephemeral."""
+    kv_transfer_setup_s: float = 0.001
+    """Fixed cost of one pull (descriptors, the completion notification)."""
+    kv_transfer_s_per_block: float = 0.00008
+    """Per block pulled: 2 MiB (16 tokens of an 8B model) over ~25 GB/s RDMA, ~5% of recomputing it."""
+    kv_transfer_timeout_s: float = 480.0
+    """A prefill's blocks nobody reads are released after this long (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."""
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    """A pull that fails: end the request with an error (vLLM's default) or compute the prompt."""
 
 
 class EngineError(Exception):
@@ -253,6 +272,12 @@ class EngineRequest:
     finish_reason: str | None = None
     aborted: bool = False
     queue: asyncio.Queue[int | _Done | EngineError] = field(default_factory=asyncio.Queue)
+    external_tokens: int = 0
+    """P/D decode leg: prompt tokens pulled from the prefill engine (no compute at admission)."""
+    hold_blocks: bool = False
+    """P/D prefill leg: keep the blocks for a decode engine when the request finishes."""
+    transfer_params: dict[str, Any] | None = None
+    """P/D prefill leg: the answer's kv_transfer_params, set when the request finished."""
 
     @property
     def tokens(self) -> list[int]:
@@ -287,6 +312,11 @@ class RankScheduler:
         self.rank = rank
         self.publisher = publisher
         self.tokenizer = tokenizer
+        self.side: nixl.SideChannel | None = None
+        """The NIXL side channel (P/D), when the engine has a KV connector."""
+        self.pulled_blocks = 0
+        self.pull_failures = 0
+        self.invalid_params = 0
         self.model = StepModel.from_engine(config, duration_factor=config.time_scale)
         self.core: StepScheduler[EngineRequest] = StepScheduler(self._new_cache(), self.model)
         self._wake = asyncio.Event()
@@ -311,6 +341,7 @@ class RankScheduler:
             hash_bytes=c.hash_bytes,
             cpu_blocks=c.cpu_blocks,
             hashes_per_chunk=c.hashes_per_chunk,
+            connector=c.kv_connector is not None,
         )
 
     @property
@@ -363,7 +394,13 @@ class RankScheduler:
         if req.finish_reason is not None or req.aborted:
             return
         req.aborted = True
+        self.core.held.discard(req.request_id)
         self.core.drop(req)
+
+    def release_held(self, request_id: str) -> None:
+        """A P/D prefill's blocks were read (or expired): unpin them; they stay cached."""
+        if self.cache.has_request(request_id):
+            self.cache.free(request_id)
 
     # ---- faults and admin ---------------------------------------------------------------------------
 
@@ -374,6 +411,8 @@ class RankScheduler:
             req.aborted = True
             req.queue.put_nowait(EngineError(503, "engine restarted", "ServiceUnavailableError"))
         self.core = StepScheduler(self._new_cache(), self.model)
+        if self.side is not None:
+            self.side.drop_all()  # the blocks died with the old cache
         if self.publisher is not None:
             self.publisher.restart()
         self.prompt_tokens_total = self.generation_tokens_total = self.requests_finished = 0
@@ -450,6 +489,9 @@ class RankScheduler:
                 req.queue.put_nowait(token)
             for req in out.finished:
                 req.finish_reason = "length"
+                if req.hold_blocks and self.side is not None:  # P/D prefill: blocks kept for the pull
+                    rid = req.request_id
+                    req.transfer_params = self.side.hold(rid, self.cache.request_blocks(rid))
                 self.requests_finished += 1
                 self.e2e.observe(now - req.arrival)
                 req.queue.put_nowait(_DONE)
@@ -507,6 +549,11 @@ class MockEngine:
         """Fault: answer every completion with this status."""
         self.reset_streams = 0
         """Fault: tear down this many of the next streams after two tokens."""
+        self.engine_id = f"mock-{uuid.uuid4().hex[:12]}"
+        """The KV connector's engine id (vLLM's kv_transfer_config.engine_id; rank r: ``_dp{r}``)."""
+        self._zctx: zmq.asyncio.Context | None = None
+        self.received: deque[tuple[str, dict[str, str], dict[str, Any]]] = deque(maxlen=256)
+        """The last generation requests: (path, headers, body), for tests and debugging."""
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -561,6 +608,8 @@ class MockEngine:
                     publisher.lose(cfg.lose_events, seed=cfg.hash_seed + rank)
                 sched = RankScheduler(cfg, rank, publisher, self.tokenizer)
                 self.ranks.append(sched)
+                if cfg.kv_connector is not None:
+                    self._start_side_channel(sched)
                 sched.start()
             self._sock = _bind_socket(cfg.host, cfg.port)
             uv_config = uvicorn.Config(
@@ -582,6 +631,28 @@ class MockEngine:
             await self.stop()
             raise
 
+    def _start_side_channel(self, sched: RankScheduler) -> None:
+        """The rank's NIXL side channel (P/D): holds and serves its prefills' blocks."""
+        cfg = self.config
+        if self._zctx is None:
+            self._zctx = zmq.asyncio.Context()
+        rank_id = self.engine_id if cfg.dp_size == 1 else f"{self.engine_id}_dp{sched.rank}"
+        sched.side = nixl.SideChannel(
+            self._zctx,
+            rank_id,
+            cfg.kv_host,
+            cfg.kv_side_channel_port + sched.rank if cfg.kv_side_channel_port else 0,
+            lambda rid, blocks: sched.cache.block_contents(rid, blocks),
+            sched.release_held,
+            cfg.kv_transfer_timeout_s,
+        )
+        sched.side.start()
+
+    @property
+    def side_channels(self) -> list[str]:
+        """Each rank's NIXL side channel endpoint (empty without a KV connector)."""
+        return [r.side.endpoint for r in self.ranks if r.side is not None]
+
     async def stop(self) -> None:
         """Stop serving, fail in-flight requests, close the KV sockets."""
         if self._server is not None and self._serve_task is not None:
@@ -598,6 +669,11 @@ class MockEngine:
             await sched.stop()
             if sched.publisher is not None:
                 sched.publisher.close()
+            if sched.side is not None:
+                await sched.side.close()
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
         self.ranks = []
         self._server = None
         self._serve_task = None
@@ -651,7 +727,12 @@ class MockEngine:
         return value
 
     def _new_request(
-        self, body: Mapping[str, Any], prompt: list[int], chat: bool, sched: RankScheduler
+        self,
+        body: Mapping[str, Any],
+        prompt: list[int],
+        chat: bool,
+        sched: RankScheduler,
+        request_id: str | None = None,
     ) -> EngineRequest:
         n = body.get("n", 1)
         if n != 1:
@@ -666,9 +747,9 @@ class MockEngine:
                 param="messages" if chat else "prompt",
             )
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return EngineRequest(
-            f"{prefix}{uuid.uuid4().hex}", prompt, max_tokens, sched.rank, _seeded_rng(prompt)
-        )
+        # like vLLM, the client's X-Request-Id names the request (a suffix keeps it unique here)
+        rid = f"{prefix}{request_id}-{uuid.uuid4().hex[:8]}" if request_id else f"{prefix}{uuid.uuid4().hex}"
+        return EngineRequest(rid, prompt, max_tokens, sched.rank, _seeded_rng(prompt))
 
     def _usage(self, req: EngineRequest) -> dict[str, Any]:
         usage: dict[str, Any] = {
@@ -682,8 +763,48 @@ class MockEngine:
 
     # ---- generation ---------------------------------------------------------------------------------
 
-    async def _generate(self, sched: RankScheduler, req: EngineRequest) -> AsyncGenerator[int, None]:
+    async def _transfer(self, sched: RankScheduler, req: EngineRequest, params: Any) -> None:
+        """The KV connector's part of a request (sim/nixl.py): mark a prefill leg's blocks to be
+        kept, or pull a decode leg's blocks from its prefill engine before it is queued."""
+        if nixl.wants_remote_decode(params):
+            req.hold_blocks = True
+            sched.core.held.add(req.request_id)
+            return
+        if not nixl.wants_remote_prefill(params):
+            return
+        why = nixl.invalid_reason(params)
+        if why is not None:
+            sched.invalid_params += 1
+            log.warning(
+                "Got invalid KVTransferParams: %s (%s). This request will not utilize KVTransfer", params, why
+            )
+            return
+        cfg = self.config
+        gpu, cpu = sched.cache.probe(req.prompt)
+        assert self._zctx is not None
+        try:
+            req.external_tokens = await nixl.pull(
+                self._zctx,
+                params,
+                req.prompt,
+                gpu + cpu,
+                cfg.block_size,
+                cfg.kv_transfer_s_per_block * cfg.time_scale,
+                cfg.kv_transfer_setup_s * cfg.time_scale,
+            )
+            sched.pulled_blocks += len(params["remote_block_ids"]) - (gpu + cpu) // cfg.block_size
+        except nixl.TransferError as exc:
+            sched.pull_failures += 1
+            log.warning("KV transfer for %s failed: %s (%s)", req.request_id, exc, cfg.kv_load_failure_policy)
+            if cfg.kv_load_failure_policy == "fail":
+                raise EngineError(500, f"KV transfer failed: {exc}", "InternalServerError") from None
+
+    async def _generate(
+        self, sched: RankScheduler, req: EngineRequest, params: Any = None
+    ) -> AsyncGenerator[int, None]:
         """Yield output tokens as the scheduler produces them; aborts the request if the consumer stops."""
+        if params is not None:
+            await self._transfer(sched, req, params)
         sched.submit(req)
         try:
             while True:
@@ -701,22 +822,24 @@ class MockEngine:
             return _error_response(EngineError(self.fail_status, "injected failure", "InternalServerError"))
         try:
             body = await self._json_body(request)
+            self.received.append((request.url.path, dict(request.headers), body))
             self._check_model(body)
             prompt = self.tokenizer.chat_ids(body) if chat else self.tokenizer.completion_ids(body)
             sched = self._pick_rank(request)
-            req = self._new_request(body, prompt, chat, sched)
+            req = self._new_request(body, prompt, chat, sched, request.headers.get("x-request-id"))
+            params = body.get("kv_transfer_params") if self.config.kv_connector else None
         except EngineError as exc:
             return _error_response(exc)
         if body.get("stream"):
             opts = body.get("stream_options")
             include_usage = isinstance(opts, Mapping) and bool(opts.get("include_usage"))
             return StreamingResponse(
-                self._stream(sched, req, chat, include_usage),
+                self._stream(sched, req, chat, include_usage, params),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
         try:
-            async with contextlib.aclosing(self._generate(sched, req)) as tokens:
+            async with contextlib.aclosing(self._generate(sched, req, params)) as tokens:
                 outputs = [t async for t in tokens]
         except EngineError as exc:
             return _error_response(exc)
@@ -730,7 +853,13 @@ class MockEngine:
                 "finish_reason": req.finish_reason,
                 "stop_reason": None,
             }
-            payload = {**base, "object": "chat.completion", "choices": [choice], "usage": self._usage(req)}
+            payload = {
+                **base,
+                "object": "chat.completion",
+                "choices": [choice],
+                "usage": self._usage(req),
+                "kv_transfer_params": req.transfer_params,
+            }
         else:
             choice = {
                 "index": 0,
@@ -739,11 +868,17 @@ class MockEngine:
                 "finish_reason": req.finish_reason,
                 "stop_reason": None,
             }
-            payload = {**base, "object": "text_completion", "choices": [choice], "usage": self._usage(req)}
+            payload = {
+                **base,
+                "object": "text_completion",
+                "choices": [choice],
+                "usage": self._usage(req),
+                "kv_transfer_params": req.transfer_params,
+            }
         return Response(msgspec.json.encode(payload), media_type="application/json")
 
     async def _stream(
-        self, sched: RankScheduler, req: EngineRequest, chat: bool, include_usage: bool
+        self, sched: RankScheduler, req: EngineRequest, chat: bool, include_usage: bool, params: Any = None
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -772,7 +907,7 @@ class MockEngine:
         if reset:
             self.reset_streams -= 1
         try:
-            async with contextlib.aclosing(self._generate(sched, req)) as tokens:
+            async with contextlib.aclosing(self._generate(sched, req, params)) as tokens:
                 async for token in tokens:
                     count += 1
                     if reset and count > 2:

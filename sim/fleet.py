@@ -52,9 +52,11 @@ class Fleet:
         kv_port: int = 0,
         replay_port: int | None = 0,
         tokenizer: ChatTokenizer | None = None,
+        side_channel_port: int = 0,
     ) -> Fleet:
         """`n` engines like `base`: engine i listens on port+i and publishes rank r on
-        kv_port + i*dp_size + r (replay likewise), so DP ranges never overlap; 0 = ephemeral ports."""
+        kv_port + i*dp_size + r (replay and the NIXL side channel likewise), so DP ranges never
+        overlap; 0 = ephemeral ports."""
         base = base or EngineConfig()
         dp = base.dp_size
         configs = [
@@ -63,6 +65,7 @@ class Fleet:
                 port=_offset(port, i) or 0,
                 kv_port=_offset(kv_port, i * dp) or 0,
                 replay_port=_offset(replay_port, i * dp),
+                kv_side_channel_port=_offset(side_channel_port, i * dp) or 0,
             )
             for i in range(n)
         ]
@@ -115,6 +118,7 @@ class Fleet:
                 "block_size": e.config.block_size,
                 "kv_endpoints": e.kv_endpoints,
                 "replay_endpoints": e.replay_endpoints,
+                "side_channels": e.side_channels,
             }
             for e in self.engines
         ]

@@ -71,11 +71,13 @@ class Admission:
     gpu_hit_tokens: int
     cpu_hit_tokens: int
     new_blocks: int
+    external_tokens: int = 0
+    """Tokens beyond the local hits whose KV arrived from another engine (a P/D transfer)."""
 
     @property
     def cached_tokens(self) -> int:
         """Tokens that need no prefill compute (reported as `usage.prompt_tokens_details.cached_tokens`)."""
-        return self.gpu_hit_tokens + self.cpu_hit_tokens
+        return self.gpu_hit_tokens + self.cpu_hit_tokens + self.external_tokens
 
 
 @dataclass
@@ -103,6 +105,7 @@ class PrefixCache:
         cpu_blocks: int = 0,
         hashes_per_chunk: int = 4,
         group_idx: int = 0,
+        connector: bool = False,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0 or hashes_per_chunk <= 0 or cpu_blocks < 0:
             raise ValueError("num_blocks, block_size and hashes_per_chunk must be > 0, cpu_blocks >= 0")
@@ -122,6 +125,8 @@ class PrefixCache:
         self.cpu_capacity_chunks = cpu_blocks // hashes_per_chunk
         self._cpu: OrderedDict[bytes, _Chunk] = OrderedDict()  # key = last block digest, LRU order
         self._cpu_events: list[Event] = []
+        self.connector = connector or cpu_blocks > 0
+        """A KV connector is configured (CPU offload tier, NIXL): external_prefix_cache_* count."""
         # accounting (vLLM's prefix_cache_* and external_prefix_cache_* counters)
         self.queries = 0
         self.hits = 0
@@ -184,6 +189,27 @@ class PrefixCache:
         """All tokens (prompt and generated) of a running request."""
         return list(self._seqs[req_id].tokens)
 
+    def request_blocks(self, req_id: str) -> list[int]:
+        """Physical block ids of a request that holds blocks (running, or kept for a P/D transfer)."""
+        return list(self._seqs[req_id].blocks)
+
+    def block_contents(self, req_id: str, block_ids: Sequence[int]) -> list[list[int]] | None:
+        """The tokens held by some of a request's blocks, in the order asked (what a P/D transfer
+        reads: a block's KV is a function of these tokens and their prefix); None when a block id is
+        not one of the request's."""
+        seq = self._seqs.get(req_id)
+        if seq is None:
+            return None
+        where = {b: i for i, b in enumerate(seq.blocks)}
+        bs = self.block_size
+        out = []
+        for b in block_ids:
+            i = where.get(b)
+            if i is None:
+                return None
+            out.append(seq.tokens[i * bs : (i + 1) * bs])
+        return out
+
     def _max_hit_blocks(self, n_tokens: int) -> int:
         # vLLM always recomputes at least the last prompt token (it needs its logits).
         return max(n_tokens - 1, 0) // self.block_size
@@ -215,11 +241,14 @@ class PrefixCache:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
-    def admit(self, req_id: str, tokens: Sequence[int]) -> Admission | None:
+    def admit(self, req_id: str, tokens: Sequence[int], external_tokens: int = 0) -> Admission | None:
         """Prefill `tokens`: reuse the cached prefix, allocate the rest, cache every full block.
 
         Returns None (and changes nothing) when too few blocks are free. Also used to resume a
-        preempted request with its prompt plus generated tokens.
+        preempted request with its prompt plus generated tokens. `external_tokens`: the first tokens
+        whose KV was received from another engine (P/D); like local hits they need no compute, at
+        most all but the last token (whose logits the first output needs), and their full blocks are
+        cached and announced like computed ones.
         """
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} already admitted")
@@ -234,11 +263,13 @@ class PrefixCache:
         if new_blocks > len(self._free) - hit_in_free:
             return None
         n_hit_tokens = len(gpu_hit) * self.block_size
+        local = n_hit_tokens + cpu_hit * self.block_size
+        external = max(0, min(external_tokens, len(seq.tokens) - 1) - local)
         self.queries += len(seq.tokens)
         self.hits += n_hit_tokens
-        if self.cpu_capacity_chunks:
+        if self.connector:
             self.cpu_queries += len(seq.tokens) - n_hit_tokens
-            self.cpu_hits += cpu_hit * self.block_size
+            self.cpu_hits += cpu_hit * self.block_size + external
         for b in gpu_hit:
             self._pin(b)
         seq.blocks = gpu_hit + [self._allocate() for _ in range(new_blocks)]
@@ -246,7 +277,7 @@ class PrefixCache:
         seq.num_computed = len(seq.tokens)
         self._seqs[req_id] = seq
         self._cache_full_blocks(seq)
-        return Admission(n_hit_tokens, cpu_hit * self.block_size, new_blocks)
+        return Admission(n_hit_tokens, cpu_hit * self.block_size, new_blocks, external)
 
     def decode(self, req_id: str, token: int) -> bool:
         """One decode step: compute the previously sampled `token`; returns False if no block is free.

@@ -142,6 +142,9 @@ class StepScheduler(Generic[R]):
         self.waiting: deque[R] = deque()
         self.running: list[R] = []
         self.preemptions = 0
+        self.held: set[str] = set()
+        """Requests whose blocks stay pinned when they finish (a P/D prefill leg's blocks, kept
+        until the decode engine has read them); the caller frees them with ``cache.free``."""
 
     @property
     def has_work(self) -> bool:
@@ -187,21 +190,27 @@ class StepScheduler(Generic[R]):
         while self.waiting and not preempted and len(self.running) < model.max_num_seqs:
             req = self.waiting[0]
             tokens = req.prompt + req.outputs if req.outputs else req.prompt
+            # a P/D decode leg's request carries ``external_tokens``: prompt tokens whose KV another
+            # engine sent (no compute at admission); received once, then they are in this cache
+            external: int = getattr(req, "external_tokens", 0)
             if admitted:
                 gpu_hit, cpu_hit = cache.probe(tokens)
-                if prefill_tokens + len(tokens) - gpu_hit - cpu_hit > model.max_num_batched_tokens:
+                saved = max(gpu_hit + cpu_hit, min(external, len(tokens) - 1))
+                if prefill_tokens + len(tokens) - saved > model.max_num_batched_tokens:
                     break
-            adm = cache.admit(req.request_id, tokens)
+            adm = cache.admit(req.request_id, tokens, external)
             if adm is None:
-                if not self.running:  # cannot fit even alone: the caller fails it
-                    rejected.append(self.waiting.popleft())
+                if -(-len(tokens) // model.block_size) > cache.num_blocks:
+                    rejected.append(self.waiting.popleft())  # cannot fit even alone: the caller fails it
                     continue
-                break
+                break  # wait: running requests finish, blocks kept for a P/D transfer are read
             self.waiting.popleft()
             self.running.append(req)
             admitted.append(req)
             if req.cached_tokens is None:
                 req.cached_tokens = adm.cached_tokens
+            if external:
+                setattr(req, "external_tokens", 0)  # noqa: B010 - not part of SchedRequest
             prefill_tokens += len(tokens) - adm.cached_tokens
             cpu_blocks += adm.cpu_hit_tokens // model.block_size
         return StepPlan(
@@ -230,7 +239,10 @@ class StepScheduler(Generic[R]):
                 out.first.append(req)
             if len(req.outputs) >= req.max_tokens:
                 self.running.remove(req)
-                self.cache.free(req.request_id)
+                if req.request_id in self.held:
+                    self.held.discard(req.request_id)  # pinned for a transfer: the caller frees it
+                else:
+                    self.cache.free(req.request_id)
                 out.finished.append(req)
         return out
 

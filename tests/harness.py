@@ -98,10 +98,12 @@ class FakeEngine:
         self.model = model
         self.dp_size = dp_size
         self.requests: list[dict[str, Any]] = []
-        self.mode = "ok"  # ok | error500 | stall | slow_stream | held_stream | broken_stream | ...
+        self.mode = "ok"  # ok | error500 | error400 | stall | slow_stream | held_stream | broken_stream | ...
         self.release = False
         """held_stream: the stream ends once this is set (and then streamed `streamed` words)."""
         self.streamed = 0
+        self.pd_params: dict[str, Any] | None = None
+        """Answer prefill legs (kv_transfer_params.do_remote_decode) with these transfer parameters."""
         self.delay_s = 0.0
         self.disconnected = 0
         self.publishers = consecutive_publishers(ctx, dp_size)
@@ -138,10 +140,10 @@ class FakeEngine:
     def url(self) -> str:
         return self.server.url
 
-    def backend_toml(self) -> str:
+    def backend_toml(self, role: str = "both") -> str:
         return (
             f'[[backends]]\nname = "{self.name}"\nurl = "{self.url}"\nkv_events = "{self.kv_events}"\n'
-            f'kv_replay = "{self.kv_replay}"\ndp_size = {self.dp_size}\n'
+            f'kv_replay = "{self.kv_replay}"\ndp_size = {self.dp_size}\nrole = "{role}"\n'
         )
 
     def close(self) -> None:
@@ -169,6 +171,18 @@ class FakeEngine:
                 return JSONResponse(
                     {"error": {"message": "boom", "type": "internal", "code": 500}}, status_code=500
                 )
+            if engine.mode == "error400":
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "bad prompt",
+                            "type": "BadRequestError",
+                            "param": "prompt",
+                            "code": 400,
+                        }
+                    },
+                    status_code=400,
+                )
             if engine.mode == "stall":  # no headers for up to 30 s, like vLLM generating a non-stream reply
                 for _ in range(600):
                     await asyncio.sleep(0.05)
@@ -181,6 +195,10 @@ class FakeEngine:
                 await asyncio.sleep(engine.delay_s)
             rid = uuid.uuid4().hex
             usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+            params = body.get("kv_transfer_params")
+            transfer = (
+                engine.pd_params if isinstance(params, dict) and params.get("do_remote_decode") else None
+            )
             if body.get("stream"):
                 return StreamingResponse(engine._chunks(rid, chat, request), media_type="text/event-stream")
             if chat:
@@ -197,6 +215,7 @@ class FakeEngine:
                         "model": engine.model,
                         "choices": [choice],
                         "usage": usage,
+                        "kv_transfer_params": transfer,
                     }
                 )
             choice = {
@@ -213,6 +232,7 @@ class FakeEngine:
                     "model": engine.model,
                     "choices": [choice],
                     "usage": usage,
+                    "kv_transfer_params": transfer,
                 }
             )
 

@@ -55,6 +55,14 @@ EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_tokenizer_cache_tokens_total": ("counter", frozenset({"result"})),
     "kvrouter_tokenizer_cache_bytes": ("gauge", frozenset()),
     "kvrouter_tokenizer_cache_disabled": ("gauge", frozenset()),
+    # P/D disaggregation (router/pd/metrics.py)
+    "kvrouter_pd_requests_total": ("counter", frozenset({"mode"})),
+    "kvrouter_pd_skips_total": ("counter", frozenset({"reason"})),
+    "kvrouter_pd_fallbacks_total": ("counter", frozenset({"backend", "reason"})),
+    "kvrouter_pd_legs_total": ("counter", frozenset({"leg", "backend", "status"})),
+    "kvrouter_pd_leg_first_byte_seconds": ("histogram", frozenset({"leg"})),
+    "kvrouter_pd_prompt_tokens_total": ("counter", frozenset({"leg"})),
+    "kvrouter_pd_matched_tokens_total": ("counter", frozenset({"leg"})),
 }
 # Exported only by routers with a [cluster] table (redis_url, session_header); test_cluster.py scrapes them.
 CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {

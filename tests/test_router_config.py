@@ -29,6 +29,7 @@ from router.decision.policy import PolicyConfig
 from router.fleet.breaker import BreakerConfig
 from router.fleet.runtime import sources_of
 from router.observe.checks import ChecksConfig
+from router.pd.config import PDConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKEND = {"name": "a", "url": "http://127.0.0.1:8000", "kv_events": "tcp://127.0.0.1:5557"}
@@ -55,6 +56,10 @@ def cfg(**top: Any) -> dict[str, Any]:
         (cfg(server={"port": 70000}), "server.port"),
         (cfg(tokenizer="/does/not/exist"), "tokenizer"),
         (cfg(unknown_key=1), "unknown_key"),
+        (cfg(pd={"connector": "mooncake"}), "pd.connector"),
+        (cfg(pd={"min_uncached_tokens": -1}), "pd"),
+        (cfg(pd={"prefill_policy": "fastest"}), "pd.prefill_policy"),
+        (cfg(pd={"prefill_timeout_s": 0}), "pd.prefill_timeout_s"),
     ],
 )
 def test_config_errors_name_the_key(data: dict[str, Any], message: str) -> None:
@@ -117,6 +122,7 @@ STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [
     ("checks.", ChecksConfig),
     ("membership.kubernetes.", KubernetesConfig),
     ("cluster.", ClusterConfig),
+    ("pd.", PDConfig),
 ]
 
 

@@ -17,6 +17,7 @@ import msgspec
 from index.keys import TokenBuffer
 from index.kvindex import KVIndex, MatchReport
 from index.store import SourceMatch
+from router.decision.pd import PDPlan, PDPlanner
 from router.decision.policy import Candidate, CandidateScore, Decision, Policy, explain
 from router.decision.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
 from router.fleet.breaker import Breakers
@@ -55,12 +56,17 @@ class Route(msgspec.Struct):
     membership changed meanwhile: a request decided before a drain still goes where it was sent)."""
     affinity: str = ""
     """With a session header: what its pin did (router.cluster.affinity.Result); "" otherwise."""
+    pd: PDPlan | None = None
+    """Prefill/decode disaggregation: the prefill choice and whether its leg runs (None: the model
+    is not disaggregated). ``backend``/``candidates`` are then the decode choice."""
 
     def explain(self) -> dict[str, Any]:
         """The JSON body of ``/route`` (and of the dashboard's recent decisions); the candidates'
         reasons are written here, the first time the decision is shown."""
         if self.candidates and not any(c.reason for c in self.candidates):
             explain(self.policy, self.candidates, self.outcome)
+        if self.pd is not None:
+            self.pd.explain()
         members, self.members = self.members, {}
         try:
             out: dict[str, Any] = msgspec.to_builtins(self)
@@ -139,7 +145,12 @@ class RouterService:
         tokenizer: RequestTokenizer,
         recent: int = 50,
         breakers: Breakers | None = None,
+        pd: PDPlanner | None = None,
     ) -> None:
+        self.pd = pd
+        """Prefill/decode disaggregation (router/decision/pd.py); None: roles are ignored."""
+        self._prefill_version = -1
+        self._prefill_members: list[Member] = []
         self.index = index
         self.breakers = breakers or Breakers()
         self.membership = membership
@@ -210,11 +221,28 @@ class RouterService:
                 cands.append(Candidate(target[0], target[1], 0, {}, get_load(target)))
             else:
                 cands.append(Candidate(target[0], target[1], m.blocks, m.by_medium, get_load(target)))
-        decision: Decision = self.policy.choose(
-            prompt_blocks, block_size, cands, have_prompt=tokens is not None
-        )
-        affinity = ""  # --- session affinity (router/cluster) ---
-        if session is not None and self.affinity is not None:
+        # --- P/D hook (router/decision/pd.py): two pools when prefill-role engines take this model
+        pools = self._pools(model, backends, cands) if self.pd is not None else None
+        plan: PDPlan | None = None
+        if pools is None:
+            decision: Decision = self.policy.choose(
+                prompt_blocks, block_size, cands, have_prompt=tokens is not None
+            )
+        else:
+            assert self.pd is not None
+            decision, plan = self.pd.choose(
+                self.policy,
+                len(tokens) if tokens is not None else 0,
+                prompt_blocks,
+                block_size,
+                pools[0],
+                pools[1],
+                have_prompt=tokens is not None,
+                dry_run=dry_run,
+            )
+        # --- end P/D hook
+        affinity = ""  # --- session affinity (router/cluster); P/D decisions keep their own pools
+        if session is not None and self.affinity is not None and plan is None:
             affinity = self.affinity.steer(session, decision, dry_run=dry_run)
         t3 = time.perf_counter()
         chosen: SourceMatch | None = matches.get((decision.backend, decision.dp_rank))
@@ -241,17 +269,38 @@ class RouterService:
             policy=self.policy.config.name,
             members={b.name: b for b in backends},
             affinity=affinity,
+            pd=plan,
         )
         if not dry_run:
             if report is not None:
                 self.index.predict((decision.backend, decision.dp_rank), report)
+                if plan is not None and plan.prefill_target is not None:  # P/D: both legs' engines
+                    self.index.predict(plan.prefill_target, report)
             self.recent.append(route)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", msgspec.json.encode(route.explain()).decode())
         return route
 
+    def _pools(
+        self, model: str, backends: list[Member], cands: list[Candidate]
+    ) -> tuple[list[Candidate], list[Candidate]] | None:
+        """(prefill pool, decode pool) candidates when the model has prefill-role engines (in any
+        state: with all of them down it is still disaggregated, its prefill legs skipped), else None.
+        A fleet without prefill engines pays one version check."""
+        if self._prefill_version != self.membership.version:
+            self._prefill_version = self.membership.version
+            self._prefill_members = [m for m in self.membership.members.values() if m.spec.role == "prefill"]
+        if not any(m.serves(model) for m in self._prefill_members):
+            return None
+        roles = {b.name: b.spec.role for b in backends}
+        prefill = [c for c in cands if roles[c.backend] == "prefill"]
+        decode = [c for c in cands if roles[c.backend] != "prefill"]
+        return prefill, decode
+
     def uncached_tokens(self, route: Route, target: tuple[str, int]) -> int:
         """Prompt tokens the target still has to compute (for the load tracker)."""
+        if route.pd is not None and route.pd.prefill_status == "ok":
+            return 0  # P/D: the decode engine pulls the prompt's blocks; it computes (almost) nothing
         for c in route.candidates:
             if (c.backend, c.dp_rank) == target:
                 return max(route.prompt_tokens - c.matched_blocks * route.block_size, 0)

@@ -40,6 +40,7 @@ from router.http.upstream import (
 )
 from router.observe.checks import PredictionChecks, strip_usage, usage_event, usage_in_json
 from router.observe.metrics import RouterMetrics
+from router.pd.exchange import PDExchange
 
 if TYPE_CHECKING:
     from router.cluster.affinity import SessionAffinity
@@ -139,7 +140,10 @@ class ProxyHandler:
         authorize: Callable[[Scope], None],
         health: HealthChecker,
         checks: PredictionChecks | None = None,
+        pd: PDExchange | None = None,
     ) -> None:
+        self.pd = pd
+        """Prefill/decode disaggregation: runs a decision's prefill leg, then :meth:`_exchange`."""
         self.service = service
         self.health = health
         self.checks = checks
@@ -225,10 +229,15 @@ class ProxyHandler:
             decision_s,
         )
         strip = False
-        if self.checks is not None and parsed.get("stream") is True:
-            body, strip = self._ask_for_usage(parsed, body)
+        if self.checks is not None and parsed.get("stream") is True and route.pd is None:
+            body, strip = self._ask_for_usage(parsed, body)  # (not on P/D routes: their legs differ)
         try:
-            await self._exchange(path, headers, writer, body, route, strip)
+            if route.pd is not None and self.pd is not None:  # P/D hook (router/pd/exchange.py)
+                await self.pd.run(
+                    path, list(headers), body, parsed, route, writer, self._exchange, self._headers
+                )
+            else:
+                await self._exchange(path, headers, writer, body, route, strip)
         except asyncio.CancelledError:
             if gone():
                 log.debug("client disconnected; upstream request to %s cancelled", route.backend)

@@ -203,6 +203,10 @@ class RouterMetrics:
         """Another part's figures, read at scrape time (membership sources, the cluster store, ...)."""
         self.registry.register(collector)
 
+    def add_series(self, series: Sequence[LeanCounter | LeanHistogram]) -> None:
+        """Export more request-path series with these (a feature's own, e.g. router/pd/metrics.py)."""
+        self._lean.extend(series)
+
     def backend(self, name: str) -> BackendCounters:
         """Cumulative counters of one backend."""
         c = self.per_backend.get(name)

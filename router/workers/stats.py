@@ -33,6 +33,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from router.pd.metrics import NAMES as PD_SUMMED
+
 log = logging.getLogger("kvrouter.workers")
 
 SUMMED = frozenset(
@@ -61,6 +63,7 @@ SUMMED = frozenset(
         "kvrouter_session_pins",
     }
 )
+SUMMED = SUMMED | PD_SUMMED  # P/D series (router/pd/metrics.py) are request-path series too
 """Families summed over workers; the rest comes from the lowest worker."""
 
 _DASH_COUNTERS = ("requests", "errors", "prompt_tokens", "matched_tokens")
