@@ -343,7 +343,7 @@ class Ingestor:
         return sidx
 
     def source_name(self, sidx: int) -> str:
-        src = self.store.sources()[sidx] if sidx < len(self.store.sources()) else ("?", 0)
+        src = self.store.source_of(sidx) or ("?", 0)
         return f"{src[0]}/dp{src[1]}"
 
     def apply(self, sidx: int, batch: Batch) -> None:

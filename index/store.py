@@ -79,6 +79,9 @@ class PrefixStore:
         self._media_names: list[str] = list(MEDIA)
         self._sources: list[SourceId | None] = []
         self._index_of: dict[SourceId, int] = {}
+        self._retiring: set[int] = set()
+        """Slots detached from their source whose residencies are not dropped yet: not reused, so a
+        source that comes back under the same id meanwhile gets a fresh slot, not the old blocks."""
 
     @property
     def core(self) -> Any:
@@ -110,9 +113,10 @@ class PrefixStore:
         bits, do not grow while sources come and go)."""
         if source in self._index_of:
             return self._index_of[source]
-        try:
-            idx = self._sources.index(None)
-        except ValueError:
+        free = [i for i, s in enumerate(self._sources) if s is None and i not in self._retiring]
+        if free:
+            idx = free[0]
+        else:
             idx = int(self._core.new_slot())
             self._sources.append(None)
         self._sources[idx] = source
@@ -122,12 +126,31 @@ class PrefixStore:
     def remove_source(self, source: SourceId) -> None:
         """Forget a source entirely: its residencies go (in slices; lookups go on meanwhile) and its
         tables are freed."""
+        idx = self.detach(source)
+        if idx is not None:
+            self.release(idx)
+
+    def detach(self, source: SourceId) -> int | None:
+        """Unregister a source at once (lookups stop seeing it; its id is free to register again)
+        and return its slot, which keeps its residencies until :meth:`release`. Splitting the two
+        lets the ingest thread drop the blocks in stream order while the control thread re-adds a
+        source of the same id (a pod recreated under its name) without the two colliding."""
         idx = self._index_of.pop(source, None)
         if idx is None:
-            return
-        self.drop(idx)
+            return None
         self._sources[idx] = None
+        self._retiring.add(idx)
+        return idx
+
+    def release(self, idx: int) -> None:
+        """Drop a detached slot's residencies and make the slot reusable."""
+        self.drop(idx)
         self._core.reset_counters(idx)
+        self._retiring.discard(idx)
+
+    def source_of(self, idx: int) -> SourceId | None:
+        """The source registered in a slot (None when free or retiring)."""
+        return self._sources[idx] if 0 <= idx < len(self._sources) else None
 
     def source_index(self, source: SourceId) -> int | None:
         """Dense index of a registered source."""

@@ -321,10 +321,14 @@ class EventSubscriber:
             src.monitor.close(0)
         if forget:
             ingestor = self.ingestor
+            # detached now (a source re-added under this id meanwhile gets a fresh slot), dropped in
+            # stream order behind the chunks already handed over
+            sidx = ingestor.store.detach(source)
 
             def forget_source() -> None:
-                ingestor.stats.pop(src.sidx, None)  # (first: the slot may be reused right after)
-                ingestor.store.remove_source(source)  # in slices, without the GIL (index/store.py)
+                ingestor.stats.pop(src.sidx, None)  # (first: the slot is reusable right after)
+                if sidx is not None:
+                    ingestor.store.release(sidx)  # in slices, without the GIL (index/store.py)
                 _kvcore.trim()  # the tables are unmapped already; the heap's free pages go back too
 
             self._submit(forget_source)  # after the source's chunks already handed over

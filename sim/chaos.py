@@ -482,11 +482,14 @@ class Soak:
         return None
 
     async def _schedule(self) -> None:
+        # faults start on a fixed grid (t0 + k * interval), not an interval after the previous one
+        # ended: a fault's own hold, heal and convergence do not push the rest of the schedule out
         async with httpx.AsyncClient(timeout=10) as c:
             k = 0
             while not self._stop.is_set():
+                due = self._t0 + (k + 1) * self.cfg.fault_interval_s
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), self.cfg.fault_interval_s)
+                    await asyncio.wait_for(self._stop.wait(), max(0.0, due - time.monotonic()))
                 if self._stop.is_set():
                     return
                 fault = self.cfg.faults[k % len(self.cfg.faults)]

@@ -404,5 +404,33 @@ def test_remove_and_re_add_sources_while_running_reuses_slots(
         assert idx.source_blocks_by_medium((f"pod{round_}", 0))["GPU"] >= 1
         idx.remove_source((f"pod{round_}", 0))
         wait_for(lambda r=round_: idx.store.source_index((f"pod{r}", 0)) is None, "removed")  # type: ignore[misc]
+        wait_for(lambda: not idx.store._retiring, "its blocks dropped and its slot freed")
         assert idx.store.total == 0
     assert len(idx.store._sources) == 1  # one slot, reused
+
+
+def test_a_source_re_added_under_its_id_at_once_keeps_its_new_stream(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """A pod recreated under its name (a StatefulSet) is removed and re-added in one go, before the
+    ingest thread has dropped the old blocks: the new stream must neither inherit the old blocks nor
+    be wiped by the old removal landing after it."""
+    idx = make_index()
+    old, new = make_pub(replay_endpoint=None), make_pub(replay_endpoint=None)
+    c_old, c_new = Chain(1), Chain(2)
+    idx.add_source(connect(old, instance="sts"))
+    wait_for(lambda: any(s.source == "sts/dp0" for s in idx.status()), "added")
+    publish_until_seen(old, idx, c_old, source="sts/dp0")
+    for _ in range(3):
+        old.publish([c_old.extend(4)])
+    wait_for(lambda: matched(idx, c_old.tokens, ("sts", 0)) == len(c_old.tokens) // BS, "old chain indexed")
+    idx.remove_source(("sts", 0))
+    idx.add_source(connect(new, instance="sts"))
+    wait_for(lambda: any(s.endpoint == new.endpoint for s in idx.status()), "the new stream listed")
+    publish_until_seen(new, idx, c_new, source="sts/dp0")
+    new.publish([c_new.extend(3)])
+    want = len(c_new.tokens) // BS
+    wait_for(lambda: matched(idx, c_new.tokens, ("sts", 0)) == want, "new chain indexed")
+    assert matched(idx, c_old.tokens, ("sts", 0)) == 0  # nothing inherited
+    assert [s.endpoint for s in idx.status()] == [new.endpoint]
+    assert idx.source_keys(("sts", 0)) == {"GPU": set(prompt_keys(c_new.tokens, BS))}
