@@ -33,6 +33,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -538,6 +539,7 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
         nfresh++;
     }
     src->ss[S_TAIL] = tail;
+    int remapped = 0;
     if (nfresh != n) {
         for (i64 j = 0; j < n; j++) {
             if (fresh[j]) continue;
@@ -546,6 +548,7 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
             if (cur != keys[j]) {
                 forget(s, src, sidx, cur);
                 em[i * 3 + 1] = keys[j];
+                remapped = 1;
             }
         }
     }
@@ -554,6 +557,13 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
     i64 added = 0;
     for (i64 j = 0; j < n; j++) {
         u64 key = keys[j];
+        /* a hash listed twice in the event with different keys: its last listing decides, and a
+         * listing with another key adds nothing (else that key would be held with no engine hash
+         * leading to it: no removal, clear or drop could end it) */
+        if (remapped) {
+            i64 i = em_find(src, ehs[j]);
+            if (i >= 0 && em[i * 3 + 1] != key) continue;
+        }
         size_t r = kt_insert(s, key);
         if (KT(s, r, col) & bit) {
             rt_add(s, key, tag, 1);

@@ -416,6 +416,7 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
         p += 5;
     } else
         return -1; /* an int ts: rare, the Python path takes it */
+    if (!isfinite(*ts)) return -1; /* a decode error (index/wire.py) */
     p = rd_array(p, end, &nev);
     if (!p || nev > (u64)(end - p)) return -1;
     int shape = -1; /* 0 maps, 1 arrays: one shape per batch (a mix fails both typed decoders) */

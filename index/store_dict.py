@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from index.store import MEDIA, SourceCounts, SourceId, SourceMatch
+from index.store import MAX_MEDIA, MAX_MEDIUM_NAME, MEDIA, SourceCounts, SourceId, SourceMatch
 
 
 def _unset(media: dict[int, int], key: int, bit: int) -> bool:
@@ -107,10 +107,14 @@ class DictPrefixStore:
         return [s for s in self._sources if s is not None]
 
     def medium_index(self, medium: str) -> int:
-        """Index of a medium name, registering names beyond GPU/CPU/STORAGE on first use."""
+        """Index of a medium name, registering names beyond GPU/CPU/STORAGE on first use (the compact
+        store's limits: at most ``MAX_MEDIA`` names of at most ``MAX_MEDIUM_NAME`` bytes; ValueError
+        beyond)."""
         try:
             return self._media_names.index(medium)
         except ValueError:
+            if len(self._media_names) >= MAX_MEDIA or len(medium.encode()) > MAX_MEDIUM_NAME:
+                raise ValueError("too many media, or a medium name over 31 bytes") from None
             self._media_names.append(medium)
             self._media.append({})
             for counts in self._counts:
@@ -138,20 +142,24 @@ class DictPrefixStore:
         bit = 1 << sidx
         if len(engine_hashes) != len(keys):
             raise ValueError("one key per engine hash")
-        # one probe per block: setdefault inserts the new mappings (in order) and hands back the
-        # current key of hashes already mapped, which the loop below settles one by one
+        # one probe per block: setdefault inserts the new mappings (in order); when some hashes were
+        # mapped already (the dict grew by less), the loop below settles every listing in order
         before = len(emap)
-        olds = list(map(emap.setdefault, engine_hashes, keys))
+        remapped = False
+        collections.deque(map(emap.setdefault, engine_hashes, keys), maxlen=0)
         if len(emap) - before != len(keys):
-            for eh, key, old in zip(engine_hashes, keys, olds, strict=True):
-                if old is key:
-                    continue  # inserted just now
-                current = emap[eh]  # not ``old``: a hash listed twice may have moved on since
+            for eh, key in zip(engine_hashes, keys, strict=True):
+                current = emap[eh]  # not setdefault's answer: a hash listed twice may have moved on since
                 if current != key:
                     # the same engine block now resolves to another key (its parent became known):
                     # retire the old key's residencies so nothing stale survives.
                     self._forget(sidx, current)
                     emap[eh] = key
+                    remapped = True
+            if remapped:
+                # a hash listed twice with different keys: its last listing decides; the others add
+                # nothing (their key would be held with no engine hash leading to it, for good)
+                keys = [key for eh, key in zip(engine_hashes, keys, strict=True) if emap[eh] == key]
         if media.keys().isdisjoint(keys):
             # all new: one bulk insert; a key listed twice in the event (the dict grew by less than
             # the list is long) gets one reference per extra listing, as the per-block path would
