@@ -1015,9 +1015,10 @@ static PyObject *Store_apply_ops(Store *s, PyObject *args) {
     const i64 *ops = (const i64 *)o.data;
     for (i64 j = 0; j < nops; j++) { /* validate everything before changing anything */
         const i64 *row = ops + j * width;
-        i64 lim = row[0] == 0 ? e.n : r.n;
+        i64 lim = row[0] == 0 ? (e.n < k.n ? e.n : k.n) : r.n;
+        /* (first and count each within lim before their sum: no overflow) */
         if ((row[0] != 0 && row[0] != 1) || row[1] < 0 || row[1] >= s->nm || row[2] < 0 || row[3] < 0 ||
-            row[2] + row[3] > lim || (row[0] == 0 && row[2] + row[3] > k.n)) {
+            row[2] > lim || row[3] > lim - row[2]) {
             PyErr_Format(PyExc_ValueError, "bad op row %lld", (long long)j);
             goto fail_r;
         }
@@ -1300,7 +1301,11 @@ static PyObject *Store_refcount(Store *s, PyObject *args) {
     long long sidx, m;
     unsigned long long key;
     if (!PyArg_ParseTuple(args, "LKL", &sidx, &key, &m)) return NULL;
-    if (check_medium(s, m) || sidx < 0) return NULL;
+    if (check_medium(s, m)) return NULL;
+    if (sidx < 0) {
+        PyErr_Format(PyExc_IndexError, "no source slot %lld", sidx);
+        return NULL;
+    }
     lock(s);
     i64 out = 0;
     i64 r = kt_find(s, key);
@@ -1743,7 +1748,7 @@ static const uint8_t *json_skip(const uint8_t *p, const uint8_t *end) {
         uint8_t c = *p;
         if (c == '"') {
             p++;
-            while (p < end && *p != '"') p += (*p == '\\') ? 2 : 1;
+            while (p < end && *p != '"') p += (*p == '\\' && end - p > 1) ? 2 : 1;
             if (p >= end) return NULL;
             p++;
         } else if (c == '[' || c == '{') {
