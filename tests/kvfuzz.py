@@ -38,6 +38,7 @@ import logging
 import os
 import struct
 import sys
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +75,9 @@ if __name__ == "__main__":  # coverage for the Python of index/ (atheris; only i
 else:
     _instrumented = contextlib.nullcontext()
 with _instrumented:
+    from index import _kvcore
     from index.ingest import Ingestor, SourceStats
+    from index.keys import BASE_ROOT
     from index.store import PrefixStore
     from index.store_dict import DictPrefixStore
     from index.subscriber import EventSubscriber, SourceConfig, _Source
@@ -268,6 +271,8 @@ class Outcome:
     bad_events: int = 0
     applied: int = 0
     """Batches applied (C stack)."""
+    lookups: int = 0
+    """Prompts (chains the chunk stored) looked up in all three stores and compared."""
     residencies: int = 0
 
     def add(self, other: Outcome) -> None:
@@ -312,6 +317,35 @@ class _Divergence:
         return False
 
 
+def prompts(chunk: Sequence[tuple[int, Batch | bytes | None]], most: int = 2) -> list[bytes]:
+    """Prompt keys built from the chunk's stored chains that start a prompt (lookups of real blocks)."""
+    out = []
+    for _, item in chunk:
+        if isinstance(item, bytes):
+            try:
+                item = decode_payload(item)
+            except WireError:
+                continue
+        for ev in item.events if item is not None else ():
+            if type(ev) is not BlockStored or ev.parent_block_hash is not None:
+                continue
+            tokens, bs = ev.token_ids, ev.block_size
+            if not 0 < bs <= 4096 or len(tokens) < bs:
+                continue
+            if all(type(t) is int and 0 <= t < 1 << 64 for t in tokens):
+                out.append(_kvcore.prompt_keys(list(tokens), bs, BASE_ROOT, None))
+                if len(out) == most:
+                    return out
+    return out
+
+
+def lookups(store: Any, keys: Sequence[bytes]) -> list[Any]:
+    """Each prompt's match on both sources (the dict store takes ints, the C store the uint64 bytes)."""
+    if isinstance(store, DictPrefixStore):
+        keys = [array("Q", k).tolist() for k in keys]  # type: ignore[misc]
+    return [[(m.source, m.blocks, m.by_medium) for m in store.lookup(k, [0, 1])] for k in keys]
+
+
 class Target:
     """Runs inputs; one ZeroMQ context for every stack (no socket is ever opened)."""
 
@@ -335,12 +369,16 @@ class Target:
                 comparable = False  # from here on the C store may differ (it never may in vLLM streams)
             snaps = [snapshot(s.store) for s in stacks]
             counters = [s.counters() for s in stacks]
-            if snaps[1] != snaps[2] or counters[1] != counters[2]:
-                raise Finding(f"python path: compact store != dict store\n{_diff(snaps[1:], counters[1:])}")
+            keys = prompts(fed[1])
+            found = [lookups(s.store, keys) for s in stacks]
+            if snaps[1] != snaps[2] or counters[1] != counters[2] or found[1] != found[2]:
+                diff = _diff(snaps[1:], counters[1:])
+                raise Finding(f"python path: compact store != dict store\n{diff}\n{found[1:]}")
             if comparable:
                 out.compared += 1
-                if snaps[0] != snaps[1] or counters[0] != counters[1]:
-                    raise Finding(f"C path != Python path\n{_diff(snaps[:2], counters[:2])}")
+                out.lookups += len(keys)
+                if snaps[0] != snaps[1] or counters[0] != counters[1] or found[0] != found[1]:
+                    raise Finding(f"C path != Python path\n{_diff(snaps[:2], counters[:2])}\n{found[:2]}")
             else:
                 out.not_compared += 1
                 check_invariants(c.store, "c", snaps[0])

@@ -71,7 +71,7 @@ def test_byte_level_mutations(target: Target) -> None:
         total.add(target.run(data))
     # the mutations reach both sides: broken payloads, skipped events, and applied batches compared
     assert total.decode_errors > INPUTS and total.bad_events > 0 and total.applied > INPUTS
-    assert total.compared > 10 * total.not_compared
+    assert total.compared > 10 * total.not_compared and total.lookups > INPUTS // 4
 
 
 # ---- 2. structure-aware mutations ------------------------------------------------------------------
