@@ -263,6 +263,8 @@ class Outcome:
     """What one input did (summed over inputs by the runners)."""
 
     messages: int = 0
+    payloads: int = 0
+    """Messages whose payload reached the decoder (three frames, an 8-byte seq)."""
     chunks: int = 0
     compared: int = 0
     """Chunks where the C path and the Python path were compared."""
@@ -360,7 +362,7 @@ class Target:
         messages = parse(data)
         stacks = [Stack(k, self.ctx) for k in ("c", "py", "dict")]
         c, _, ref = stacks
-        out = Outcome(messages=len(messages))
+        out = Outcome(messages=len(messages), payloads=sum(m.frame_mode < 6 for m in messages))
         comparable = True
         for part in chunks(messages):
             out.chunks += 1
