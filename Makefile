@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench fuzz soak clean
+.PHONY: demo test lint typecheck unit bench fuzz fuzz-http fuzz-kv soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,13 +39,45 @@ soak: $(STAMP)
 	$(BIN)/python bench/soak.py --minutes $(SOAK_MINUTES)
 
 ## fuzz: the long fuzz runs (bounded versions run in make test); counts go to fuzz-report.jsonl
+##   fuzz-http: the HTTP surface (FUZZ_HTTP_CASES per mode)
+##   fuzz-kv: the KV event decoder and ingest, coverage-guided (atheris), with the C core built with
+##     ASan and UBSan by clang (installed with apt-get when missing); FUZZ_KV_RUNS inputs, at most
+##     FUZZ_KV_SECONDS; progress in build/fuzz/kv-report.jsonl, a failing input in build/fuzz/crash-*
 FUZZ_HTTP_CASES ?= 6000
-fuzz: $(STAMP)
+FUZZ_KV_RUNS ?= 1000000
+FUZZ_KV_SECONDS ?= 10800
+FUZZ_DIR := build/fuzz
+KVCORE_ASAN := $(FUZZ_DIR)/_kvcore_asan.so
+fuzz: fuzz-kv fuzz-http
+
+fuzz-http: $(STAMP)
 	rm -f fuzz-report.jsonl
 	FUZZ_HTTP_CASES=$(FUZZ_HTTP_CASES) FUZZ_REPORT=$(CURDIR)/fuzz-report.jsonl \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider -o timeout=7200 tests/test_fuzz_http.py
 	$(BIN)/python -c "import json; rows = [json.loads(l) for l in open('fuzz-report.jsonl')]; \
 	  print('fuzz cases:', {r['fuzz'].split()[0]: sum(x['cases'] for x in rows if x['fuzz'].split()[0] == r['fuzz'].split()[0]) for r in rows})"
+
+# the C core again, instrumented for libFuzzer's coverage, ASan and UBSan (any UB aborts); the
+# fuzz target loads it instead of the installed one (KVROUTER_KVCORE, tests/kvfuzz.py)
+$(KVCORE_ASAN): index/_kvcore.c index/_kvingest.h $(STAMP)
+	mkdir -p $(FUZZ_DIR)
+	command -v clang >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null; }
+	clang -shared -fPIC -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined \
+	  -fno-sanitize-recover=all -std=gnu11 -fno-strict-aliasing -Wall -Wextra -Wno-unused-parameter \
+	  -I"$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	  index/_kvcore.c -o $@
+
+fuzz-kv: $(KVCORE_ASAN)
+	mkdir -p $(FUZZ_DIR)/corpus $(FUZZ_DIR)/seeds
+	$(BIN)/python tests/kvfuzz.py --write-seeds $(FUZZ_DIR)/seeds
+	rm -f $(FUZZ_DIR)/kv-report.jsonl
+	cd $(FUZZ_DIR) && LD_PRELOAD="$$($(CURDIR)/$(BIN)/python -c 'import atheris; print(atheris.path())')/asan_with_fuzzer.so" \
+	  ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  KVROUTER_KVCORE=$(CURDIR)/$(KVCORE_ASAN) KVFUZZ_REPORT=$(CURDIR)/$(FUZZ_DIR)/kv-report.jsonl \
+	  $(CURDIR)/$(BIN)/python $(CURDIR)/tests/kvfuzz.py -runs=$(FUZZ_KV_RUNS) -max_total_time=$(FUZZ_KV_SECONDS) \
+	    -max_len=16384 -timeout=60 -rss_limit_mb=4096 -print_final_stats=1 corpus seeds
+	tail -n 1 $(FUZZ_DIR)/kv-report.jsonl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -33,6 +33,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -538,6 +539,7 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
         nfresh++;
     }
     src->ss[S_TAIL] = tail;
+    int remapped = 0;
     if (nfresh != n) {
         for (i64 j = 0; j < n; j++) {
             if (fresh[j]) continue;
@@ -546,6 +548,7 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
             if (cur != keys[j]) {
                 forget(s, src, sidx, cur);
                 em[i * 3 + 1] = keys[j];
+                remapped = 1;
             }
         }
     }
@@ -554,6 +557,13 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
     i64 added = 0;
     for (i64 j = 0; j < n; j++) {
         u64 key = keys[j];
+        /* a hash listed twice in the event with different keys: its last listing decides, and a
+         * listing with another key adds nothing (else that key would be held with no engine hash
+         * leading to it: no removal, clear or drop could end it) */
+        if (remapped) {
+            i64 i = em_find(src, ehs[j]);
+            if (i >= 0 && em[i * 3 + 1] != key) continue;
+        }
         size_t r = kt_insert(s, key);
         if (KT(s, r, col) & bit) {
             rt_add(s, key, tag, 1);
@@ -1005,9 +1015,10 @@ static PyObject *Store_apply_ops(Store *s, PyObject *args) {
     const i64 *ops = (const i64 *)o.data;
     for (i64 j = 0; j < nops; j++) { /* validate everything before changing anything */
         const i64 *row = ops + j * width;
-        i64 lim = row[0] == 0 ? e.n : r.n;
+        i64 lim = row[0] == 0 ? (e.n < k.n ? e.n : k.n) : r.n;
+        /* (first and count each within lim before their sum: no overflow) */
         if ((row[0] != 0 && row[0] != 1) || row[1] < 0 || row[1] >= s->nm || row[2] < 0 || row[3] < 0 ||
-            row[2] + row[3] > lim || (row[0] == 0 && row[2] + row[3] > k.n)) {
+            row[2] > lim || row[3] > lim - row[2]) {
             PyErr_Format(PyExc_ValueError, "bad op row %lld", (long long)j);
             goto fail_r;
         }
@@ -1290,7 +1301,11 @@ static PyObject *Store_refcount(Store *s, PyObject *args) {
     long long sidx, m;
     unsigned long long key;
     if (!PyArg_ParseTuple(args, "LKL", &sidx, &key, &m)) return NULL;
-    if (check_medium(s, m) || sidx < 0) return NULL;
+    if (check_medium(s, m)) return NULL;
+    if (sidx < 0) {
+        PyErr_Format(PyExc_IndexError, "no source slot %lld", sidx);
+        return NULL;
+    }
     lock(s);
     i64 out = 0;
     i64 r = kt_find(s, key);
@@ -1733,7 +1748,7 @@ static const uint8_t *json_skip(const uint8_t *p, const uint8_t *end) {
         uint8_t c = *p;
         if (c == '"') {
             p++;
-            while (p < end && *p != '"') p += (*p == '\\') ? 2 : 1;
+            while (p < end && *p != '"') p += (*p == '\\' && end - p > 1) ? 2 : 1;
             if (p >= end) return NULL;
             p++;
         } else if (c == '[' || c == '{') {

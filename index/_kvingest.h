@@ -5,6 +5,8 @@
  * payload handed back to Python ("punted") has changed nothing.
  */
 
+#define SCRATCH_KEEP (1 << 20) /* scratch entries (8 bytes each) kept between calls, at most */
+
 /* ---- bounded msgpack reading ---- */
 typedef const uint8_t *P;
 
@@ -416,6 +418,7 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
         p += 5;
     } else
         return -1; /* an int ts: rare, the Python path takes it */
+    if (!isfinite(*ts)) return -1; /* a decode error (index/wire.py) */
     p = rd_array(p, end, &nev);
     if (!p || nev > (u64)(end - p)) return -1;
     int shape = -1; /* 0 maps, 1 arrays: one shape per batch (a mix fails both typed decoders) */
@@ -588,6 +591,7 @@ static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf,
 
 typedef struct {
     i64 sidx;
+    PyObject *obj;
     P data;
     size_t len;
 } Item;
@@ -604,7 +608,7 @@ static PyObject *Store_ingest(Store *s, PyObject *args) {
         PyErr_SetString(PyExc_IndexError, "start out of range");
         return NULL;
     }
-    /* gather the payloads up to the first None (the list keeps them alive while the GIL is released) */
+    /* gather the payloads up to the first None (held by references of our own while the GIL is released) */
     Py_ssize_t stop = start;
     size_t maxlen = 0;
     Item *its = malloc(sizeof(Item) * (size_t)(n - start + 1));
@@ -613,6 +617,7 @@ static PyObject *Store_ingest(Store *s, PyObject *args) {
     for (; stop < n; stop++) {
         PyObject *it = PyList_GET_ITEM(items, stop);
         if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 2) {
+            for (Py_ssize_t k = start; k < stop; k++) Py_DECREF(its[k - start].obj);
             free(its);
             PyErr_SetString(PyExc_TypeError, "items are (source index, payload) tuples");
             return NULL;
@@ -626,13 +631,20 @@ static PyObject *Store_ingest(Store *s, PyObject *args) {
             status = 1; /* e.g. an already decoded batch: the Python path */
             break;
         }
-        long long sidx = PyLong_AsLongLong(PyTuple_GET_ITEM(it, 0));
-        if (PyErr_Occurred() || check_sidx(s, sidx)) {
+        PyObject *so = PyTuple_GET_ITEM(it, 0);
+        /* an int proper: converting anything else could run Python code (__index__) that changes the
+         * list under this loop */
+        long long sidx = PyLong_Check(so) ? PyLong_AsLongLong(so) : -1;
+        if (!PyLong_Check(so) || PyErr_Occurred() || check_sidx(s, sidx)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a source index is an int");
+            for (Py_ssize_t k = start; k < stop; k++) Py_DECREF(its[k - start].obj);
             free(its);
             return NULL;
         }
         Item *x = &its[stop - start];
         x->sidx = sidx;
+        x->obj = pl; /* a reference of our own while the GIL is released: the caller's list may change */
+        Py_INCREF(pl);
         x->data = (P)PyBytes_AS_STRING(pl);
         x->len = (size_t)PyBytes_GET_SIZE(pl);
         if (x->len > maxlen) maxlen = x->len;
@@ -641,6 +653,7 @@ static PyObject *Store_ingest(Store *s, PyObject *args) {
         size_t cap = maxlen + 16 > 4096 ? maxlen + 16 : 4096;
         u64 *buf = zalloc(cap * sizeof(u64));
         if (!buf) {
+            for (Py_ssize_t k = start; k < stop; k++) Py_DECREF(its[k - start].obj);
             free(its);
             return PyErr_NoMemory();
         }
@@ -667,9 +680,15 @@ static PyObject *Store_ingest(Store *s, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
+    for (Py_ssize_t k = start; k < stop; k++) Py_DECREF(its[k - start].obj);
     free(its);
     free(ps.evs);
     free(keybuf);
+    if (s->scratch_cap > SCRATCH_KEEP) { /* a rare huge payload: its scratch goes back at once */
+        zfree(s->scratch, s->scratch_cap * sizeof(u64));
+        s->scratch = NULL;
+        s->scratch_cap = 0;
+    }
     if (oom) return PyErr_NoMemory();
     if (i == n) status = 0;
     return Py_BuildValue("(ni)", i, status);

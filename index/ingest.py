@@ -40,6 +40,7 @@ from index.keys import (
     BASE_ROOT,
     CHAIN_MUL,
     M64,
+    MAX_BLOCK_SIZE,
     block_contents,
     extra_hash,
     lora_root,
@@ -106,6 +107,10 @@ class SourceStats:
 def _ints(hashes: list[int | bytes]) -> list[int]:
     """Engine hashes after :func:`index.wire.decode_payload` normalised them to ints."""
     return cast(list[int], hashes)
+
+
+def _stored_what(n: int, bs: int, ntokens: int, why: str) -> str:
+    return f"BlockStored with {n} hashes, block_size {bs} and {ntokens} token ids ({why})"
 
 
 def _lora_of(ev: BlockStored) -> str | None:
@@ -475,6 +480,9 @@ class Ingestor:
                         medium = ev.medium or "GPU"  # type: ignore[union-attr]
                         mi = media.get(medium)
                         if mi is None:
+                            if not self._registers(medium):
+                                self._bad_event(sidx, st, f"BlockRemoved on medium {medium[:40]!r}")
+                                continue
                             mi = media[medium] = len(media)
                         first = len(rems)
                         if batched:
@@ -500,8 +508,18 @@ class Ingestor:
                     st.placeholders += 1
                     plan.append(None)
                     continue
+                why = None
+                medium = stored.medium or "GPU"
                 if n == 0 or bs <= 0 or ntokens != bs * n:
-                    self._bad_event(sidx, st, n, bs, ntokens, "bad shape")
+                    why = "bad shape"
+                elif bs > MAX_BLOCK_SIZE:
+                    why = f"block_size over {MAX_BLOCK_SIZE}"
+                elif medium not in media and not self._registers(medium):
+                    why = f"medium {medium[:40]!r}"
+                elif stored.extra_keys and not all(x is None or type(x) is list for x in stored.extra_keys):
+                    why = "an extra_keys entry that is not an array"
+                if why is not None:
+                    self._bad_event(sidx, st, _stored_what(n, bs, ntokens, why))
                     plan.append(None)
                     continue
                 if st.block_size != bs:
@@ -521,7 +539,7 @@ class Ingestor:
                 elif g.add(stored, n):
                     start = g.starts[e]
                 else:
-                    self._bad_event(sidx, st, n, bs, ntokens, "token ids outside 0..2^64-1")
+                    self._bad_event(sidx, st, _stored_what(n, bs, ntokens, "token ids outside 0..2^64-1"))
                     plan.append(None)
                     continue
                 try:
@@ -532,7 +550,6 @@ class Ingestor:
                     batched = False
                 else:
                     plan.append((g, start, n))
-                medium = stored.medium or "GPU"
                 mi = media.get(medium)
                 if mi is None:
                     mi = media[medium] = len(media)
@@ -675,6 +692,8 @@ class Ingestor:
                     medium = ev.medium or "GPU"
                     midx = media.get(medium)
                     if midx is None:
+                        if not self._registers(medium):
+                            continue  # a bad event (counted in pass 1)
                         midx = media[medium] = store.medium_index(medium)
                     store.remove(sidx, midx, _ints(ev.block_hashes))
                     st.removed_events += 1
@@ -689,19 +708,19 @@ class Ingestor:
             if self.lag_observer is not None:
                 self.lag_observer(max(0.0, now - batch.ts))
 
-    def _bad_event(self, sidx: int, st: SourceStats, n: int, bs: int, ntokens: int, why: str) -> None:
+    def _bad_event(self, sidx: int, st: SourceStats, what: str) -> None:
         st.bad_events += 1
         if st.bad_events <= 3 or st.bad_events % 1000 == 0:
-            log.warning(
-                "source %s: BlockStored with %d hashes, block_size %d and %d token ids skipped "
-                "(%s; %d so far)",
-                self.source_name(sidx),
-                n,
-                bs,
-                ntokens,
-                why,
-                st.bad_events,
-            )
+            log.warning("source %s: %s skipped (%d so far)", self.source_name(sidx), what, st.bad_events)
+
+    def _registers(self, medium: str) -> bool:
+        """Whether the store knows or can register a medium name (at most ``MAX_MEDIA`` names of at
+        most 31 bytes: a name beyond makes its event a bad event, not a lost chunk)."""
+        try:
+            self.store.medium_index(medium)
+        except ValueError:
+            return False
+        return True
 
     def _learn_block_size(self, sidx: int, st: SourceStats, bs: int) -> None:
         if st.block_size is not None and st.block_size != bs:

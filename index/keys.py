@@ -36,7 +36,8 @@ from index._lazy import LazyModule
 M64 = (1 << 64) - 1
 CHAIN_MUL = 0x9E3779B97F4A7C15  # odd: invertible mod 2^64
 _CHAIN_INV = pow(CHAIN_MUL, -1, 1 << 64)
-_MAX_BLOCK_SIZE = 4096
+MAX_BLOCK_SIZE = 4096
+"""The largest block size keys are computed for (one position multiplier per token of a block)."""
 
 if TYPE_CHECKING:
     import numpy as np
@@ -59,7 +60,7 @@ def _splitmix(seed: int, n: int) -> list[int]:
     return out
 
 
-_POSITION_MULS_PY = _splitmix(0x6B76726F75746572, _MAX_BLOCK_SIZE)
+_POSITION_MULS_PY = _splitmix(0x6B76726F75746572, MAX_BLOCK_SIZE)
 
 
 @functools.cache
@@ -145,8 +146,8 @@ powers = _Powers()
 
 def block_contents(tokens: Sequence[int] | array[int], block_size: int) -> U64:
     """``m_i`` (before extra keys) for every full block of ``tokens``; a partial tail is ignored."""
-    if not 0 < block_size <= _MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size {block_size} outside 1..{_MAX_BLOCK_SIZE}")
+    if not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size {block_size} outside 1..{MAX_BLOCK_SIZE}")
     n = len(tokens) // block_size
     if n == 0:
         return np.empty(0, dtype=np.uint64)
@@ -167,8 +168,8 @@ def u64_block_contents(tokens: U64, block_size: int) -> U64:
 
     The Python ingest path, for decoded events whose ids are such arrays.
     """
-    if not 0 < block_size <= _MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size {block_size} outside 1..{_MAX_BLOCK_SIZE}")
+    if not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size {block_size} outside 1..{MAX_BLOCK_SIZE}")
     if not tokens.flags.c_contiguous:
         tokens = np.ascontiguousarray(tokens)
     return np.frombuffer(bytearray(_kvcore.block_contents(tokens, block_size)), dtype=np.uint64)

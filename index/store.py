@@ -42,6 +42,10 @@ SourceId = tuple[str, int]
 """(instance name, DP rank)."""
 
 MEDIA = ("GPU", "CPU", "STORAGE")
+MAX_MEDIA: int = _kvcore.MAX_MEDIA
+"""Medium names a store registers at most (the three above included)."""
+MAX_MEDIUM_NAME = 31
+"""Bytes (UTF-8) of a medium name, at most."""
 
 OP_STORE = 0
 OP_REMOVE = 1

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from index.store import MEDIA, SourceCounts, SourceId, SourceMatch
+from index.store import MAX_MEDIA, MAX_MEDIUM_NAME, MEDIA, SourceCounts, SourceId, SourceMatch
 
 
 def _unset(media: dict[int, int], key: int, bit: int) -> bool:
@@ -66,6 +66,7 @@ class DictPrefixStore:
         self._evicted: list[int] = []
         self._sources: list[SourceId | None] = []
         self._index_of: dict[SourceId, int] = {}
+        self._retiring: set[int] = set()
         self.total = 0
         self.evictions = 0
 
@@ -74,9 +75,10 @@ class DictPrefixStore:
         """Register a source and return its dense index (reusing a freed slot)."""
         if source in self._index_of:
             return self._index_of[source]
-        try:
-            idx = self._sources.index(None)
-        except ValueError:
+        free = [i for i, s in enumerate(self._sources) if s is None and i not in self._retiring]
+        if free:
+            idx = free[0]
+        else:
             idx = len(self._sources)
             self._sources.append(None)
             self._emaps.append({})
@@ -90,13 +92,30 @@ class DictPrefixStore:
 
     def remove_source(self, source: SourceId) -> None:
         """Forget a source entirely (its residencies first)."""
+        idx = self.detach(source)
+        if idx is not None:
+            self.release(idx)
+
+    def detach(self, source: SourceId) -> int | None:
+        """Unregister a source at once, keeping its slot's residencies until :meth:`release` (the
+        compact store's two-step removal, :meth:`index.store.PrefixStore.detach`)."""
         idx = self._index_of.pop(source, None)
         if idx is None:
-            return
-        self.drop(idx)
+            return None
         self._sources[idx] = None
+        self._retiring.add(idx)
+        return idx
+
+    def release(self, idx: int) -> None:
+        """Drop a detached slot's residencies and make the slot reusable."""
+        self.drop(idx)
         self._unknown_removes[idx] = 0
         self._evicted[idx] = 0
+        self._retiring.discard(idx)
+
+    def source_of(self, idx: int) -> SourceId | None:
+        """The source registered in a slot (None when free or retiring)."""
+        return self._sources[idx] if 0 <= idx < len(self._sources) else None
 
     def source_index(self, source: SourceId) -> int | None:
         """Dense index of a registered source."""
@@ -107,10 +126,14 @@ class DictPrefixStore:
         return [s for s in self._sources if s is not None]
 
     def medium_index(self, medium: str) -> int:
-        """Index of a medium name, registering names beyond GPU/CPU/STORAGE on first use."""
+        """Index of a medium name, registering names beyond GPU/CPU/STORAGE on first use (the compact
+        store's limits: at most ``MAX_MEDIA`` names of at most ``MAX_MEDIUM_NAME`` bytes; ValueError
+        beyond)."""
         try:
             return self._media_names.index(medium)
         except ValueError:
+            if len(self._media_names) >= MAX_MEDIA or len(medium.encode()) > MAX_MEDIUM_NAME:
+                raise ValueError("too many media, or a medium name over 31 bytes") from None
             self._media_names.append(medium)
             self._media.append({})
             for counts in self._counts:
@@ -138,20 +161,24 @@ class DictPrefixStore:
         bit = 1 << sidx
         if len(engine_hashes) != len(keys):
             raise ValueError("one key per engine hash")
-        # one probe per block: setdefault inserts the new mappings (in order) and hands back the
-        # current key of hashes already mapped, which the loop below settles one by one
+        # one probe per block: setdefault inserts the new mappings (in order); when some hashes were
+        # mapped already (the dict grew by less), the loop below settles every listing in order
         before = len(emap)
-        olds = list(map(emap.setdefault, engine_hashes, keys))
+        remapped = False
+        collections.deque(map(emap.setdefault, engine_hashes, keys), maxlen=0)
         if len(emap) - before != len(keys):
-            for eh, key, old in zip(engine_hashes, keys, olds, strict=True):
-                if old is key:
-                    continue  # inserted just now
-                current = emap[eh]  # not ``old``: a hash listed twice may have moved on since
+            for eh, key in zip(engine_hashes, keys, strict=True):
+                current = emap[eh]  # not setdefault's answer: a hash listed twice may have moved on since
                 if current != key:
                     # the same engine block now resolves to another key (its parent became known):
                     # retire the old key's residencies so nothing stale survives.
                     self._forget(sidx, current)
                     emap[eh] = key
+                    remapped = True
+            if remapped:
+                # a hash listed twice with different keys: its last listing decides; the others add
+                # nothing (their key would be held with no engine hash leading to it, for good)
+                keys = [key for eh, key in zip(engine_hashes, keys, strict=True) if emap[eh] == key]
         if media.keys().isdisjoint(keys):
             # all new: one bulk insert; a key listed twice in the event (the dict grew by less than
             # the list is long) gets one reference per extra listing, as the per-block path would

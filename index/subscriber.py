@@ -425,32 +425,43 @@ class EventSubscriber:
             except zmq.Again:  # (a message is delivered whole: fewer frames, nothing after them)
                 self._decode_error(src, WireError("message has fewer than 3 frames"), [])
                 continue
-            if last.more or len(seq_frame) != 8:
+            if last.more:
                 while sub.get(zmq.RCVMORE):  # skip to the end of whatever message this is
                     recv(zmq.NOBLOCK)
                 self._decode_error(src, WireError("message is not 3 frames [topic, seq, payload]"), [])
                 continue
-            frames = [topic, seq_frame, last.bytes]
-            try:
-                batch = peek_message(frames[2], decode_seq(seq_frame))
-            except WireError as exc:
-                self._decode_error(src, exc, frames)
-                continue
-            if src.topic and topic != src.topic:
-                src.foreign_topic += 1
-                continue
-            if src.replay is not None:
-                if len(src.held) >= self.config.max_held:
-                    log.warning(
-                        "source %s: too many live messages held during replay; abandoning it", src.name
-                    )
-                    src.replay_failed_at = time.monotonic()
-                    self._finish_replay(src, chunk)
-                    self._accept(src, batch, chunk, allow_replay=False)
-                else:
-                    src.held.append((batch.seq, batch))
-                continue
-            self._accept(src, batch, chunk, allow_replay=True)
+            self._on_live(src, [topic, seq_frame, last.bytes], chunk)
+
+    def _on_live(
+        self, src: _Source, frames: list[bytes], chunk: list[tuple[int, Batch | bytes | None]]
+    ) -> None:
+        """One live message, as received (its frames): checked, sequenced, and handed to ``chunk``
+        (the fuzz tests drive this with arbitrary frames, tests/kvfuzz.py)."""
+        if len(frames) < 3:
+            self._decode_error(src, WireError("message has fewer than 3 frames"), [])
+            return
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._decode_error(src, WireError("message is not 3 frames [topic, seq, payload]"), [])
+            return
+        topic, seq_frame, payload = frames
+        try:
+            batch = peek_message(payload, decode_seq(seq_frame))
+        except WireError as exc:
+            self._decode_error(src, exc, frames)
+            return
+        if src.topic and topic != src.topic:
+            src.foreign_topic += 1
+            return
+        if src.replay is not None:
+            if len(src.held) >= self.config.max_held:
+                log.warning("source %s: too many live messages held during replay; abandoning it", src.name)
+                src.replay_failed_at = time.monotonic()
+                self._finish_replay(src, chunk)
+                self._accept(src, batch, chunk, allow_replay=False)
+            else:
+                src.held.append((batch.seq, batch))
+            return
+        self._accept(src, batch, chunk, allow_replay=True)
 
     def _decode_error(self, src: _Source, exc: Exception, frames: list[bytes]) -> None:
         st = self.ingestor.stats[src.sidx]

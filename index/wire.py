@@ -15,6 +15,7 @@ Everything downstream sees one normalised shape: :class:`Batch` holding :class:`
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -138,8 +139,16 @@ def _int_hashes(hashes: list[int | bytes]) -> list[int | bytes]:
     return [hash_to_int(x) for x in hashes]
 
 
+def _check_ts(ts: float) -> None:
+    """A batch timestamp must be finite: the subscriber tells restarts from duplicates by comparing
+    them (a NaN would make every later duplicate a restart, an infinity hide every restart)."""
+    if not math.isfinite(ts):
+        raise WireError(f"batch timestamp {ts} is not finite")
+
+
 def _normalise(batch: Batch) -> Batch:
     """Int hashes and a medium on every event; raises WireError on values we cannot index."""
+    _check_ts(batch.ts)
     for ev in batch.events:
         if type(ev) is BlockStored:
             ev.block_hashes = _int_hashes(ev.block_hashes)
@@ -274,6 +283,7 @@ def _tolerant_batch(payload: bytes) -> Batch:
         raise WireError("ts is not a number")
     if not isinstance(events, list):
         raise WireError("events is not an array")
+    _check_ts(float(ts))
     rank = raw[2] if len(raw) > 2 and type(raw[2]) is int else None
     out: list[Event] = []
     for ev in events:
@@ -323,7 +333,9 @@ def peek_message(payload: bytes, seq: int) -> RawBatch | Batch:
     short array whose first item is a float64), else decoded now (:func:`decode_payload`; raises
     :class:`WireError`), with ``seq`` set either way."""
     if len(payload) >= 10 and 0x92 <= payload[0] <= 0x9F and payload[1] == 0xCB:
-        return RawBatch(payload, seq, _TS.unpack_from(payload, 2)[0])
+        ts = _TS.unpack_from(payload, 2)[0]
+        _check_ts(ts)
+        return RawBatch(payload, seq, ts)
     batch = decode_payload(payload)
     batch.seq = seq
     return batch
