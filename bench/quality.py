@@ -20,7 +20,9 @@ Stages, each on every selected trace:
    (``sim/pd_demo.py``), written to
    ``bench/out/pd.json`` and ``pd.md``; ``pd_threshold`` (not run by default) sweeps
    ``pd.min_uncached_tokens``, the measurement behind its default, and ``pd_capacity`` (not run by
-   default) repeats the P/D arms with smaller and larger engine caches.
+   default) repeats the P/D arms with smaller and larger engine caches; ``pd_wide`` (not run by
+   default) runs the P/D arms with 4 prefill + 2 decode engines, where round-robin prefill
+   placement finds the engine that computed a conversation's previous turn one time in four.
 
 Capacities are real 16-token KV blocks per engine (32k blocks = 512k tokens: the README's 1,000-block
 LRU row for Mooncake). Mooncake runs scale a 512-token block to 128 tokens and sessions a 64-token
@@ -317,6 +319,12 @@ def run_pd(out: Path, stages: set[str], quick: bool, repeat: int = 1) -> None:
             runs.append((f"conversations, {blocks} blocks per engine", scn))
         scn = PDScenario(workload=long_sessions(), arms=ARMS[1:], num_gpu_blocks=1280, deadline_s=60.0)
         runs.append(("long sessions, 1280 blocks per engine", scn))
+    if "pd_wide" in stages:  # a wider prefill pool: round-robin finds a turn's engine 1 time in 4
+        wide = tuple(msgspec.structs.replace(a, label=f"{a.label}, 4P+2D", prefill=4) for a in ARMS[1:])
+        runs.append(("chat, 4 prefill + 2 decode", PDScenario(workload=demo_config(), arms=wide)))
+        runs.append(("conversations, 4 prefill + 2 decode", PDScenario(workload=conversations(), arms=wide)))
+        scn = PDScenario(workload=long_sessions(), arms=wide, deadline_s=60.0)
+        runs.append(("long sessions, 4 prefill + 2 decode", scn))
     if "pd_threshold" in stages:
         arms = tuple(
             PDArm(label=f"min_uncached_tokens={t}", prefill=2, decode=2, pd={"min_uncached_tokens": t})
