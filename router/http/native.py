@@ -7,8 +7,9 @@ objects) on top of the answer itself (BENCHMARKS.md, service section), and the f
 and ~0.4 s of start-up. Here each is one dictionary lookup away from the request; the GETs are
 answered in one write without a task. The answers are the very same bytes: both paths build them
 with the same :class:`router.app.KVRouter` methods, errors are the same OpenAI-shaped bodies with
-the same statuses, and a test compares the two. Anything else (unknown paths, other methods, HEAD)
-goes to the FastAPI app (:mod:`router.http.framework`), built on first use, which also keeps every
+the same statuses, and a test compares the two. HEAD on those GETs is answered like the GET without
+its body (load balancers probe with it). Anything else (unknown paths, other methods) goes to the
+FastAPI app (:mod:`router.http.framework`), built on first use, which also keeps every
 route so the router runs complete under any ASGI server.
 """
 
@@ -53,14 +54,17 @@ class NativeEndpoints:
 
     def get(self, method: str, path: str) -> Handler | None:
         """The handler of a request, or None when the web framework serves it."""
-        return self.routes.get((method, path))
+        handler = self.routes.get((method, path))
+        if handler is None and method == "HEAD":
+            handler = self.routes.get(("GET", path))  # (the writer sends no body for HEAD)
+        return handler
 
     def answer_now(
         self, method: str, path: str, headers: Headers, query: bytes
     ) -> tuple[int, bytes, bytes] | None:
         """(status, content type, body) of a request whose answer needs no waiting (every GET
         above), so the server writes it without a task; None for every other request."""
-        make = self.sync.get((method, path)) if self.routes else None
+        make = self.sync.get(("GET" if method == "HEAD" else method, path)) if self.routes else None
         if make is None:
             return None
         try:

@@ -371,7 +371,15 @@ class _Connection(asyncio.Protocol):
             conn = b"connection: keep-alive\r\n"
         self.write(
             b"HTTP/1.1 %d %s\r\n%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s"
-            % (status, _REASONS.get(status, b""), self.server.date_line(), ctype, len(body), conn, body)
+            % (
+                status,
+                _REASONS.get(status, b""),
+                self.server.date_line(),
+                ctype,
+                len(body),
+                conn,
+                b"" if req.method == "HEAD" else body,
+            )
         )
 
     async def _run(self, req: _Request) -> None:
