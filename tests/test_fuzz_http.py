@@ -185,7 +185,8 @@ def _exchange(
 
 def _head_responses(raw: bytes) -> list[int]:
     """Status codes of the answers to HEAD requests: header blocks only (their content-length
-    describes the body a GET would get, none follows), each one well formed."""
+    describes the body a GET would get, none follows), each one well formed; an error answer to
+    bytes the server could not take as a request (after them) has its body."""
     statuses: list[int] = []
     while raw:
         head, sep, raw = raw.partition(b"\r\n\r\n")
@@ -196,6 +197,12 @@ def _head_responses(raw: bytes) -> list[int]:
         assert m is not None, f"malformed status line: {status_line[:200]!r}"
         assert all(re.fullmatch(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+: ?[^\r\n]*", f) for f in fields), head[:300]
         statuses.append(int(m.group(1)))
+        if raw and not raw.startswith(b"HTTP/"):  # an answer with a body: to a request too broken to
+            length = [f.split(b":", 1)[1] for f in fields if f.lower().startswith(b"content-length:")]
+            assert length, f"bytes after an answer without a length: {raw[:200]!r}"  # be taken as HEAD
+            n = int(length[0])
+            assert len(raw) >= n, f"truncated body: {raw[:200]!r}"
+            raw = raw[n:]
     return statuses
 
 
