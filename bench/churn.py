@@ -11,12 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +20,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sim.churn import Churn, ChurnConfig, write_router_config  # noqa: E402
+from sim.churn import Churn, ChurnConfig, soak_router  # noqa: E402
 from sim.toy_tokenizer import build_toy_tokenizer  # noqa: E402
 
 ADMIN = "soak-admin"
@@ -41,30 +37,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         tok = build_toy_tokenizer(tmp / "tok")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cfg_path = tmp / "router.toml"
-        write_router_config(cfg_path, port, ADMIN, str(tok))
-        log = (tmp / "router.log").open("wb")
-        router = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("router did not start")
-                time.sleep(0.1)
+        with soak_router(tmp, ADMIN, str(tok)) as (url, router):
             cfg = ChurnConfig(
                 seconds=args.minutes * 60,
                 interval_s=args.interval,
@@ -76,13 +49,6 @@ def main() -> int:
             report = asyncio.run(Churn(url, ADMIN, cfg).run())
             alive = router.poll() is None
             metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        finally:
-            router.send_signal(signal.SIGTERM)
-            try:
-                router.wait(60)
-            except subprocess.TimeoutExpired:
-                router.kill()
-            log.close()
     out = report.summary()
     out["router_never_restarted"] = alive
     out["router_membership_changes"] = sum(

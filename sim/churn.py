@@ -24,9 +24,15 @@ engines on 127.0.0.1, and every request has a timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import signal
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,4 +316,43 @@ def write_router_config(
     )
 
 
-__all__ = ["Churn", "ChurnConfig", "ChurnReport", "write_router_config"]
+@contextlib.contextmanager
+def soak_router(
+    workdir: Path, admin_key: str, tokenizer: str | None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A `kvrouter serve` process on an ephemeral port with :func:`write_router_config`'s config,
+    up (``/health`` answers) before it is yielded as (url, process); SIGTERMed afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg_path = workdir / "router.toml"
+    write_router_config(cfg_path, port, admin_key, tokenizer)
+    root = Path(__file__).resolve().parents[1]
+    with (workdir / "router.log").open("wb") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline or router.poll() is not None:
+                    raise RuntimeError(f"router did not start (log: {workdir / 'router.log'})")
+                time.sleep(0.1)  # (polling pace; the condition is the router answering)
+            yield url, router
+        finally:
+            router.send_signal(signal.SIGTERM)
+            try:
+                router.wait(60)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait(10)
+
+
+__all__ = ["Churn", "ChurnConfig", "ChurnReport", "soak_router", "write_router_config"]
