@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if records:
         write_markdown(records, out / "quality.md")
         print(f"wrote {out / 'quality.json'} and {out / 'quality.md'}", file=sys.stderr)
-    if stages & {"pd", "pd_threshold", "pd_capacity"}:  # live P/D scenarios (sim/pd_demo.py)
+    if stages & {"pd", "pd_threshold", "pd_capacity", "pd_wide"}:  # live P/D scenarios (sim/pd_demo.py)
         run_pd(out, stages, args.quick, args.pd_repeat)
     return 0
 
