@@ -13,8 +13,9 @@ replay's (``sim.driver``), pointed at the balancer.
 Stages:
 
 - ``quality``: per trace, on fresh engines each time, the arms ``one`` (one router behind the
-  balancer), ``three-alone`` (three replicas, nothing shared), ``three-shared`` (three replicas over
-  the store) and, on the sessions trace, ``three-shared+sessions`` (session affinity on the trace's
+  balancer), ``three-alone`` (three replicas, nothing shared), ``three-shared (view only)`` (three
+  replicas over the store, ``assume_concurrent_decisions = false``), ``three-shared`` (the
+  defaults) and, on the sessions trace, ``three-shared+sessions`` (session affinity on the trace's
   session ids). Rows: hit ratio as the engines count it, TTFT p50/p90/p99 in trace seconds, spread,
   and from the routers' /metrics: decision latency p99, sharing lag, traffic per request, CPU.
 - ``cost``: a fast fleet at a higher request rate, three replicas alone vs shared at several
@@ -253,6 +254,8 @@ class Arm:
     shared: bool = False
     sessions: bool = False
     publish_interval_s: float | None = None
+    assume: bool = True
+    """``cluster.assume_concurrent_decisions`` (the default); False: the view alone."""
 
 
 @dataclass
@@ -282,6 +285,8 @@ def cluster_toml(arm: Arm, redis_url: str | None) -> str:
         lines.append(f'redis_url = "{redis_url}"')
         if arm.publish_interval_s is not None:
             lines.append(f"publish_interval_s = {arm.publish_interval_s}")
+        if not arm.assume:
+            lines.append("assume_concurrent_decisions = false")
     if arm.sessions:
         lines.append(f'session_header = "{SESSION_HEADER}"')
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
@@ -402,6 +407,7 @@ async def run_arm(
                 res: sum(total(s, "kvrouter_session_affinity_total", f'result="{res}"') for s in scrapes)
                 for res in ("new", "kept", "steered", "overloaded", "unavailable")
             }
+        extra["bursts"] = burst_placement(work.requests, results, work.engines)
         row = from_live(arm.label, results, await scrape_engines(fleet.urls), work.bound, label=arm.label)
         if work.trace_time:
             for attr in ("ttft_p50", "ttft_p90", "ttft_p99"):
@@ -465,11 +471,42 @@ def workload(
     return Workload(name, requests, bound, engine, speedup, 4, deadline_s=deadline_s)
 
 
-def quality_arms(name: str) -> list[Arm]:
-    arms = [Arm("one", 1), Arm("three-alone", 3), Arm("three-shared", 3, shared=True)]
+def quality_arms(name: str, only: str = "") -> list[Arm]:
+    arms = [
+        Arm("one", 1),
+        Arm("three-alone", 3),
+        Arm("three-shared (view only)", 3, shared=True, assume=False),
+        Arm("three-shared", 3, shared=True),
+    ]
     if name == "sessions":
         arms.append(Arm("three-shared+sessions", 3, shared=True, sessions=True))
+    if only:
+        keep = {a.strip() for a in only.split(",")}
+        arms = [a for a in arms if a.label in keep]
     return arms
+
+
+def burst_placement(
+    requests: Sequence[Request], results: Sequence[RequestResult], engines: int
+) -> dict[str, Any]:
+    """How evenly each burst (requests with one arrival time) was spread: per burst of n, the
+    requests the busiest engine got beyond ceil(n / engines), summed; and the share of bursts
+    with any such excess. One router placing a burst in turn keeps this near 0 when load decides."""
+    at = {i: r.at_s for i, r in enumerate(requests)}
+    groups: dict[float, list[str]] = {}
+    for res in results:
+        if res.ok and res.backend is not None:
+            groups.setdefault(at.get(res.index, -1.0), []).append(res.backend)
+    excess = uneven = n_bursts = 0
+    for backends in groups.values():
+        if len(backends) < 2:
+            continue
+        n_bursts += 1
+        most = max(backends.count(b) for b in set(backends))
+        over = most - -(-len(backends) // engines)
+        excess += max(over, 0)
+        uneven += over > 0
+    return {"bursts": n_bursts, "excess": excess, "uneven_share": uneven / n_bursts if n_bursts else 0.0}
 
 
 def window_quality(results: Sequence[RequestResult], since_s: float, speedup: float) -> dict[str, float]:
@@ -533,7 +570,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
                         work = workload(
                             name, args.quick, args.deadline, args.capacity_blocks, args.engine_speed
                         )
-                        for arm in quality_arms(name):
+                        for arm in quality_arms(name, args.arms):
                             res = await run_arm(work, arm, tmp, redis)
                             out.append(record({"stage": "quality", "round": rnd, "trace": name}, res))
                 if "cost" in stages:
@@ -635,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         "A100-class timing, which the full-length Mooncake prompts overload)",
     )
     p.add_argument("--deadline", type=float, default=60.0, help="seconds of requests per run")
+    p.add_argument("--arms", default="", help="quality arms to run, by label (comma-separated; default all)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -144,6 +144,7 @@ class KVRouter:
             group=f"{socket.gethostname()}:{worker.run_dir}" if worker else "",
         )
         self.service.affinity = self.proxy.affinity = self.replicas.affinity
+        self.service.unseen = self.replicas.unseen
         self.replicas.register(self.metrics.registry)
         self._keys = [k.encode() for k in config.api_keys]
         self._admin_keys = [k.encode() for k in config.admin_keys]

@@ -216,6 +216,43 @@ def test_a_clean_shutdown_withdraws_at_once(
         a.stop()
 
 
+def test_replicas_assume_each_others_concurrent_decisions(
+    redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
+) -> None:
+    # a 1 s publish interval makes "a decision within the window" easy to hit from a test
+    reps = cluster_of(config(engines, redis.url, publish_interval_s=1.0), 2)
+    wait_for(all_connected(reps, 1), "both replicas connected and seeing each other")
+    ready([r.url for r in reps.routers], 3)
+    assumed = [debug(r.url)["cluster"]["assumed"] for r in reps.routers]
+    assert sorted(a["rank"] for a in assumed) == [0, 1] and {a["replicas"] for a in assumed} == {2}
+    for r in reps.routers:
+        assert sum(c["assumed_blocks"] for c in route(r.url)["candidates"]) == 0  # nothing decided yet
+
+    def decided_then_assumes(url: str) -> bool:
+        assert httpx.post(url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+        # a decision just made here means a burst: the peer's share of it is assumed somewhere
+        return sum(c["assumed_blocks"] for c in route(url)["candidates"]) > 0
+
+    for r in reps.routers:
+        wait_for(lambda u=r.url: decided_then_assumes(u), "a decision followed by assumed peer load")
+    m = httpx.get(reps[0].url + "/metrics", timeout=10).text
+    assert re.search(r"^kvrouter_cluster_assumed_decisions_total [0-9.]+$", m, re.M)
+
+
+def test_no_assumptions_when_turned_off(
+    redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
+) -> None:
+    reps = cluster_of(
+        config(engines, redis.url, publish_interval_s=1.0, assume_concurrent_decisions=False), 2
+    )
+    wait_for(all_connected(reps, 1), "both replicas connected and seeing each other")
+    ready([r.url for r in reps.routers], 3)
+    assert "assumed" not in debug(reps[0].url)["cluster"]
+    for _ in range(3):
+        assert httpx.post(reps[0].url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+        assert all(c["assumed_blocks"] == 0 for c in route(reps[0].url)["candidates"])
+
+
 # --- shared predictions --------------------------------------------------------------------------
 
 

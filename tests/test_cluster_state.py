@@ -297,3 +297,101 @@ def test_store_client_over_tls_with_a_password(tmp_path: Path) -> None:
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+# --- decisions other replicas are making now (router/cluster/unseen.py) -----------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _cands(loads: list[tuple[int, int]]) -> list[Any]:
+    from router.decision.policy import Candidate
+    from router.fleet.load import TargetLoad
+
+    return [
+        Candidate(f"e{i}", 0, 0, {}, TargetLoad(active=a, pending_prefill_tokens=p))
+        for i, (a, p) in enumerate(loads)
+    ]
+
+
+def test_replica_ranks_count_processes_not_workers() -> None:
+    from router.cluster.unseen import replica_ranks
+
+    peers = ["b", "host:run1", "host:run1", "d"]  # two sibling workers of one process count once
+    assert replica_ranks("c", lambda: peers)() == (1, 4)  # b < c < d < host:run1
+    assert replica_ranks("a", lambda: [])() == (0, 1)
+    assert replica_ranks("host:run1", lambda: ["host:run1", "z"])() == (0, 2)
+
+
+def test_unseen_decisions_alone_in_steady_traffic_and_in_a_burst() -> None:
+    from router.cluster.unseen import UnseenPeers
+
+    clock = _Clock()
+    rank = [(1, 3)]
+    u = UnseenPeers(lambda: rank[0], lambda: 0.004, clock=clock)
+    assert u.assumed() == 0.0  # no evidence of bursts yet: as before
+    for _ in range(20):  # steady traffic, 50 ms apart
+        clock.t += 0.05
+        u.decided(10.0)
+    clock.t += 0.05
+    assert u.burst_share == 0.0 and u.assumed() == 0.0
+    assert abs(u.request_blocks - 10.0 * (1 - 0.95**20)) < 1e-9
+    u.decided(10.0)
+    clock.t += 0.001  # 1 ms later: in a burst, one own decision in the window
+    assert u.assumed() == 1 * (3 - 1) + 1
+    u.decided(10.0)
+    assert u.burst_share > 0
+    clock.t += 0.001
+    assert u.assumed() == 2 * 2 + 1  # two own decisions in the window
+    clock.t += 0.01  # the window passed: the burst's next first request, weighted by the share
+    assert u.assumed() == pytest.approx(1 * u.burst_share)
+    rank[0] = (0, 3)  # the first replica in the order assumes nothing at a burst's start
+    assert u.assumed() == 0.0
+    rank[0] = (2, 2)
+    clock.t += 0.0005
+    u.decided(1.0)
+    clock.t += 0.0005
+    assert u.assumed() == 1 * 1 + 2
+    rank[0] = (0, 1)  # alone again
+    assert u.assumed() == 0.0
+    for _ in range(200):  # a long burst is bounded
+        u.decided(1.0)
+    rank[0] = (5, 8)
+    assert u.assumed() == UnseenPeers.MAX_ASSUMED
+
+
+def test_assumed_requests_go_to_the_least_loaded_and_move_the_choice() -> None:
+    from router.cluster.unseen import UnseenPeers
+    from router.decision.policy import Policy, PolicyConfig
+
+    policy = Policy(PolicyConfig(), rng=__import__("random").Random(1))
+    u = UnseenPeers(lambda: (2, 3), lambda: 0.004)
+    u.request_blocks = 4.0  # each assumed request: 4 uncached blocks + decode_weight 2 = 6 units
+    # e1 is idle, e0 and e2 each have one small request: e1 first, then the tie e0/e2, then ...
+    cands = _cands([(1, 32), (0, 0), (1, 32)])  # 2 + 2 = 4 units on e0 and e2
+    u.spread(policy, cands, 16, 2.0)
+    assert [c.assumed_blocks for c in cands].count(0.0) == 1
+    assert cands[1].assumed_blocks == 6.0  # the idle one takes the first
+    d = policy.choose(8, 16, cands)
+    chosen = next(c for c in d.candidates if c.chosen)
+    assert chosen.assumed_blocks == 0.0  # ours goes where no assumed request went
+    assert all(c.assumed_blocks == cand.assumed_blocks for c, cand in zip(d.candidates, cands, strict=True))
+    # fractional: half a request on the idle candidate
+    cands = _cands([(1, 0), (0, 0)])
+    u.spread(policy, cands, 16, 0.5)
+    assert [c.assumed_blocks for c in cands] == [0.0, 3.0]
+    assert u.assumed_total == 2.5
+    # a cached prefix still wins over an assumed request's load
+    from router.decision.policy import Candidate
+    from router.fleet.load import TargetLoad
+
+    cached = Candidate("e0", 0, 8, {"GPU": 8}, TargetLoad())
+    cands = [cached, Candidate("e1", 0, 0, {}, TargetLoad())]
+    u.spread(policy, cands, 16, 1.0)
+    assert policy.choose(8, 16, cands).backend == "e0"

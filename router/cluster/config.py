@@ -64,6 +64,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hashing with bounded loads; otherwise the policy decides and the conversation is re-pinned."""
     max_sessions: int = 100_000
     """Pins kept per replica (the least recently used go first)."""
+    assume_concurrent_decisions: bool = True
+    """Count the decisions other replicas are making at the same moment (a burst split across the
+    replicas), which no replica can see yet, as load on the candidates they would pick: the replicas
+    then spread a burst as one router would instead of all choosing the same engines
+    (router/cluster/unseen.py; BENCHMARKS.md, "Router replicas")."""
 
 
 def validate_cluster(c: ClusterConfig) -> None:

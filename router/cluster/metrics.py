@@ -10,14 +10,18 @@ from prometheus_client.registry import Collector
 
 from router.cluster.affinity import SessionAffinity
 from router.cluster.node import Cluster
+from router.cluster.unseen import UnseenPeers
 
 
 class ClusterCollector(Collector):
     """``kvrouter_cluster_*`` (when a store is configured) and ``kvrouter_session_affinity_*``."""
 
-    def __init__(self, cluster: Cluster | None, affinity: SessionAffinity | None) -> None:
+    def __init__(
+        self, cluster: Cluster | None, affinity: SessionAffinity | None, unseen: UnseenPeers | None = None
+    ) -> None:
         self.cluster = cluster
         self.affinity = affinity
+        self.unseen = unseen
 
     def collect(self) -> Iterable[Metric]:
         c = self.cluster
@@ -83,6 +87,13 @@ class ClusterCollector(Collector):
             missed.add_metric([], c.table.missed)
             yield missed
             yield st.lag.family()
+        if self.unseen is not None:
+            assumed = CounterMetricFamily(
+                "kvrouter_cluster_assumed_decisions",
+                "Other replicas' concurrent decisions assumed as load (not seen yet), summed over decisions",
+            )
+            assumed.add_metric([], self.unseen.assumed_total)
+            yield assumed
         a = self.affinity
         if a is not None:
             res = CounterMetricFamily(

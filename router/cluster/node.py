@@ -133,6 +133,8 @@ class Cluster:
         self.since = time.monotonic()
         """When ``connected`` last changed."""
         self.last_error = ""
+        self.lag_mean = 0.002
+        """Moving mean of the lag of this replica's own messages (capped at 50 ms per sample)."""
         self._own: dict[Target, Figures] = {}
         self._dirty: set[Target] = set()
         self._full = True
@@ -183,6 +185,14 @@ class Cluster:
             self._first_change = time.monotonic()
         if self._wake is not None:
             self._wake.set()
+
+    def unseen_window(self) -> float:
+        """How long a peer's decision may stay invisible here: a publish interval plus the lag."""
+        return self.config.publish_interval_s + self.lag_mean
+
+    def replica_keys(self) -> list[str]:
+        """One key per live peer process (its worker group, or its id when it runs alone)."""
+        return [p.group or p.id for p in self.table.peers.values()]
 
     # --- predictions and pins made here ------------------------------------------------------------
     def predicted(self, source: Target, block_size: int, keys: Sequence[int], ttl_s: float) -> None:
@@ -368,6 +378,7 @@ class Cluster:
             sent = self._unacked.pop(msg.seq, None)
             if sent is not None:
                 st.lag.observe((), now - sent)
+                self.lag_mean += 0.1 * (min(now - sent, 0.05) - self.lag_mean)
             self._apply_pins(msg.pins)  # the store's order settles races between replicas
             return
         if msg.bye:

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from index.kvindex import KVIndex
 from router.cluster.affinity import SessionAffinity
 from router.cluster.config import ClusterConfig
+from router.cluster.unseen import UnseenPeers, replica_ranks
 from router.fleet.load import LoadTracker
 
 
@@ -44,6 +45,8 @@ class Replicas:
                 config.session_header, config.session_ttl_s, config.session_load_factor, config.max_sessions
             )
         self.cluster: Any = None
+        self.unseen: UnseenPeers | None = None
+        """Peer decisions assumed but not seen yet (``assume_concurrent_decisions``, with a store)."""
         if config.redis_url:
             from router.cluster.node import Cluster
 
@@ -53,6 +56,9 @@ class Replicas:
             loads.add_peers(self.cluster)
             if config.share_predictions:
                 index.prediction_listener = self.cluster.predicted
+            if config.assume_concurrent_decisions:
+                ranks = replica_ranks(group or self.cluster.id, self.cluster.replica_keys)
+                self.unseen = UnseenPeers(ranks, self.cluster.unseen_window)
 
     def register(self, registry: CollectorRegistry) -> None:
         """Export the cluster and affinity metrics from ``registry``."""
@@ -60,7 +66,7 @@ class Replicas:
             return
         from router.cluster.metrics import ClusterCollector
 
-        registry.register(ClusterCollector(self.cluster, self.affinity))
+        registry.register(ClusterCollector(self.cluster, self.affinity, self.unseen))
 
     def start(self) -> None:
         """Start the store link, if any (returns at once)."""
@@ -77,6 +83,17 @@ class Replicas:
         out: dict[str, Any] = {"enabled": self.cluster is not None}
         if self.cluster is not None:
             out.update(self.cluster.describe())
+        if self.unseen is not None:
+            u = self.unseen
+            rank, n = u.ranks()
+            out["assumed"] = {
+                "rank": rank,
+                "replicas": n,
+                "burst_share": round(u.burst_share, 3),
+                "request_blocks": round(u.request_blocks, 1),
+                "window_ms": round(u.window_s() * 1e3, 2),
+                "total": round(u.assumed_total, 1),
+            }
         if self.affinity is not None:
             a = self.affinity
             out["sessions"] = {

@@ -8,14 +8,17 @@ the prefill work it would cause, in blocks, and picks the cheapest:
     prefill  = max(prompt_blocks - credit, 0)                       # work this request causes
     queued   = pending uncached prompt tokens in flight / block_size # work it waits behind
                - PREDICTED blocks (in-flight prefill of this same prefix is not extra waiting)
-    cost     = prefill + load_weight * (queued + decode_weight * active + waiting_weight * engine_waiting)
+    cost     = prefill + load_weight * (queued + decode_weight * active + waiting_weight * engine_waiting
+                                        + assumed)
 
 Lowest cost wins; exact ties break randomly; with ``temperature > 0`` the choice is sampled with
 p ~ exp(-(cost - min) / ((max - min) * temperature)). Because the cost of a cached prefix and the
 cost of queueing are in the same unit (blocks of prefill), a hot prefix attracts traffic only until
 the queue it builds costs more than recomputing the prefix elsewhere: no hot-spotting knob beyond
 ``load_weight``. The minimum-match threshold keeps a short shared prefix (a common system prompt)
-from counting at all, so those requests are placed by load alone.
+from counting at all, so those requests are placed by load alone. ``assumed`` is load this router
+cannot see yet but expects: the decisions other router replicas are making at the same moment
+(router/cluster/unseen.py); 0 for a router alone.
 
 The module is pure (no I/O): the router, the simulated fleet and the offline trace simulator all use
 the same code. Defaults and the measurements behind them are in the README.
@@ -72,6 +75,8 @@ class Candidate(msgspec.Struct):
     matched_blocks: int
     blocks_by_medium: dict[str, int]
     load: TargetLoad
+    assumed_blocks: float = 0.0
+    """Load assumed on top of ``load``, in the policy's load-term units (router/cluster/unseen.py)."""
 
 
 class CandidateScore(msgspec.Struct):
@@ -90,6 +95,8 @@ class CandidateScore(msgspec.Struct):
     """The cost; lower is better."""
     chosen: bool = False
     reason: str = ""
+    assumed_blocks: float = 0.0
+    """Load assumed from other replicas' concurrent decisions (0 for a router alone)."""
 
 
 class Decision(msgspec.Struct):
@@ -130,6 +137,16 @@ class Policy:
             + cfg.predicted_credit * by.get("PREDICTED", 0)
         )
 
+    def load_terms(self, c: Candidate, block_size: int) -> float:
+        """The load part of a candidate's cost before ``load_weight`` (the prefix credit aside)."""
+        cfg = self.config
+        return (
+            c.load.pending_prefill_tokens / max(block_size, 1)
+            + cfg.decode_weight * c.load.active
+            + cfg.waiting_weight * c.load.engine_waiting
+            + c.assumed_blocks
+        )
+
     def choose(
         self,
         prompt_blocks: int,
@@ -152,7 +169,10 @@ class Policy:
                 # them is not extra work, it is this request's own prefix being computed
                 queued = max(queued - c.blocks_by_medium.get("PREDICTED", 0), 0.0)
             load_terms = (
-                queued + cfg.decode_weight * c.load.active + cfg.waiting_weight * c.load.engine_waiting
+                queued
+                + cfg.decode_weight * c.load.active
+                + cfg.waiting_weight * c.load.engine_waiting
+                + c.assumed_blocks
             )
             cost = prefill + cfg.load_weight * load_terms
             scores.append(
@@ -167,6 +187,7 @@ class Policy:
                     c.load.active,
                     c.load.engine_waiting,
                     round(cost, 3),
+                    assumed_blocks=c.assumed_blocks,
                 )
             )
         chosen = self._pick(scores, candidates, dry_run)
@@ -215,6 +236,7 @@ def explain(policy: str, scores: list[CandidateScore], outcome: str) -> None:
         s.credit_blocks = round(s.credit_blocks, 3)
         s.prefill_blocks = round(s.prefill_blocks, 3)
         s.queued_blocks = round(s.queued_blocks, 3)
+        s.assumed_blocks = round(s.assumed_blocks, 3)
     for s in scores:
         if policy != "kv":
             s.reason = f"{policy}: chosen" if s.chosen else f"{policy}: not chosen"

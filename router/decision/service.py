@@ -27,6 +27,7 @@ from router.http.errors import ApiError, bad_request, not_found_model, unavailab
 
 if TYPE_CHECKING:
     from router.cluster.affinity import SessionAffinity
+    from router.cluster.unseen import UnseenPeers
 
 log = logging.getLogger("kvrouter.route")
 
@@ -159,6 +160,8 @@ class RouterService:
         self.tokenizer = tokenizer
         self.recent: collections.deque[Route] = collections.deque(maxlen=recent)
         self.affinity: SessionAffinity | None = None
+        self.unseen: UnseenPeers | None = None
+        """Other replicas' concurrent decisions, assumed as load (router/cluster/unseen.py)."""
         """Session pins (``[cluster] session_header``), applied after the policy (router/cluster)."""
 
     def candidates_for(self, model: str) -> list[Member]:
@@ -225,9 +228,14 @@ class RouterService:
         pools = self._pools(model, backends, cands) if self.pd is not None else None
         plan: PDPlan | None = None
         if pools is None:
+            unseen = self.unseen
+            if unseen is not None and self.policy.config.name == "kv":
+                unseen.spread(self.policy, cands, block_size, unseen.assumed())
             decision: Decision = self.policy.choose(
                 prompt_blocks, block_size, cands, have_prompt=tokens is not None
             )
+            if unseen is not None and not dry_run:
+                unseen.decided(next(c.prefill_blocks for c in decision.candidates if c.chosen))
         else:
             assert self.pd is not None
             decision, plan = self.pd.choose(
