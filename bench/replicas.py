@@ -255,6 +255,9 @@ class Arm:
     sessions: bool = False
     publish_interval_s: float | None = None
     assume: bool = True
+    balanced: int = 0
+    """Routers behind the balancer (0: all); the others run, share and ingest, but get no requests
+    (a control for the box's CPU: the replicas' cost without their split of the traffic)."""
     """``cluster.assume_concurrent_decisions`` (the default); False: the view alone."""
 
 
@@ -343,7 +346,7 @@ async def run_arm(
             await r.wait_ready(120.0)
         if arm.shared:
             await wait_peers([r.url for r in routers], arm.replicas - 1)
-        lb = L4Balancer([("127.0.0.1", r.port) for r in routers])
+        lb = L4Balancer([("127.0.0.1", r.port) for r in routers[: arm.balanced or len(routers)]])
         await lb.start()
         cpu0 = [cpu_seconds(r.proc.pid) if r.proc else 0.0 for r in routers]
         dcfg = DriverConfig(
@@ -478,6 +481,8 @@ def quality_arms(name: str, only: str = "") -> list[Arm]:
         Arm("three-shared (view only)", 3, shared=True, assume=False),
         Arm("three-shared", 3, shared=True),
     ]
+    if only:  # a control, on request only: one router taking every request, two idle replicas beside it
+        arms.append(Arm("one+2idle", 3, shared=True, balanced=1))
     if name == "sessions":
         arms.append(Arm("three-shared+sessions", 3, shared=True, sessions=True))
     if only:

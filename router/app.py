@@ -370,7 +370,7 @@ class KVRouter:
         affinity = self.replicas.affinity
         session = affinity.session_of(headers) if affinity is not None else None
         decided = await self.service.decide(endpoint, body, dry_run=True, session=session)
-        return msgspec.json.encode(decided.explain())
+        return decided.explain_json()
 
     def debug_index_body(self) -> dict[str, Any]:
         """``GET /debug/index``: the index and every source's stream health, the backends."""

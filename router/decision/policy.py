@@ -160,21 +160,21 @@ class Policy:
             raise ValueError("no candidates")
         cfg = self.config
         scores = []
-        for c in candidates:
-            credit = self.credit(c, prompt_blocks) if cfg.name == "kv" else 0.0
-            prefill = max(prompt_blocks - credit, 0.0)
-            queued = c.load.pending_prefill_tokens / max(block_size, 1)
+        kv = cfg.name == "kv"
+        per_block = 1 / max(block_size, 1)
+        load_weight, decode_weight, waiting_weight = cfg.load_weight, cfg.decode_weight, cfg.waiting_weight
+        for c in candidates:  # (a /route over 64 candidates runs this 64 times: kept lean)
+            load = c.load
+            credit = self.credit(c, prompt_blocks) if kv and c.matched_blocks else 0.0
+            prefill = prompt_blocks - credit if prompt_blocks > credit else 0.0
+            queued = load.pending_prefill_tokens * per_block if load.pending_prefill_tokens else 0.0
             if credit:
                 # predicted blocks are prefill of this very prefix already queued there: waiting for
                 # them is not extra work, it is this request's own prefix being computed
                 queued = max(queued - c.blocks_by_medium.get("PREDICTED", 0), 0.0)
-            load_terms = (
-                queued
-                + cfg.decode_weight * c.load.active
-                + cfg.waiting_weight * c.load.engine_waiting
-                + c.assumed_blocks
+            cost = prefill + load_weight * (
+                queued + decode_weight * load.active + waiting_weight * load.engine_waiting + c.assumed_blocks
             )
-            cost = prefill + cfg.load_weight * load_terms
             scores.append(
                 CandidateScore(
                     c.backend,
@@ -184,9 +184,9 @@ class Policy:
                     credit,  # (terms rounded when shown, by explain(); the cost now: ties compare it)
                     prefill,
                     queued,
-                    c.load.active,
-                    c.load.engine_waiting,
-                    round(cost, 3),
+                    load.active,
+                    load.engine_waiting,
+                    round(cost, 3) if cost % 1 else cost,
                     assumed_blocks=c.assumed_blocks,
                 )
             )
@@ -232,11 +232,15 @@ def explain(policy: str, scores: list[CandidateScore], outcome: str) -> None:
     best = next((s for s in scores if s.chosen), None)
     if best is None:
         return
-    for s in scores:
-        s.credit_blocks = round(s.credit_blocks, 3)
-        s.prefill_blocks = round(s.prefill_blocks, 3)
-        s.queued_blocks = round(s.queued_blocks, 3)
-        s.assumed_blocks = round(s.assumed_blocks, 3)
+    for s in scores:  # (whole numbers, most terms, skip round(): a /route may show 64 candidates)
+        if s.credit_blocks % 1:
+            s.credit_blocks = round(s.credit_blocks, 3)
+        if s.prefill_blocks % 1:
+            s.prefill_blocks = round(s.prefill_blocks, 3)
+        if s.queued_blocks % 1:
+            s.queued_blocks = round(s.queued_blocks, 3)
+        if s.assumed_blocks % 1:
+            s.assumed_blocks = round(s.assumed_blocks, 3)
     for s in scores:
         if policy != "kv":
             s.reason = f"{policy}: chosen" if s.chosen else f"{policy}: not chosen"

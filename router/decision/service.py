@@ -62,28 +62,66 @@ class Route(msgspec.Struct):
     is not disaggregated). ``backend``/``candidates`` are then the decode choice."""
 
     def explain(self) -> dict[str, Any]:
-        """The JSON body of ``/route`` (and of the dashboard's recent decisions); the candidates'
+        """The JSON body of ``/route`` (and of the dashboard's recent decisions), as builtins."""
+        out: dict[str, Any] = msgspec.to_builtins(self._view())
+        return out
+
+    def explain_json(self) -> bytes:
+        """:meth:`explain` encoded, without building the dicts (``/route`` over many candidates)."""
+        return msgspec.json.encode(self._view())
+
+    def _view(self) -> RouteView:
+        """What is shown: everything but the match report and the members; the candidates'
         reasons are written here, the first time the decision is shown."""
         if self.candidates and not any(c.reason for c in self.candidates):
             explain(self.policy, self.candidates, self.outcome)
         if self.pd is not None:
             self.pd.explain()
-        members, self.members = self.members, {}
-        try:
-            out: dict[str, Any] = msgspec.to_builtins(self)
-        finally:
-            self.members = members
-        out.pop("report", None)
-        out.pop("members", None)
-        out["timings_us"] = {
-            k: round(v, 1) for k, v in self.timings_us.items()
-        }  # rounded here, off the hot path
-        return out
+        return RouteView(
+            self.model,
+            self.endpoint,
+            self.backend,
+            self.dp_rank,
+            self.outcome,
+            self.prompt_tokens,
+            self.prompt_blocks,
+            self.block_size,
+            self.matched_blocks,
+            self.candidates,
+            self.tokenize_error,
+            {k: round(v, 1) for k, v in self.timings_us.items()},  # rounded here, off the hot path
+            self.time,
+            self.policy,
+            self.affinity,
+            self.pd,
+        )
 
     def ranked(self) -> list[tuple[str, int]]:
         """Targets from best to worst score, the chosen one first (for failover)."""
         rest = sorted((c for c in self.candidates if not c.chosen), key=lambda c: c.score)
         return [(self.backend, self.dp_rank)] + [(c.backend, c.dp_rank) for c in rest]
+
+
+class RouteView(msgspec.Struct):
+    """:class:`Route` as ``/route`` shows it (same fields, same order, without ``report`` and
+    ``members``)."""
+
+    model: str
+    endpoint: Endpoint
+    backend: str
+    dp_rank: int
+    outcome: str
+    prompt_tokens: int
+    prompt_blocks: int
+    block_size: int
+    matched_blocks: int
+    candidates: list[CandidateScore]
+    tokenize_error: str | None
+    timings_us: dict[str, float]
+    time: float
+    policy: str
+    affinity: str
+    pd: PDPlan | None
 
 
 def validate_body(endpoint: Endpoint, body: Any) -> str:
