@@ -205,14 +205,17 @@ def publisher_main(path: str) -> int:
     spec = msgspec.msgpack.decode(Path(path).read_bytes())
     ctx = zmq.Context(io_threads=1)
     socks = []
-    for port, source, payloads, blocks in spec:
+    ports = []
+    for source, payloads, blocks in spec:
         sock = ctx.socket(zmq.PUB)
         sock.setsockopt(zmq.SNDHWM, 0)  # unlimited: nothing dropped while the services are stopped
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.SNDBUF, 4 << 20)
-        sock.bind(f"tcp://127.0.0.1:{port}")
+        # an ephemeral port bound here and reported: a port picked by the parent could be taken
+        # by any other connection before this bind
+        ports.append(sock.bind_to_random_port("tcp://127.0.0.1"))
         socks.append([sock, source, payloads, blocks, 0])
-    print("ok ready", flush=True)
+    print("ok ready " + " ".join(map(str, ports)), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd:
@@ -259,14 +262,13 @@ class Publishers:
     """Publisher processes serving the sources' PUB sockets (a few sockets per process)."""
 
     def __init__(self, stream: Stream | None, sources: int, per_proc: int, tmp: Path) -> None:
-        self.ports = [free_port() for _ in range(sources)]
         self.procs: list[subprocess.Popen[str]] = []
         for first in range(0, sources, per_proc):
             spec = []
             for s in range(first, min(first + per_proc, sources)):
                 payloads = stream.payloads[s] if stream else []
                 blocks = [self._blocks(p) for p in payloads] if stream else []
-                spec.append([self.ports[s], s, payloads, blocks])
+                spec.append([s, payloads, blocks])
             path = tmp / f"pub-{first}.msgpack"
             path.write_bytes(msgspec.msgpack.encode(spec))
             proc = subprocess.Popen(
@@ -276,7 +278,9 @@ class Publishers:
                 text=True,
             )
             self.procs.append(proc)
-        self.command(None)  # ready
+        # "ok ready PORT ...": each process's sockets, in source order
+        self.ports = [int(p) for line in self.command(None) for p in line.split()[2:]]
+        assert len(self.ports) == sources, self.ports
 
     @staticmethod
     def _blocks(payload: bytes) -> int:
@@ -629,8 +633,12 @@ def subscribe(svcs: list[Service], pubs: Publishers, sources: int, timeout: floa
 
 
 def drain(
-    svcs: list[Service], pubs: Publishers, stream: Stream, sample: int, seed: int
+    svcs: list[Service], pubs: Publishers, stream: Stream, sample: int, seed: int, alone: bool = False
 ) -> dict[str, dict[str, Any]]:
+    """Stop every service, queue the whole stream, continue and time each until the last chain of
+    every source is visible. ``alone``: one service continues at a time while the others stay
+    stopped (their stream still queued), so that each drains with the box to itself instead of
+    competing with the other for the two cores."""
     rss0 = {svc.name: svc.rss() for svc in svcs}
     for svc in svcs:
         svc.signal(signal.SIGSTOP)
@@ -650,17 +658,26 @@ def drain(
             stderr=subprocess.DEVNULL,
         )
         time.sleep(1.0)
-    t0 = time.perf_counter()
-    for svc in svcs:
-        svc.signal(signal.SIGCONT)
-    done = wait_visible(svcs, targets, timeout=300)
+    t0s: dict[str, float] = {}
+    done: dict[str, float] = {}
+    if alone:
+        for svc in svcs:
+            t0s[svc.name] = time.perf_counter()
+            svc.signal(signal.SIGCONT)
+            done |= wait_visible([svc], targets, timeout=300)
+    else:
+        t0 = time.perf_counter()
+        for svc in svcs:
+            t0s[svc.name] = t0
+            svc.signal(signal.SIGCONT)
+        done = wait_visible(svcs, targets, timeout=300)
     pub_cpu = pubs.cpu() - pub0
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(30)
     out: dict[str, Any] = {}
     for svc in svcs:
-        secs = done[svc.name] - t0
+        secs = done[svc.name] - t0s[svc.name]
         cpu = svc.cpu() - cpu0[svc.name]
         out[svc.name] = {
             "seconds": round(secs, 3),
@@ -844,6 +861,12 @@ def main() -> int:
     ap.add_argument("--lookups", type=int, default=200, help="requests per latency row")
     ap.add_argument("--pace", type=float, default=150_000, help="paced ingest rate, blocks/s (all sources)")
     ap.add_argument("--startup-rounds", type=int, default=3)
+    ap.add_argument(
+        "--drain",
+        choices=("together", "alone"),
+        default="together",
+        help="continue the services together (competing for the cores) or one at a time",
+    )
     ap.add_argument("--skip", default="", help="phases to skip: drain,paced,latency,startup")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
@@ -885,7 +908,14 @@ def main() -> int:
                             svcs = start_services(dynamo_py, pubs.ports, mock_port, tmp)
                             try:
                                 subscribe(svcs, pubs, sources)
-                                res = drain(svcs, pubs, stream, 100 if args.quick else 300, blocks)
+                                res = drain(
+                                    svcs,
+                                    pubs,
+                                    stream,
+                                    100 if args.quick else 300,
+                                    blocks,
+                                    args.drain == "alone",
+                                )
                                 print(json.dumps(res, indent=1), flush=True)
                                 results[f"drain {label}"] = res
                                 if first and "latency" not in skip:
