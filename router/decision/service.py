@@ -34,8 +34,8 @@ log = logging.getLogger("kvrouter.route")
 Endpoint = Literal["completions", "chat"]
 
 
-class Route(msgspec.Struct):
-    """A decision with everything ``/route`` shows and the proxy needs."""
+class RouteView(msgspec.Struct):
+    """A decision as ``/route`` shows it (and the dashboard's recent decisions)."""
 
     model: str
     endpoint: Endpoint
@@ -50,16 +50,24 @@ class Route(msgspec.Struct):
     tokenize_error: str | None = None
     timings_us: dict[str, float] = {}
     time: float = 0.0
-    report: MatchReport | None = None
     policy: str = "kv"
-    members: dict[str, Member] = {}
-    """The candidates' members as they were when decided (the proxy sends to these, even if the
-    membership changed meanwhile: a request decided before a drain still goes where it was sent)."""
     affinity: str = ""
     """With a session header: what its pin did (router.cluster.affinity.Result); "" otherwise."""
     pd: PDPlan | None = None
     """Prefill/decode disaggregation: the prefill choice and whether its leg runs (None: the model
     is not disaggregated). ``backend``/``candidates`` are then the decode choice."""
+
+
+_SHOWN = len(RouteView.__struct_fields__)
+
+
+class Route(RouteView):
+    """A decision with everything ``/route`` shows and the proxy needs (the shown fields first)."""
+
+    report: MatchReport | None = None
+    members: dict[str, Member] = {}
+    """The candidates' members as they were when decided (the proxy sends to these, even if the
+    membership changed meanwhile: a request decided before a drain still goes where it was sent)."""
 
     def explain(self) -> dict[str, Any]:
         """The JSON body of ``/route`` (and of the dashboard's recent decisions), as builtins."""
@@ -77,51 +85,14 @@ class Route(msgspec.Struct):
             explain(self.policy, self.candidates, self.outcome)
         if self.pd is not None:
             self.pd.explain()
-        return RouteView(
-            self.model,
-            self.endpoint,
-            self.backend,
-            self.dp_rank,
-            self.outcome,
-            self.prompt_tokens,
-            self.prompt_blocks,
-            self.block_size,
-            self.matched_blocks,
-            self.candidates,
-            self.tokenize_error,
-            {k: round(v, 1) for k, v in self.timings_us.items()},  # rounded here, off the hot path
-            self.time,
-            self.policy,
-            self.affinity,
-            self.pd,
-        )
+        view = RouteView(*msgspec.structs.astuple(self)[:_SHOWN])
+        view.timings_us = {k: round(v, 1) for k, v in self.timings_us.items()}  # off the hot path
+        return view
 
     def ranked(self) -> list[tuple[str, int]]:
         """Targets from best to worst score, the chosen one first (for failover)."""
         rest = sorted((c for c in self.candidates if not c.chosen), key=lambda c: c.score)
         return [(self.backend, self.dp_rank)] + [(c.backend, c.dp_rank) for c in rest]
-
-
-class RouteView(msgspec.Struct):
-    """:class:`Route` as ``/route`` shows it (same fields, same order, without ``report`` and
-    ``members``)."""
-
-    model: str
-    endpoint: Endpoint
-    backend: str
-    dp_rank: int
-    outcome: str
-    prompt_tokens: int
-    prompt_blocks: int
-    block_size: int
-    matched_blocks: int
-    candidates: list[CandidateScore]
-    tokenize_error: str | None
-    timings_us: dict[str, float]
-    time: float
-    policy: str
-    affinity: str
-    pd: PDPlan | None
 
 
 def validate_body(endpoint: Endpoint, body: Any) -> str:
