@@ -29,7 +29,9 @@ gap, then a replay), held live messages during a replay are capped, and the stor
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -181,6 +183,12 @@ class EventSubscriber:
         self._apply_q: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=self.config.apply_queue)
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket[Any], tuple[str, _Source]] = {}
+        # a pipe in the poller wakes the thread for a command (add, remove, stop) at once: waiting
+        # for the poll timeout made a joining engine's stream start up to poll_ms late
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self._busy = True
         """Something was ingested since the heap was last trimmed (True at first: start-up's own
         garbage goes back to the OS at the first idle moment)."""
@@ -194,6 +202,7 @@ class EventSubscriber:
             self._open(cfg)
         else:
             self._commands.put(("add", cfg))
+            self._wake()
 
     def remove_source(self, source: SourceId) -> None:
         """Stop following a source and forget its blocks."""
@@ -201,6 +210,11 @@ class EventSubscriber:
             self._close_source(source)
         else:
             self._commands.put(("remove", source))
+            self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: a wake-up is pending anyway; closed: stopped
+            os.write(self._wake_w, b"!")
 
     def start(self) -> None:
         """Start the subscriber thread."""
@@ -214,6 +228,7 @@ class EventSubscriber:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and close every socket."""
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -223,6 +238,11 @@ class EventSubscriber:
             self._applier = None
         for source in list(self._sources):
             self._close_source(source, forget=False)
+        if self._wake_w >= 0:
+            self._poller.unregister(self._wake_r)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
         if self._own_ctx:
             self.ctx.term()
 
@@ -338,16 +358,15 @@ class EventSubscriber:
         cfg = self.config
         while not self._stop.is_set():
             self._drain_commands()
-            if not self._by_socket:
-                # zmq's poll returns at once with nothing to poll: a busy loop would starve the
-                # router's event loop of the GIL (measured: 9 ms added per request)
-                self._stop.wait(cfg.poll_ms / 1000)
-                continue
-            try:
+            try:  # (the wake-up pipe is always polled: never a busy loop with no sockets)
                 ready = dict(self._poller.poll(cfg.poll_ms))
             except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
                 log.error("poll failed: %s", exc)
                 break
+            if ready.pop(self._wake_r, None) is not None:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+                continue  # commands first, then whatever is ready (polled again at once)
             if not ready and self._busy:
                 # idle after a burst: the heap gives back what the messages took (glibc keeps it)
                 self._busy = False
