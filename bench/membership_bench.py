@@ -234,6 +234,7 @@ class Bench:
 
         def probe() -> None:
             with httpx.Client(timeout=30) as c:
+                c.get(f"{self.url}/health")  # the connection and the client's first-use costs, untimed
                 while not stop.is_set():
                     t = time.monotonic()
                     c.get(f"{self.url}/health")
@@ -253,6 +254,7 @@ class Bench:
         time.sleep(2)
         rss_after = rss_kb(self.router.pid)
         before = [d for t, d in samples if t < t_del]
+        t0 = samples[0][0]
         during = [d for t, d in samples if t_del <= t <= t_freed + 0.5]
         return {
             "blocks": blocks,
@@ -260,6 +262,7 @@ class Bench:
             "removal_s": round(t_freed - t_del, 3),
             "health_p50_ms_before": round(statistics.median(before) * 1e3, 3),
             "health_max_ms_before": round(max(before) * 1e3, 2),
+            "health_max_before_at_s": round(max(samples[: len(before)], key=lambda x: x[1])[0] - t0, 3),
             "health_max_ms_during_removal": round(max(during) * 1e3, 2),
             "health_probes_during_removal": len(during),
             "rss_mb_before_join": round(rss_before / 1024, 1),
