@@ -22,7 +22,8 @@ Stages, each on every selected trace:
    ``pd.min_uncached_tokens``, the measurement behind its default, and ``pd_capacity`` (not run by
    default) repeats the P/D arms with smaller and larger engine caches; ``pd_wide`` (not run by
    default) runs the P/D arms with 4 prefill + 2 decode engines, where round-robin prefill
-   placement finds the engine that computed a conversation's previous turn one time in four.
+   placement finds the engine that computed a conversation's previous turn one time in four, and
+   ``pd_wide_pressure`` (not run by default) the same with 320 blocks per engine.
 
 Capacities are real 16-token KV blocks per engine (32k blocks = 512k tokens: the README's 1,000-block
 LRU row for Mooncake). Mooncake runs scale a 512-token block to 128 tokens and sessions a 64-token
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if records:
         write_markdown(records, out / "quality.md")
         print(f"wrote {out / 'quality.json'} and {out / 'quality.md'}", file=sys.stderr)
-    if stages & {"pd", "pd_threshold", "pd_capacity", "pd_wide"}:  # live P/D scenarios (sim/pd_demo.py)
+    if stages & {"pd", "pd_threshold", "pd_capacity", "pd_wide", "pd_wide_pressure"}:  # live (sim/pd_demo.py)
         run_pd(out, stages, args.quick, args.pd_repeat)
     return 0
 
@@ -325,6 +326,11 @@ def run_pd(out: Path, stages: set[str], quick: bool, repeat: int = 1) -> None:
         runs.append(("conversations, 4 prefill + 2 decode", PDScenario(workload=conversations(), arms=wide)))
         scn = PDScenario(workload=long_sessions(), arms=wide, deadline_s=60.0)
         runs.append(("long sessions, 4 prefill + 2 decode", scn))
+    if "pd_wide_pressure" in stages:  # both: four prefill engines and half the cache per engine
+        wide = tuple(msgspec.structs.replace(a, label=f"{a.label}, 4P+2D", prefill=4) for a in ARMS[1:])
+        for name, workload in (("conversations", conversations()), ("long sessions", long_sessions())):
+            scn = PDScenario(workload=workload, arms=wide, num_gpu_blocks=320, deadline_s=60.0)
+            runs.append((f"{name}, 4 prefill + 2 decode, 320 blocks per engine", scn))
     if "pd_threshold" in stages:
         arms = tuple(
             PDArm(label=f"min_uncached_tokens={t}", prefill=2, decode=2, pd={"min_uncached_tokens": t})
