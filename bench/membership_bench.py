@@ -80,7 +80,7 @@ class Chains:
         hashes = seed << 40
         for _ in range(max(n_blocks // CHAIN, 1)):
             tokens = [rng.randrange(1, 50_000) for _ in range(CHAIN * BS)]
-            block_hashes = list(range(hashes, hashes + CHAIN))
+            block_hashes: list[int | bytes] = list(range(hashes, hashes + CHAIN))
             hashes += CHAIN
             self.prompts.append(tokens)
             event = BlockStored(block_hashes, None, tokens, BS, None, "GPU", None)
