@@ -161,13 +161,13 @@ class Policy:
         cfg = self.config
         scores = []
         kv = cfg.name == "kv"
-        per_block = 1 / max(block_size, 1)
+        bs = max(block_size, 1)
         load_weight, decode_weight, waiting_weight = cfg.load_weight, cfg.decode_weight, cfg.waiting_weight
         for c in candidates:  # (a /route over 64 candidates runs this 64 times: kept lean)
             load = c.load
             credit = self.credit(c, prompt_blocks) if kv and c.matched_blocks else 0.0
             prefill = prompt_blocks - credit if prompt_blocks > credit else 0.0
-            queued = load.pending_prefill_tokens * per_block if load.pending_prefill_tokens else 0.0
+            queued = load.pending_prefill_tokens / bs if load.pending_prefill_tokens else 0.0
             if credit:
                 # predicted blocks are prefill of this very prefix already queued there: waiting for
                 # them is not extra work, it is this request's own prefix being computed
