@@ -189,6 +189,8 @@ class EventSubscriber:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        self._after_chunk: list[Callable[[], None]] = []
+        """Work due once this loop turn's chunk is applied (a bootstrap's end becomes visible then)."""
         self._busy = True
         """Something was ingested since the heap was last trimmed (True at first: start-up's own
         garbage goes back to the OS at the first idle moment)."""
@@ -391,6 +393,10 @@ class EventSubscriber:
             if chunk:
                 self._busy = True
                 self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
+            if self._after_chunk:
+                after, self._after_chunk = self._after_chunk, []
+                for work in after:
+                    self._submit(work)  # in order: after the chunk above is applied
 
     def _apply(self, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         try:
@@ -582,8 +588,15 @@ class EventSubscriber:
             return
         src.replay = None
         if replay.bootstrap:
-            src.bootstrap = "done" if finished else "failed"
-            src.bootstrapped = True
+            # "done" and ready only once the ingest thread has applied what the replay brought (the
+            # chunk this call fills): a lead that sees ready must find the bootstrap in the index
+            outcome = "done" if finished else "failed"
+
+            def bootstrapped() -> None:
+                src.bootstrap = outcome
+                src.bootstrapped = True
+
+            self._after_chunk.append(bootstrapped)
         if not finished:
             # replies of an abandoned request could still arrive and be mistaken for the next one's
             self._close_dealer(src)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -393,6 +394,40 @@ def test_bootstrap_state_and_source_ready(
         assert idx.source_keys(("nobody", 0)) == {} and idx.source_blocks_by_medium(("nobody", 0)) == {}
     finally:
         dead.close(0)
+
+
+def test_ready_only_once_the_bootstrap_is_in_the_index(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """Readiness means the replayed blocks are matchable: with the ingest thread held, a finished
+    bootstrap replay stays "pending" and not ready; once the thread goes on, both flip together
+    with the blocks in the index. (It used to flip when the reply arrived, before the apply: a
+    joiner could be routed to with an index that did not yet hold its bootstrap.)"""
+    pub = make_pub()
+    c = Chain(0)
+    for _ in range(3):
+        pub.publish([c.extend(2)])
+    idx = make_index()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(TIMEOUT)
+
+    idx.subscriber._submit(hold)
+    assert held.wait(TIMEOUT)
+    try:
+        idx.add_source(connect(pub))
+        wait_for(
+            lambda: any(s.source == "e/dp0" and s.replays >= 1 for s in idx.status())
+            and idx.subscriber._apply_q.qsize() >= 2,
+            "the replay received and its chunk handed over",
+        )
+        assert not idx.source_ready(("e", 0)) and status(idx).bootstrap == "pending"
+    finally:
+        release.set()
+    wait_for(lambda: idx.source_ready(("e", 0)), "ready after the apply")
+    assert status(idx).bootstrap == "done" and matched(idx, c.tokens) == 6
 
 
 def test_remove_and_re_add_sources_while_running_reuses_slots(
