@@ -419,8 +419,10 @@ def test_ready_only_once_the_bootstrap_is_in_the_index(
     try:
         idx.add_source(connect(pub))
         wait_for(
-            lambda: any(s.source == "e/dp0" and s.replays >= 1 for s in idx.status())
-            and idx.subscriber._apply_q.qsize() >= 2,
+            lambda: (
+                any(s.source == "e/dp0" and s.replays >= 1 for s in idx.status())
+                and idx.subscriber._apply_q.qsize() >= 2
+            ),
             "the replay received and its chunk handed over",
         )
         assert not idx.source_ready(("e", 0)) and status(idx).bootstrap == "pending"
