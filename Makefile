@@ -61,7 +61,7 @@ fuzz-http: $(STAMP)
 # hence the 8 GB RSS limit)
 # the C core again, instrumented for libFuzzer's coverage, ASan and UBSan (any UB aborts); the
 # fuzz target loads it instead of the installed one (KVROUTER_KVCORE, tests/kvfuzz.py)
-$(KVCORE_ASAN): index/_kvcore.c index/_kvingest.h $(STAMP)
+$(KVCORE_ASAN): index/_kvcore.c index/_kvingest.h index/_kvrecv.h $(STAMP)
 	mkdir -p $(FUZZ_DIR)
 	command -v clang >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null; }

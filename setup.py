@@ -8,7 +8,7 @@ setup(
         Extension(
             "index._kvcore",
             sources=["index/_kvcore.c"],
-            depends=["index/_kvingest.h"],
+            depends=["index/_kvingest.h", "index/_kvrecv.h"],
             extra_compile_args=[
                 "-O2",
                 "-std=gnu11",

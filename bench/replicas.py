@@ -363,14 +363,15 @@ async def run_arm(
             killer = asyncio.get_running_loop().create_task(
                 _outage(redis, [r.url for r in routers], kill_at, extra)
             )
-        t0 = time.monotonic()
+        t0, own0 = time.monotonic(), time.process_time()
         results = await run(work.requests, dcfg)
         wall = time.monotonic() - t0
+        extra["bench_cpu_s"] = time.process_time() - own0  # the engines' and the load generator's
         if killer is not None:
             await killer
-        extra["router_cpu_s"] = sum(
-            (cpu_seconds(r.proc.pid) if r.proc else 0.0) - c for r, c in zip(routers, cpu0, strict=True)
-        )
+        each = [(cpu_seconds(r.proc.pid) if r.proc else 0.0) - c for r, c in zip(routers, cpu0, strict=True)]
+        extra["router_cpu_s"] = sum(each)
+        extra["router_cpu_each_s"] = each
         extra["wall_s"] = wall
         extra["balancer_connections"] = list(lb.per_upstream)
         scrapes = []
@@ -483,6 +484,7 @@ def quality_arms(name: str, only: str = "") -> list[Arm]:
     ]
     if only:  # a control, on request only: one router taking every request, two idle replicas beside it
         arms.append(Arm("one+2idle", 3, shared=True, balanced=1))
+        arms.append(Arm("one+2idle-alone", 3, balanced=1))  # the same without sharing: ingest only
     if name == "sessions":
         arms.append(Arm("three-shared+sessions", 3, shared=True, sessions=True))
     if only:

@@ -1461,6 +1461,7 @@ static PyObject *Store_take_stats(Store *s, PyObject *noarg) {
 }
 
 #include "_kvingest.h"
+#include "_kvrecv.h"
 
 static PyMethodDef Store_methods[] = {
     {"new_slot", (PyCFunction)Store_new_slot, METH_NOARGS, "Add a source slot; returns its index."},
@@ -1873,6 +1874,8 @@ static PyMethodDef mod_methods[] = {
     {"first_above", mod_first_above, METH_VARARGS, "first_above(u64 buffer, max) -> index or -1"},
     {"trim", mod_trim, METH_NOARGS, "trim() -> whether the heap gave memory back to the OS"},
     {"check_ids", mod_check_ids, METH_VARARGS, "check_ids(ids, max_id) -> first bad index or -1"},
+    {"recv_bind", mod_recv_bind, METH_VARARGS, "recv_bind(libzmq entry points): enables recv_live"},
+    {"recv_live", mod_recv_live, METH_VARARGS, "recv_live(socket, chunk, sidx, last_seq, topic, max)"},
     {NULL, NULL, 0, NULL},
 };
 
