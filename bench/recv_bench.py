@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from index.ingest import Ingestor  # noqa: E402
-from index.store import PrefixStore  # noqa: E402
-from index.subscriber import EventSubscriber, SourceConfig, SubscriberConfig  # noqa: E402
-from sim.publisher import BlockStored, encode_batch  # noqa: E402
+from index.ingest import Ingestor
+from index.store import PrefixStore
+from index.subscriber import EventSubscriber, SourceConfig, SubscriberConfig
+from sim.publisher import BlockStored, encode_batch
 
 
 def payloads(n: int) -> list[bytes]:
@@ -85,8 +81,11 @@ def main() -> int:
     finally:
         ctx.term()
     for k, v in res.items():
-        print(f"{k:<7} receive loop: {statistics.median(v):.2f} us CPU per message (rounds: "
-              + ", ".join(f"{x:.2f}" for x in v) + ")")
+        print(
+            f"{k:<7} receive loop: {statistics.median(v):.2f} us CPU per message (rounds: "
+            + ", ".join(f"{x:.2f}" for x in v)
+            + ")"
+        )
     print(f"ratio Python / C: {statistics.median(res['Python']) / statistics.median(res['C']):.1f}x")
     return 0
 
