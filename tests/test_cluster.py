@@ -223,12 +223,23 @@ def test_replicas_assume_each_others_concurrent_decisions(
     reps = cluster_of(config(engines, redis.url, publish_interval_s=1.0), 2)
     wait_for(all_connected(reps, 1), "both replicas connected and seeing each other")
     ready([r.url for r in reps.routers], 3)
-    assumed = [debug(r.url)["cluster"]["assumed"] for r in reps.routers]
-    assert sorted(a["rank"] for a in assumed) == [0, 1] and {a["replicas"] for a in assumed} == {2}
+    # nobody has decided anything yet: each replica ranks itself alone
+    assert all(debug(r.url)["cluster"]["assumed"]["replicas"] == 1 for r in reps.routers)
     for r in reps.routers:
         assert sum(c["assumed_blocks"] for c in route(r.url)["candidates"]) == 0  # nothing decided yet
+    for r in reps.routers:
+        assert httpx.post(r.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+
+    def ranked() -> bool:
+        assumed = [debug(r.url)["cluster"]["assumed"] for r in reps.routers]
+        return sorted(a["rank"] for a in assumed) == [0, 1] and {a["replicas"] for a in assumed} == {2}
+
+    wait_for(ranked, "both deciding, each seeing the other decide")
 
     def decided_then_assumes(url: str) -> bool:
+        for other in reps.routers:  # both keep deciding, this one last
+            if other.url != url:
+                assert httpx.post(other.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
         assert httpx.post(url + "/v1/completions", json=BODY, timeout=30).status_code == 200
         # a decision just made here means a burst: the peer's share of it is assumed somewhere
         return sum(c["assumed_blocks"] for c in route(url)["candidates"]) > 0
@@ -237,6 +248,26 @@ def test_replicas_assume_each_others_concurrent_decisions(
         wait_for(lambda u=r.url: decided_then_assumes(u), "a decision followed by assumed peer load")
     m = httpx.get(reps[0].url + "/metrics", timeout=10).text
     assert re.search(r"^kvrouter_cluster_assumed_decisions_total [0-9.]+$", m, re.M)
+
+
+def test_an_idle_peer_is_not_assumed_to_decide(
+    redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
+) -> None:
+    """A standby replica (or one the balancer sends nothing) makes no decisions: the replica doing
+    all the routing must not assume any from it, while the standby does see the active one decide."""
+    reps = cluster_of(config(engines, redis.url, publish_interval_s=1.0), 2)
+    wait_for(all_connected(reps, 1), "both replicas connected and seeing each other")
+    ready([r.url for r in reps.routers], 3)
+    active, standby = reps.routers
+
+    def standby_sees_a_decider() -> bool:
+        assert httpx.post(active.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+        return bool(debug(standby.url)["cluster"]["assumed"]["replicas"] == 2)
+
+    wait_for(standby_sees_a_decider, "the standby seeing the active replica decide")
+    assert httpx.post(active.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+    assert debug(active.url)["cluster"]["assumed"]["replicas"] == 1
+    assert sum(c["assumed_blocks"] for c in route(active.url)["candidates"]) == 0
 
 
 def test_no_assumptions_when_turned_off(

@@ -86,6 +86,22 @@ def test_peer_sums_follow_changes_full_tables_and_expiry() -> None:
     assert t.totals == {} and t.peers == {}
 
 
+def test_a_peer_counts_as_deciding_only_when_its_messages_show_requests() -> None:
+    t = PeerTable()
+    a = t.heard("a", 10.0)
+    assert a is not None and a.last_decided == float("-inf")
+    t.set_loads(a, rows(), full=True, now=10.0)  # a heartbeat of an idle replica
+    assert a.last_decided == float("-inf")
+    t.set_loads(a, rows(("e0", 0, 1, 1, 64)), full=True, now=11.0)  # a request in flight
+    assert a.last_decided == 11.0
+    t.set_loads(a, rows(("e0", 0, 0, 0, 0)), full=True, now=12.0)  # one came and went: a zero row
+    assert a.last_decided == 12.0
+    t.set_loads(a, rows(("e1", 0, 0, 0, 0)), full=False, now=13.0)  # any change
+    assert a.last_decided == 13.0
+    t.set_loads(a, rows(("e1", 0, 2, 0, 0)), full=False)  # no clock given: not marked
+    assert a.last_decided == 13.0
+
+
 def test_sibling_workers_load_is_not_added_twice() -> None:
     t = PeerTable(group="host:/run/x")
     sib = t.heard("w1", 0.0)

@@ -190,9 +190,17 @@ class Cluster:
         """How long a peer's decision may stay invisible here: a publish interval plus the lag."""
         return self.config.publish_interval_s + self.lag_mean
 
-    def replica_keys(self) -> list[str]:
-        """One key per live peer process (its worker group, or its id when it runs alone)."""
-        return [p.group or p.id for p in self.table.peers.values()]
+    DECIDING_S = 5.0
+    """A peer counts as deciding (for the assumption of concurrent decisions) this long after a
+    message last showed it dispatching a request."""
+
+    def replica_keys(self, now: float | None = None) -> list[str]:
+        """One key per live peer process that is deciding requests (its worker group, or its id when
+        it runs alone). An idle peer (a standby, or one the balancer sends nothing) makes no decisions
+        to assume: counting it added phantom load to every burst of the one replica that did all the
+        routing (BENCHMARKS.md, "Router replicas", round 4)."""
+        now = time.monotonic() if now is None else now
+        return [p.group or p.id for p in self.table.peers.values() if now - p.last_decided <= self.DECIDING_S]
 
     # --- predictions and pins made here ------------------------------------------------------------
     def predicted(self, source: Target, block_size: int, keys: Sequence[int], ttl_s: float) -> None:
@@ -326,7 +334,7 @@ class Cluster:
             if peer is not None:
                 peer.name = msg.name or peer.name
                 peer.group = msg.group
-                self.table.set_loads(peer, msg.loads, True)
+                self.table.set_loads(peer, msg.loads, True, now - age)
         if self.affinity is not None:
             pattern = self.session_key.split("{")[0] + "*"
             for key, value, ttl_ms in await self.store.scan_values(pattern, self.affinity.max_sessions):
@@ -346,8 +354,9 @@ class Cluster:
 
     async def _receive(self) -> None:
         """Watch the subscription: returns (raises) when a connection is lost, or when the channel
-        has been silent for three heartbeats (this replica's own heartbeats come back on it)."""
-        silent_limit = 3 * self.config.heartbeat_s
+        has been silent for three heartbeats (this replica's own heartbeats come back on it; a
+        heartbeat waits for the publish interval when that is longer, so three of those)."""
+        silent_limit = 3 * max(self.config.heartbeat_s, self.config.publish_interval_s)
         lost = asyncio.ensure_future(self.store.lost())
         try:
             while True:
@@ -391,7 +400,7 @@ class Cluster:
         if msg.name:
             peer.name = msg.name
         peer.group = msg.group
-        self.table.set_loads(peer, msg.loads, msg.full)
+        self.table.set_loads(peer, msg.loads, msg.full, now)
         if msg.predictions and self.config.share_predictions:
             for p in msg.predictions:
                 try:
@@ -464,6 +473,9 @@ class Cluster:
         own = self._own
         if full:
             rows = [LoadRow(t[0], t[1], *f) for t, f in own.items()]
+            # targets that changed and are idle again go along as zero rows: they tell the peers this
+            # replica is routing (router/cluster/peers.py, PeerTable.set_loads)
+            rows += [LoadRow(t[0], t[1], *_ZERO) for t in self._dirty if t not in own]
         else:
             rows = [LoadRow(t[0], t[1], *own.get(t, _ZERO)) for t in self._dirty]
         self._dirty = set()

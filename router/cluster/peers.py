@@ -23,7 +23,18 @@ _ZERO: Figures = (0, 0, 0)
 class Peer:
     """One other replica."""
 
-    __slots__ = ("first_heard", "group", "id", "last_heard", "loads", "messages", "missed", "name", "seq")
+    __slots__ = (
+        "first_heard",
+        "group",
+        "id",
+        "last_decided",
+        "last_heard",
+        "loads",
+        "messages",
+        "missed",
+        "name",
+        "seq",
+    )
 
     def __init__(self, replica: str, now: float) -> None:
         self.id = replica
@@ -31,6 +42,8 @@ class Peer:
         self.group = ""
         self.first_heard = now
         self.last_heard = now
+        self.last_decided = float("-inf")
+        """When a message last showed this peer routing requests (:meth:`PeerTable.set_loads`)."""
         self.seq = -1
         self.messages = 0
         self.missed = 0
@@ -83,11 +96,20 @@ class PeerTable:
         """Whether a peer's load is added to the sums (not a sibling worker of this process)."""
         return not (self.group and peer.group == self.group)
 
-    def set_loads(self, peer: Peer, rows: Iterable[LoadRow], full: bool) -> None:
-        """Apply a peer's figures: the listed targets change; with ``full`` the others drop to zero."""
+    def set_loads(self, peer: Peer, rows: Iterable[LoadRow], full: bool, now: float | None = None) -> None:
+        """Apply a peer's figures: the listed targets change; with ``full`` the others drop to zero.
+
+        With ``now``, the peer is marked as deciding then when the message shows requests of its
+        own: a change of any target's figures (a peer sends only targets whose figures changed, even
+        when a request came and went within one publish interval), or, in a full table, a request in
+        flight or a zero row (a full table lists idle targets only when they just changed)."""
         new: dict[Target, Figures] = {}
+        busy = False
         for r in rows:
             new[(r.backend, r.rank)] = (r.active, r.prefilling, r.pending_tokens)
+            busy = busy or not full or r.active > 0 or new[(r.backend, r.rank)] == _ZERO
+        if busy and now is not None:
+            peer.last_decided = max(peer.last_decided, now)
         if full:
             for target in list(peer.loads):
                 if target not in new:
