@@ -134,6 +134,20 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         dst.close()
 
 
+ROUTER_CPUS: set[int] | None = None
+"""With ``--pin``: the CPUs of every router and the store; the bench process (the simulated engines
+and the load generator) keeps the others."""
+
+
+def pin(pid: int) -> None:
+    """Move every thread of a child process onto ``ROUTER_CPUS`` (threads it starts later inherit)."""
+    if ROUTER_CPUS is None:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), ROUTER_CPUS)
+
+
 # ---- redis ----------------------------------------------------------------------------------------------
 
 
@@ -344,6 +358,8 @@ async def run_arm(
             routers.append(r)
         for r in routers:
             await r.wait_ready(120.0)
+            if r.proc is not None:
+                pin(r.proc.pid)
         if arm.shared:
             await wait_peers([r.url for r in routers], arm.replicas - 1)
         lb = L4Balancer([("127.0.0.1", r.port) for r in routers[: arm.balanced or len(routers)]])
@@ -441,6 +457,8 @@ async def _outage(
     extra["killed_at_s"] = time.monotonic() - t0
     await asyncio.sleep(max(0.0, at[1] - (time.monotonic() - t0)))
     redis.start()
+    if redis.proc is not None:
+        pin(redis.proc.pid)
     extra["restarted_at_s"] = time.monotonic() - t0
     extra["resync_s"] = await wait_peers(urls, len(urls) - 1, 60.0)
 
@@ -570,6 +588,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         redis = RedisProcess(tmp)
         CHILDREN.append(redis)
         redis.start()
+        if redis.proc is not None:
+            pin(redis.proc.pid)
         try:
             for rnd in range(args.rounds):
                 if "quality" in stages:
@@ -680,12 +700,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--deadline", type=float, default=60.0, help="seconds of requests per run")
     p.add_argument("--arms", default="", help="quality arms to run, by label (comma-separated; default all)")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="routers and the store on the last CPU, this process (the engines, the load) on the others",
+    )
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    global PARTIAL
+    global PARTIAL, ROUTER_CPUS
     PARTIAL = out / "replicas.partial.json"
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs at least 2 CPUs")
+        ROUTER_CPUS = {cpus[-1]}
+        os.sched_setaffinity(0, set(cpus[:-1]))
     started = time.strftime("%Y-%m-%d %H:%M")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

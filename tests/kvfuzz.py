@@ -158,7 +158,9 @@ def encode(messages: Sequence[Message]) -> bytes:
 
 
 class Stack:
-    """A subscriber (no sockets: messages go in through ``_on_live``), an ingestor and a store."""
+    """A subscriber, an ingestor and a store. Messages go in through ``_on_live``, except in the
+    ``c`` stack, which receives them from an in-process socket through the subscriber's receive
+    loop (the C loop, index/_kvrecv.h, when it is bound), so the C path compared below includes it."""
 
     def __init__(self, kind: str, ctx: zmq.Context[Any]) -> None:
         self.kind = kind
@@ -172,13 +174,31 @@ class Stack:
             src = _Source(cfg, self.ing.add_source(cfg.source_id))
             self.sub._sources[cfg.source_id] = src
             self.srcs.append(src)
+        self.writers: list[zmq.Socket[Any]] = []
+        if kind == "c":
+            for i, src in enumerate(self.srcs):
+                reader, writer = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+                endpoint = f"inproc://kvfuzz-{id(self)}-{i}"
+                reader.bind(endpoint)
+                writer.connect(endpoint)
+                src.sub = reader
+                self.writers.append(writer)
+
+    def close(self) -> None:
+        for sock in [*self.writers, *(s.sub for s in self.srcs if s.sub is not None)]:
+            sock.close(0)
 
     def feed(self, messages: Sequence[Message]) -> list[tuple[int, Batch | bytes | None]]:
         """One wake-up's messages, then the chunk applied; returns the chunk."""
         chunk: list[tuple[int, Batch | bytes | None]] = []
         for m in messages:
             src = self.srcs[m.source]
-            self.sub._on_live(src, frames_of(m, src), chunk)
+            if self.writers:
+                # one message at a time: its seq frame depends on the state the previous one left
+                self.writers[m.source].send_multipart(frames_of(m, src))
+                self.sub._drain_live(src, chunk)
+            else:
+                self.sub._on_live(src, frames_of(m, src), chunk)
         self.ing.apply_chunk(chunk)
         return chunk
 
@@ -349,7 +369,7 @@ def lookups(store: Any, keys: Sequence[bytes]) -> list[Any]:
 
 
 class Target:
-    """Runs inputs; one ZeroMQ context for every stack (no socket is ever opened)."""
+    """Runs inputs; one ZeroMQ context for every stack (in-process sockets only)."""
 
     def __init__(self) -> None:
         quiet_logging()
@@ -361,6 +381,13 @@ class Target:
         """One input through the three stacks; raises :class:`Finding` (or whatever escaped)."""
         messages = parse(data)
         stacks = [Stack(k, self.ctx) for k in ("c", "py", "dict")]
+        try:
+            return self._run(messages, stacks)
+        finally:
+            for s in stacks:
+                s.close()
+
+    def _run(self, messages: list[Message], stacks: list[Stack]) -> Outcome:
         c, _, ref = stacks
         out = Outcome(messages=len(messages), payloads=sum(m.frame_mode < 6 for m in messages))
         comparable = True

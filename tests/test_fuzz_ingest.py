@@ -60,6 +60,15 @@ def test_the_seed_corpus_ingests_cleanly_on_every_path(target: Target) -> None:
     assert len(SEEDS) == 4 * len(STREAMS)
 
 
+def test_the_c_stack_receives_through_the_c_loop(target: Target) -> None:
+    """The C path compared with the Python one includes the C receive loop (a real socket)."""
+    stack = kvfuzz.Stack("c", target.ctx)
+    try:
+        assert stack.sub._native and len(stack.writers) == len(stack.srcs)
+    finally:
+        stack.close()
+
+
 def test_byte_level_mutations(target: Target) -> None:
     """Seeded random mutations of the seeds (kvfuzz.mutate): nothing escapes, nothing diverges."""
     rng = random.Random(20261124)
