@@ -269,10 +269,12 @@ class Arm:
     sessions: bool = False
     publish_interval_s: float | None = None
     assume: bool = True
+    """``cluster.assume_concurrent_decisions`` (the default); False: the view alone."""
     balanced: int = 0
     """Routers behind the balancer (0: all); the others run, share and ingest, but get no requests
     (a control for the box's CPU: the replicas' cost without their split of the traffic)."""
-    """``cluster.assume_concurrent_decisions`` (the default); False: the view alone."""
+    stagger: bool = False
+    """``cluster.stagger_bursts``."""
 
 
 @dataclass
@@ -304,6 +306,8 @@ def cluster_toml(arm: Arm, redis_url: str | None) -> str:
             lines.append(f"publish_interval_s = {arm.publish_interval_s}")
         if not arm.assume:
             lines.append("assume_concurrent_decisions = false")
+        if arm.stagger:
+            lines.append("stagger_bursts = true")
     if arm.sessions:
         lines.append(f'session_header = "{SESSION_HEADER}"')
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
@@ -500,7 +504,8 @@ def quality_arms(name: str, only: str = "") -> list[Arm]:
         Arm("three-shared (view only)", 3, shared=True, assume=False),
         Arm("three-shared", 3, shared=True),
     ]
-    if only:  # a control, on request only: one router taking every request, two idle replicas beside it
+    if only:  # on request only: staggered bursts, and the controls (one router taking every request)
+        arms.append(Arm("three-shared (staggered)", 3, shared=True, stagger=True))
         arms.append(Arm("one+2idle", 3, shared=True, balanced=1))
         arms.append(Arm("one+2idle-alone", 3, balanced=1))  # the same without sharing: ingest only
     if name == "sessions":

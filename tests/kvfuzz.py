@@ -64,6 +64,7 @@ if _KVCORE:  # before anything imports index._kvcore
     index._kvcore = _mod  # type: ignore[attr-defined]
 
 import contextlib  # noqa: E402
+import itertools  # noqa: E402
 
 import zmq  # noqa: E402
 from vllm_vectors import live_frames, load, scenarios  # noqa: E402
@@ -157,6 +158,9 @@ def encode(messages: Sequence[Message]) -> bytes:
 # ---- three stacks --------------------------------------------------------------------------------
 
 
+_ENDPOINTS = itertools.count()
+
+
 class Stack:
     """A subscriber, an ingestor and a store. Messages go in through ``_on_live``, except in the
     ``c`` stack, which receives them from an in-process socket through the subscriber's receive
@@ -178,7 +182,7 @@ class Stack:
         if kind == "c":
             for i, src in enumerate(self.srcs):
                 reader, writer = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-                endpoint = f"inproc://kvfuzz-{id(self)}-{i}"
+                endpoint = f"inproc://kvfuzz-{next(_ENDPOINTS)}-{i}"  # (never reused: closing is async)
                 reader.bind(endpoint)
                 writer.connect(endpoint)
                 src.sub = reader

@@ -270,6 +270,30 @@ def test_an_idle_peer_is_not_assumed_to_decide(
     assert sum(c["assumed_blocks"] for c in route(active.url)["candidates"]) == 0
 
 
+def test_staggered_replicas_hold_burst_decisions_by_rank(
+    redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
+) -> None:
+    reps = cluster_of(config(engines, redis.url, publish_interval_s=1.0, stagger_bursts=True), 2)
+    wait_for(all_connected(reps, 1), "both replicas connected and seeing each other")
+    ready([r.url for r in reps.routers], 3)
+
+    def both_ranked() -> bool:
+        for r in reps.routers:
+            assert httpx.post(r.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+        return {debug(r.url)["cluster"]["assumed"]["replicas"] for r in reps.routers} == {2}
+
+    wait_for(both_ranked, "both deciding, each seeing the other decide")
+    second = next(r for r in reps.routers if debug(r.url)["cluster"]["assumed"]["rank"] == 1)
+    first = next(r for r in reps.routers if r is not second)
+    for _ in range(2):  # two requests within the window: a burst
+        assert httpx.post(second.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+        assert httpx.post(first.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+    assumed = debug(second.url)["cluster"]["assumed"]
+    assert assumed["staggered"] and assumed["held"] >= 1 and assumed["total"] == 0
+    assert debug(first.url)["cluster"]["assumed"]["held"] == 0  # rank 0 never waits
+    assert all(c["assumed_blocks"] == 0 for c in route(second.url)["candidates"])
+
+
 def test_no_assumptions_when_turned_off(
     redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
 ) -> None:

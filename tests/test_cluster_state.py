@@ -382,6 +382,28 @@ def test_unseen_decisions_alone_in_steady_traffic_and_in_a_burst() -> None:
     assert u.assumed() == UnseenPeers.MAX_ASSUMED
 
 
+def test_staggered_bursts_hold_by_rank_and_assume_nothing() -> None:
+    from router.cluster.unseen import UnseenPeers
+
+    clock = _Clock()
+    rank = [(2, 3)]
+    u = UnseenPeers(lambda: rank[0], lambda: 0.004, clock=clock, stagger=True)
+    assert u.hold_s() == 0.0  # no burst seen yet
+    u.decided(5.0)
+    clock.t += 0.001  # the next request 1 ms later: a burst
+    assert u.hold_s() == pytest.approx(2 * 0.004) and u.assumed() == 0.0
+    rank[0] = (0, 3)
+    assert u.hold_s() == 0.0  # the first in the order decides at once
+    rank[0] = (7, 8)
+    assert u.hold_s() == UnseenPeers.MAX_HOLD_S  # bounded
+    rank[0] = (1, 1)
+    assert u.hold_s() == 0.0  # alone (or the store down: no peers)
+    rank[0] = (1, 2)
+    clock.t += 1.0  # quiet, and bursts are rare here: no hold
+    assert u.burst_share < 0.5 and u.hold_s() == 0.0
+    assert UnseenPeers(lambda: (1, 2), lambda: 0.004, clock=clock).hold_s() == 0.0  # off by default
+
+
 def test_assumed_requests_go_to_the_least_loaded_and_move_the_choice() -> None:
     from router.cluster.unseen import UnseenPeers
     from router.decision.policy import Policy, PolicyConfig

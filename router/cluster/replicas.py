@@ -58,7 +58,7 @@ class Replicas:
                 index.prediction_listener = self.cluster.predicted
             if config.assume_concurrent_decisions:
                 ranks = replica_ranks(group or self.cluster.id, self.cluster.replica_keys)
-                self.unseen = UnseenPeers(ranks, self.cluster.unseen_window)
+                self.unseen = UnseenPeers(ranks, self.cluster.unseen_window, stagger=config.stagger_bursts)
 
     def register(self, registry: CollectorRegistry) -> None:
         """Export the cluster and affinity metrics from ``registry``."""
@@ -93,6 +93,8 @@ class Replicas:
                 "request_blocks": round(u.request_blocks, 1),
                 "window_ms": round(u.window_s() * 1e3, 2),
                 "total": round(u.assumed_total, 1),
+                "staggered": u.stagger,
+                "held": u.held,
             }
         if self.affinity is not None:
             a = self.affinity

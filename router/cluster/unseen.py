@@ -53,6 +53,7 @@ class UnseenPeers:
         *,
         burst_alpha: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        stagger: bool = False,
     ) -> None:
         self.ranks = ranks
         """(this replica's rank, number of replicas), the processes sharing one store."""
@@ -60,6 +61,10 @@ class UnseenPeers:
         """How long a peer's decision stays unseen here (publish interval + lag)."""
         self.burst_alpha = burst_alpha
         self.clock = clock
+        self.stagger = stagger
+        """Hold burst decisions by rank instead of assuming the peers' (``stagger_bursts``)."""
+        self.held = 0
+        """Decisions held (a metric)."""
         self.burst_share = 0.0
         """Moving share of this replica's decisions made within a window of its previous one."""
         self.request_blocks = 0.0
@@ -68,11 +73,31 @@ class UnseenPeers:
         self.assumed_total = 0.0
         """Assumed peer decisions over every decision (a metric: how much of the routing is guessed)."""
 
+    MAX_HOLD_S = 0.02
+    """The longest a staggered decision waits."""
+
+    def in_burst(self, now: float | None = None) -> bool:
+        """Whether the next decision here is likely part of a burst: another one was made within the
+        window, or (at a first one) most of this replica's recent decisions came in bursts."""
+        now = self.clock() if now is None else now
+        recent = self._recent
+        return bool(recent and now - recent[-1] <= self.window_s()) or self.burst_share >= 0.5
+
+    def hold_s(self, now: float | None = None) -> float:
+        """How long to hold a decision so that the replicas ranked before this one are seen deciding
+        first (``stagger_bursts``): rank x (publish interval + lag) in a burst, else 0."""
+        if not self.stagger:
+            return 0.0
+        rank, n = self.ranks()
+        if n <= 1 or rank == 0 or not self.in_burst(now):
+            return 0.0
+        return min(rank * self.window_s(), self.MAX_HOLD_S)
+
     def assumed(self, now: float | None = None) -> float:
         """How many peer decisions to assume made before the one this replica is about to make."""
         rank, n = self.ranks()
-        if n <= 1:
-            return 0.0
+        if n <= 1 or self.stagger:
+            return 0.0  # (staggered: the replicas before this one are seen, the ones after see it)
         now = self.clock() if now is None else now
         window = self.window_s()
         recent = self._recent

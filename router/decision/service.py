@@ -6,6 +6,7 @@ what an operator sees in ``/route`` is exactly what the proxy does.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -206,6 +207,14 @@ class RouterService:
             raise bad_request(str(exc)) from None
         except TokenizerUnavailable as exc:
             tok_error = str(exc)
+        unseen = self.unseen
+        if unseen is not None and not dry_run:
+            hold = unseen.hold_s()
+            if hold > 0:  # staggered burst (cluster.stagger_bursts): see the replicas ranked before
+                unseen.held += 1
+                held_at = time.perf_counter()
+                await asyncio.sleep(hold)
+                t0 += time.perf_counter() - held_at  # (timings are the work's, not the hold's)
         t1 = time.perf_counter()
         backends = self.candidates_for(model)
         targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
@@ -237,7 +246,6 @@ class RouterService:
         pools = self._pools(model, backends, cands) if self.pd is not None else None
         plan: PDPlan | None = None
         if pools is None:
-            unseen = self.unseen
             if unseen is not None and self.policy.config.name == "kv":
                 unseen.spread(self.policy, cands, block_size, unseen.assumed())
             decision: Decision = self.policy.choose(
