@@ -273,8 +273,8 @@ class Arm:
     balanced: int = 0
     """Routers behind the balancer (0: all); the others run, share and ingest, but get no requests
     (a control for the box's CPU: the replicas' cost without their split of the traffic)."""
-    stagger: bool = False
-    """``cluster.stagger_bursts``."""
+    stagger: bool | None = None
+    """``cluster.stagger_bursts`` (None: the default, on)."""
 
 
 @dataclass
@@ -306,8 +306,8 @@ def cluster_toml(arm: Arm, redis_url: str | None) -> str:
             lines.append(f"publish_interval_s = {arm.publish_interval_s}")
         if not arm.assume:
             lines.append("assume_concurrent_decisions = false")
-        if arm.stagger:
-            lines.append("stagger_bursts = true")
+        if arm.stagger is not None:
+            lines.append(f"stagger_bursts = {str(arm.stagger).lower()}")
     if arm.sessions:
         lines.append(f'session_header = "{SESSION_HEADER}"')
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
@@ -405,6 +405,10 @@ async def run_arm(
         extra["decision_p50_ms"] = dp50 * 1e3 if dp50 is not None else None
         extra["decision_p99_ms"] = dp99 * 1e3 if dp99 is not None else None
         extra["cpu_ms_per_request"] = extra["router_cpu_s"] * 1e3 / routed if routed else None
+        held = sum(total(s, "kvrouter_cluster_held_decisions_total", 'unit="decisions"') for s in scrapes)
+        held_s = sum(total(s, "kvrouter_cluster_held_decisions_total", 'unit="seconds"') for s in scrapes)
+        extra["held_decisions"] = held
+        extra["held_ms_mean"] = held_s * 1e3 / held if held else None
         if arm.shared:
             sent_msgs = sum(total(s, "kvrouter_cluster_messages_total", 'direction="sent"') for s in scrapes)
             sent_bytes = sum(total(s, "kvrouter_cluster_bytes_total", 'direction="sent"') for s in scrapes)
@@ -504,8 +508,8 @@ def quality_arms(name: str, only: str = "") -> list[Arm]:
         Arm("three-shared (view only)", 3, shared=True, assume=False),
         Arm("three-shared", 3, shared=True),
     ]
-    if only:  # on request only: staggered bursts, and the controls (one router taking every request)
-        arms.append(Arm("three-shared (staggered)", 3, shared=True, stagger=True))
+    if only:  # on request only: the assumption unstaggered; controls (one router takes every request)
+        arms.append(Arm("three-shared (no stagger)", 3, shared=True, stagger=False))
         arms.append(Arm("one+2idle", 3, shared=True, balanced=1))
         arms.append(Arm("one+2idle-alone", 3, balanced=1))  # the same without sharing: ingest only
     if name == "sessions":

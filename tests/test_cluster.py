@@ -219,8 +219,9 @@ def test_a_clean_shutdown_withdraws_at_once(
 def test_replicas_assume_each_others_concurrent_decisions(
     redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
 ) -> None:
-    # a 1 s publish interval makes "a decision within the window" easy to hit from a test
-    reps = cluster_of(config(engines, redis.url, publish_interval_s=1.0), 2)
+    # a 1 s publish interval makes "a decision within the window" easy to hit from a test; the
+    # assumption alone (staggered replicas assume nothing: their own test below)
+    reps = cluster_of(config(engines, redis.url, publish_interval_s=1.0, stagger_bursts=False), 2)
     wait_for(all_connected(reps, 1), "both replicas connected and seeing each other")
     ready([r.url for r in reps.routers], 3)
     # nobody has decided anything yet: each replica ranks itself alone
@@ -273,7 +274,7 @@ def test_an_idle_peer_is_not_assumed_to_decide(
 def test_staggered_replicas_hold_burst_decisions_by_rank(
     redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
 ) -> None:
-    reps = cluster_of(config(engines, redis.url, publish_interval_s=1.0, stagger_bursts=True), 2)
+    reps = cluster_of(config(engines, redis.url, publish_interval_s=1.0), 2)  # (staggered: the default)
     wait_for(all_connected(reps, 1), "both replicas connected and seeing each other")
     ready([r.url for r in reps.routers], 3)
 
@@ -292,6 +293,9 @@ def test_staggered_replicas_hold_burst_decisions_by_rank(
     assert assumed["staggered"] and assumed["held"] >= 1 and assumed["total"] == 0
     assert debug(first.url)["cluster"]["assumed"]["held"] == 0  # rank 0 never waits
     assert all(c["assumed_blocks"] == 0 for c in route(second.url)["candidates"])
+    m = httpx.get(second.url + "/metrics", timeout=10).text
+    found = re.search(r'^kvrouter_cluster_held_decisions_total\{unit="decisions"\} ([0-9.]+)$', m, re.M)
+    assert found and float(found.group(1)) >= 1
 
 
 def test_no_assumptions_when_turned_off(

@@ -79,6 +79,7 @@ CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_cluster_missed_messages_total": ("counter", frozenset()),
     "kvrouter_cluster_lag_seconds": ("histogram", frozenset()),
     "kvrouter_cluster_assumed_decisions_total": ("counter", frozenset()),
+    "kvrouter_cluster_held_decisions_total": ("counter", frozenset({"unit"})),
     "kvrouter_session_affinity_total": ("counter", frozenset({"result"})),
     "kvrouter_session_pins": ("gauge", frozenset()),
 }

@@ -69,11 +69,12 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas), which no replica can see yet, as load on the candidates they would pick: the replicas
     then spread a burst as one router would instead of all choosing the same engines
     (router/cluster/unseen.py; BENCHMARKS.md, "Router replicas")."""
-    stagger_bursts: bool = False
+    stagger_bursts: bool = True
     """In a burst, the replica ranked r among the routing ones holds its decisions r x (publish
     interval + lag) so that it sees the decisions of the replicas ranked before it, as one router
     placing a burst in order would (at most 20 ms; a clock wait, never a store wait); no decision is
-    assumed then. Needs ``assume_concurrent_decisions`` (router/cluster/unseen.py)."""
+    assumed then. Needs ``assume_concurrent_decisions``; False keeps the assumption alone
+    (router/cluster/unseen.py; BENCHMARKS.md, "Router replicas", round 5)."""
 
 
 def validate_cluster(c: ClusterConfig) -> None:

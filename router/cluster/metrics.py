@@ -94,6 +94,14 @@ class ClusterCollector(Collector):
             )
             assumed.add_metric([], self.unseen.assumed_total)
             yield assumed
+            held = CounterMetricFamily(
+                "kvrouter_cluster_held_decisions",
+                "Decisions held to see earlier-ranked replicas decide a burst first (stagger_bursts)",
+                labels=["unit"],
+            )
+            held.add_metric(["decisions"], self.unseen.held)
+            held.add_metric(["seconds"], self.unseen.held_s)
+            yield held
         a = self.affinity
         if a is not None:
             res = CounterMetricFamily(

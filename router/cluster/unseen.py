@@ -65,6 +65,8 @@ class UnseenPeers:
         """Hold burst decisions by rank instead of assuming the peers' (``stagger_bursts``)."""
         self.held = 0
         """Decisions held (a metric)."""
+        self.held_s = 0.0
+        """Seconds they were held, summed (a metric)."""
         self.burst_share = 0.0
         """Moving share of this replica's decisions made within a window of its previous one."""
         self.request_blocks = 0.0

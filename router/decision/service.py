@@ -208,13 +208,16 @@ class RouterService:
         except TokenizerUnavailable as exc:
             tok_error = str(exc)
         unseen = self.unseen
+        held = 0.0
         if unseen is not None and not dry_run:
             hold = unseen.hold_s()
             if hold > 0:  # staggered burst (cluster.stagger_bursts): see the replicas ranked before
-                unseen.held += 1
                 held_at = time.perf_counter()
                 await asyncio.sleep(hold)
-                t0 += time.perf_counter() - held_at  # (timings are the work's, not the hold's)
+                held = time.perf_counter() - held_at
+                unseen.held += 1
+                unseen.held_s += held
+                t0 += held  # (the timings are the work's; the hold is reported on its own)
         t1 = time.perf_counter()
         backends = self.candidates_for(model)
         targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
@@ -288,6 +291,7 @@ class RouterService:
                 "match": (t2 - t1) * 1e6,
                 "policy": (t3 - t2) * 1e6,
                 "total": (t3 - t0) * 1e6,
+                "held": held * 1e6,
             },
             time=time.time(),
             report=report,

@@ -214,7 +214,9 @@ class ProxyHandler:
             t0 = time.perf_counter()
             session = self.affinity.session_of(headers) if self.affinity is not None else None
             route = await self.service.decide(endpoint, parsed, session=session)
-            decision_s = time.perf_counter() - t0
+            # the decision's own time: a staggered burst's hold (cluster.stagger_bursts) is counted
+            # by kvrouter_cluster_held_decisions_total instead
+            decision_s = time.perf_counter() - t0 - route.timings_us.get("held", 0.0) / 1e6
         except ApiError as err:
             await send_error(writer, err)
             return
