@@ -29,6 +29,15 @@ request's load as it would over a real one. Nothing is sent and nothing is waite
 window is the replica's measured lag plus the publish interval, so a peer's decision is assumed
 only until it can have arrived. ``/route`` shows each candidate's assumed load
 (``assumed_blocks``).
+
+Guessing where the peers' requests went was not enough on bursty traffic (three replicas stayed
+15-19% behind one router on the Mooncake conversation trace, BENCHMARKS.md "Router replicas"): the
+guess places average requests on the least loaded engines, while the peers' real requests go where
+their prefixes are cached. ``stagger_bursts`` (the default) replaces the guess with an order: in a
+burst the replica ranked r holds its decision r x (publish interval + lag), at most
+:attr:`UnseenPeers.MAX_HOLD_S`, so the decisions of the replicas ranked before it have arrived when
+it decides, and it assumes nothing. The hold is a wait on the replica's own clock, never on the
+store; a peer counts only while it is routing (``Cluster.replica_keys``).
 """
 
 from __future__ import annotations
