@@ -139,11 +139,11 @@ ROUTER_CPUS: set[int] | None = None
 and the load generator) keeps the others."""
 
 
-def pin(pid: int) -> None:
+def pin(proc: subprocess.Popen[bytes] | None) -> None:
     """Move every thread of a child process onto ``ROUTER_CPUS`` (threads it starts later inherit)."""
-    if ROUTER_CPUS is None:
+    if ROUTER_CPUS is None or proc is None:
         return
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for tid in os.listdir(f"/proc/{proc.pid}/task"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(int(tid), ROUTER_CPUS)
 
@@ -189,6 +189,7 @@ class RedisProcess:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.5) as s:
                 s.sendall(b"PING\r\n")
                 if s.recv(16).startswith(b"+PONG"):
+                    pin(self.proc)  # (with --pin: beside the routers, at every start)
                     return
             time.sleep(0.02)
         raise RuntimeError("redis-server did not start")
@@ -362,8 +363,7 @@ async def run_arm(
             routers.append(r)
         for r in routers:
             await r.wait_ready(120.0)
-            if r.proc is not None:
-                pin(r.proc.pid)
+            pin(r.proc)
         if arm.shared:
             await wait_peers([r.url for r in routers], arm.replicas - 1)
         lb = L4Balancer([("127.0.0.1", r.port) for r in routers[: arm.balanced or len(routers)]])
@@ -465,8 +465,6 @@ async def _outage(
     extra["killed_at_s"] = time.monotonic() - t0
     await asyncio.sleep(max(0.0, at[1] - (time.monotonic() - t0)))
     redis.start()
-    if redis.proc is not None:
-        pin(redis.proc.pid)
     extra["restarted_at_s"] = time.monotonic() - t0
     extra["resync_s"] = await wait_peers(urls, len(urls) - 1, 60.0)
 
@@ -597,8 +595,6 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         redis = RedisProcess(tmp)
         CHILDREN.append(redis)
         redis.start()
-        if redis.proc is not None:
-            pin(redis.proc.pid)
         try:
             for rnd in range(args.rounds):
                 if "quality" in stages:

@@ -68,51 +68,33 @@ static PyObject *mod_recv_bind(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The rest of a message whose first frame is `first` (already received): every frame as bytes. */
-static PyObject *odd_message(void *sock, ZMsg *first) {
+/* An odd message, whole: its first `n` frames already received (`got`), the rest still queued.
+ * Every frame is received and closed (so none is mistaken for the next message's); each of the
+ * first MAX_FRAMES becomes a bytes object in the returned list. NULL with an exception set when
+ * memory ran out (the message is consumed all the same). */
+static PyObject *odd_message(void *sock, ZMsg *got, int n) {
     PyObject *frames = PyList_New(0);
-    if (!frames) return NULL;
     ZMsg m;
-    int more = ZMQ.more(first);
-    PyObject *b = PyBytes_FromStringAndSize((const char *)ZMQ.data(first), (Py_ssize_t)ZMQ.size(first));
-    ZMQ.close(first);
-    if (!b || PyList_Append(frames, b) < 0) {
-        Py_XDECREF(b);
-        goto fail;
-    }
-    Py_DECREF(b);
-    while (more) {
-        ZMQ.init(&m);
-        if (ZMQ.recv(&m, sock, ZMQ_DONTWAIT_) < 0) { /* a message is delivered whole: not expected */
-            ZMQ.close(&m);
-            break;
-        }
-        more = ZMQ.more(&m);
-        if (PyList_GET_SIZE(frames) < MAX_FRAMES) {
-            b = PyBytes_FromStringAndSize((const char *)ZMQ.data(&m), (Py_ssize_t)ZMQ.size(&m));
-            if (!b || PyList_Append(frames, b) < 0) {
-                Py_XDECREF(b);
-                ZMQ.close(&m);
-                goto fail;
+    int more = 1;
+    for (int i = 0; more; i++) {
+        ZMsg *f = &m;
+        if (i < n) f = &got[i];
+        else {
+            ZMQ.init(f);
+            if (ZMQ.recv(f, sock, ZMQ_DONTWAIT_) < 0) { /* a message is delivered whole: not expected */
+                ZMQ.close(f);
+                break;
             }
-            Py_DECREF(b);
         }
-        ZMQ.close(&m);
+        more = ZMQ.more(f);
+        if (frames && PyList_GET_SIZE(frames) < MAX_FRAMES) {
+            PyObject *b = PyBytes_FromStringAndSize((const char *)ZMQ.data(f), (Py_ssize_t)ZMQ.size(f));
+            if (!b || PyList_Append(frames, b) < 0) Py_CLEAR(frames);
+            Py_XDECREF(b);
+        }
+        ZMQ.close(f);
     }
     return frames;
-fail:
-    /* the message's remaining frames must not be mistaken for the next message's */
-    while (more) {
-        ZMQ.init(&m);
-        if (ZMQ.recv(&m, sock, ZMQ_DONTWAIT_) < 0) {
-            ZMQ.close(&m);
-            break;
-        }
-        more = ZMQ.more(&m);
-        ZMQ.close(&m);
-    }
-    Py_DECREF(frames);
-    return NULL;
 }
 
 /* recv_live(socket address, chunk list, source index, last seq, topic, max messages)
@@ -135,73 +117,47 @@ static PyObject *mod_recv_live(PyObject *self, PyObject *args) {
     Py_ssize_t taken = 0;
     double last_ts = 0.0;
     PyObject *stop = NULL; /* new reference, the 4th item */
-    ZMsg f1, f2, f3;
+    ZMsg f[3];
     while (taken < max) {
-        ZMQ.init(&f1);
-        if (ZMQ.recv(&f1, sock, ZMQ_DONTWAIT_) < 0) {
+        ZMQ.init(&f[0]);
+        if (ZMQ.recv(&f[0], sock, ZMQ_DONTWAIT_) < 0) {
             int e = ZMQ.err();
-            ZMQ.close(&f1);
+            ZMQ.close(&f[0]);
             if (e != EAGAIN) stop = PyLong_FromLong(e);
             break;
         }
-        /* the topic frame: the one followed, with more frames behind it */
-        size_t tn = ZMQ.size(&f1);
-        int ok = ZMQ.more(&f1) && (topic.len == 0 || ((size_t)topic.len == tn &&
-                                                       memcmp(ZMQ.data(&f1), topic.buf, tn) == 0));
-        if (!ok) {
-            stop = odd_message(sock, &f1);
-            if (!stop) goto error;
-            break;
-        }
-        ZMQ.init(&f2);
-        if (ZMQ.recv(&f2, sock, ZMQ_DONTWAIT_) < 0) { /* cannot happen: delivered whole */
-            ZMQ.close(&f2);
-            ZMQ.close(&f1);
-            continue;
-        }
+        /* frame by frame, while the message keeps the common shape; `got` frames are open */
+        int got = 1;
         long long seq = -1;
-        if (ZMQ.size(&f2) == 8 && ZMQ.more(&f2)) {
-            const uint8_t *s = (const uint8_t *)ZMQ.data(&f2);
+        double ts = 0.0;
+        /* the topic frame: the one followed, with more frames behind it */
+        size_t tn = ZMQ.size(&f[0]);
+        int ok = ZMQ.more(&f[0]) &&
+                 (topic.len == 0 || ((size_t)topic.len == tn && memcmp(ZMQ.data(&f[0]), topic.buf, tn) == 0));
+        if (ok) {
+            ZMQ.init(&f[1]);
+            ok = ZMQ.recv(&f[1], sock, ZMQ_DONTWAIT_) >= 0; /* (cannot fail: delivered whole) */
+            if (!ok) ZMQ.close(&f[1]);
+            else got = 2;
+        }
+        if (ok && ZMQ.size(&f[1]) == 8 && ZMQ.more(&f[1])) {
+            const uint8_t *sb = (const uint8_t *)ZMQ.data(&f[1]);
             u64 v = 0;
-            for (int i = 0; i < 8; i++) v = (v << 8) | s[i];
+            for (int i = 0; i < 8; i++) v = (v << 8) | sb[i];
             if (v <= (u64)INT64_MAX) seq = (long long)v;
         }
-        if (seq < 0 || seq != last_seq + 1) {
-            /* a gap, a restart, a duplicate or a bad seq frame: the Python path decides */
-            PyObject *rest = NULL;
-            PyObject *t = PyBytes_FromStringAndSize((const char *)ZMQ.data(&f1), (Py_ssize_t)tn);
-            ZMQ.close(&f1);
-            if (t) rest = odd_message(sock, &f2);
-            else {
-                /* drain it still */
-                PyObject *dropped = odd_message(sock, &f2);
-                Py_XDECREF(dropped);
-            }
-            if (!t || !rest) {
-                Py_XDECREF(t);
-                Py_XDECREF(rest);
-                goto error;
-            }
-            if (PyList_Insert(rest, 0, t) < 0) {
-                Py_DECREF(t);
-                Py_DECREF(rest);
-                goto error;
-            }
-            Py_DECREF(t);
-            stop = rest;
-            break;
+        /* a gap, a restart, a duplicate or a bad seq frame: the Python path decides */
+        ok = ok && seq >= 0 && seq == last_seq + 1;
+        if (ok) {
+            ZMQ.init(&f[2]);
+            ok = ZMQ.recv(&f[2], sock, ZMQ_DONTWAIT_) >= 0;
+            if (!ok) ZMQ.close(&f[2]);
+            else got = 3;
         }
-        ZMQ.init(&f3);
-        if (ZMQ.recv(&f3, sock, ZMQ_DONTWAIT_) < 0) {
-            ZMQ.close(&f3);
-            ZMQ.close(&f2);
-            ZMQ.close(&f1);
-            continue;
-        }
-        const uint8_t *p = (const uint8_t *)ZMQ.data(&f3);
-        size_t pn = ZMQ.size(&f3);
-        double ts = 0.0;
-        ok = !ZMQ.more(&f3) && pn >= 10 && p[0] >= 0x92 && p[0] <= 0x9F && p[1] == 0xCB;
+        const uint8_t *p = ok ? (const uint8_t *)ZMQ.data(&f[2]) : NULL;
+        size_t pn = ok ? ZMQ.size(&f[2]) : 0;
+        /* vLLM's layout, a timestamp that is a finite float64, and nothing after the payload */
+        ok = ok && !ZMQ.more(&f[2]) && pn >= 10 && p[0] >= 0x92 && p[0] <= 0x9F && p[1] == 0xCB;
         if (ok) {
             u64 v = 0;
             for (int i = 0; i < 8; i++) v = (v << 8) | p[2 + i];
@@ -209,27 +165,12 @@ static PyObject *mod_recv_live(PyObject *self, PyObject *args) {
             ok = isfinite(ts);
         }
         if (!ok) {
-            /* not vLLM's layout, non-finite, or more frames: whole, to the Python path */
-            PyObject *t = PyBytes_FromStringAndSize((const char *)ZMQ.data(&f1), (Py_ssize_t)tn);
-            PyObject *s = PyBytes_FromStringAndSize((const char *)ZMQ.data(&f2), 8);
-            ZMQ.close(&f1);
-            ZMQ.close(&f2);
-            PyObject *rest = odd_message(sock, &f3);
-            if (!t || !s || !rest || PyList_Insert(rest, 0, s) < 0 || PyList_Insert(rest, 0, t) < 0) {
-                Py_XDECREF(t);
-                Py_XDECREF(s);
-                Py_XDECREF(rest);
-                goto error;
-            }
-            Py_DECREF(t);
-            Py_DECREF(s);
-            stop = rest;
+            stop = odd_message(sock, f, got); /* whole, to the Python path */
+            if (!stop) goto error;
             break;
         }
         PyObject *payload = PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)pn);
-        ZMQ.close(&f3);
-        ZMQ.close(&f2);
-        ZMQ.close(&f1);
+        for (int i = 0; i < 3; i++) ZMQ.close(&f[i]);
         if (!payload) goto error;
         PyObject *item = PyTuple_New(2);
         if (!item) {

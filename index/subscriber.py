@@ -90,7 +90,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     """Chunks received but not yet applied, at most (the ingest thread applies them in order)."""
     native_receive: bool = True
     """Receive live messages in the C core (index/_kvrecv.h) when pyzmq's libzmq can be bound;
-    False keeps the Python loop (same rules, ~6 us a message slower)."""
+    False keeps the Python loop (same rules, ~7 us a message slower)."""
 
 
 class SourceStatus(msgspec.Struct):

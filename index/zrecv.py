@@ -5,13 +5,13 @@ pyzmq loaded, whose entry points :func:`native_receive` finds among the process'
 (pyzmq's bundled ``libzmq-*.so``, a system ``libzmq.so.5``, or pyzmq's own extension when that links
 libzmq statically) and checks on an in-process socket pair before the subscriber uses them. When
 none passes (another platform, a pyzmq built otherwise), the subscriber keeps its Python receive
-loop, which does the same job about 6 us a message slower; ``SourceStatus`` and the start-up log say
-which one runs.
+loop, which does the same job about 7 us a message slower (bench/recv_bench.py); the log says so.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import threading
 from pathlib import Path
@@ -32,6 +32,7 @@ _ENTRY_POINTS = (
     "zmq_msg_close",
     "zmq_errno",
 )
+_TESTS = itertools.count()
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 """Process-wide, as the C core's bound entry points are: whether binding succeeded, once known."""
@@ -39,13 +40,11 @@ _state: dict[str, bool] = {}
 
 def _candidates() -> list[str]:
     """Mapped files that may hold pyzmq's libzmq, the likeliest first."""
-    mapped: list[str] = []
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1] if "/" in line else ""
-                if path.startswith("/") and path not in mapped:
-                    mapped.append(path)
+            # the path is a line's last field, when it has one (dict: unique, in mapping order)
+            paths = (line.rsplit(None, 1)[-1] for line in maps)
+            mapped = list(dict.fromkeys(p for p in paths if p.startswith("/")))
     except OSError:
         return []
     libs = [p for p in mapped if Path(p).name.startswith("libzmq")]
@@ -72,7 +71,7 @@ def _self_test() -> bool:
     try:
         for s in (a, b):
             s.setsockopt(zmq.LINGER, 0)
-        endpoint = f"inproc://kvrouter-zrecv-{id(a)}"
+        endpoint = f"inproc://kvrouter-zrecv-{next(_TESTS)}"  # (never reused: closing is async)
         b.bind(endpoint)
         a.connect(endpoint)
         payload = b"\x93\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00\x90\xc0"  # [1.5, [], None]

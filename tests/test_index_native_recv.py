@@ -98,20 +98,32 @@ def random_stream(seed: int, n: int = 400) -> list[list[bytes]]:
     return out
 
 
+def xpub(ctx: zmq.Context[Any]) -> tuple[zmq.Socket[Any], str]:
+    """A publisher on an ephemeral port: XPUB, so the subscription's arrival is a message and
+    nothing is sent before it (a PUB drops what it sends until then)."""
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    return pub, pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def subscription(pub: zmq.Socket[Any]) -> bytes:
+    """Wait for the subscriber's subscription message."""
+    assert pub.poll(int(TIMEOUT * 1000)), "no subscription arrived"
+    return pub.recv()
+
+
 def run_stream(
     ctx: zmq.Context[Any], native: bool, messages: list[list[bytes]] | None = None
 ) -> tuple[dict[str, Any], dict[str, set[bytes]], bool]:
-    pub = ctx.socket(zmq.XPUB)  # XPUB: the subscription's arrival is a message, so nothing is dropped
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind("tcp://127.0.0.1:0")
-    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    pub, endpoint = xpub(ctx)
     cfg = IndexConfig(block_size=BS, subscriber=SubscriberConfig(native_receive=native))
     idx = KVIndex(cfg, ctx=ctx)
     try:
         idx.add_source(SourceConfig("e", 0, endpoint, None, topic=TOPIC.decode()))
         idx.start()
-        assert pub.poll(int(TIMEOUT * 1000)), "no subscription arrived"
-        assert pub.recv() == b"\x01" + TOPIC
+        assert subscription(pub) == b"\x01" + TOPIC
         for frames in messages or stream():
             pub.send_multipart(frames)
         # every stream ends with a restart to seq 0 and seq 1, whose chain is unique: once it is
@@ -156,19 +168,14 @@ def test_c_and_python_receive_loops_agree_on_every_odd_case(ctx: zmq.Context[Any
 def test_a_long_stream_of_common_messages(ctx: zmq.Context[Any], native: bool) -> None:
     """Thousands of messages, more than one receive budget (max_chunk): every block indexed, no
     gap, whichever loop receives them."""
-    pub = ctx.socket(zmq.XPUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.setsockopt(zmq.SNDHWM, 0)
-    pub.bind("tcp://127.0.0.1:0")
-    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    pub, endpoint = xpub(ctx)
     cfg = IndexConfig(block_size=BS, subscriber=SubscriberConfig(native_receive=native, max_chunk=64))
     idx = KVIndex(cfg, ctx=ctx)
     n = 3000
     try:
         idx.add_source(SourceConfig("e", 0, endpoint, None))
         idx.start()
-        assert pub.poll(int(TIMEOUT * 1000)), "no subscription arrived"
-        pub.recv()
+        subscription(pub)
         t0 = time.time()
         for i in range(n):
             parent = None if i == 0 else 1000 + i - 1

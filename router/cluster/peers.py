@@ -103,12 +103,8 @@ class PeerTable:
         own: a change of any target's figures (a peer sends only targets whose figures changed, even
         when a request came and went within one publish interval), or, in a full table, a request in
         flight or a zero row (a full table lists idle targets only when they just changed)."""
-        new: dict[Target, Figures] = {}
-        busy = False
-        for r in rows:
-            new[(r.backend, r.rank)] = (r.active, r.prefilling, r.pending_tokens)
-            busy = busy or not full or r.active > 0 or new[(r.backend, r.rank)] == _ZERO
-        if busy and now is not None:
+        new = {(r.backend, r.rank): (r.active, r.prefilling, r.pending_tokens) for r in rows}
+        if now is not None and new and (not full or any(f[0] > 0 or f == _ZERO for f in new.values())):
             peer.last_decided = max(peer.last_decided, now)
         if full:
             for target in list(peer.loads):

@@ -87,12 +87,19 @@ class UnseenPeers:
     MAX_HOLD_S = 0.02
     """The longest a staggered decision waits."""
 
+    def _within_window(self, now: float) -> bool:
+        """Whether this replica made a decision within the window before ``now``."""
+        return bool(self._recent) and now - self._recent[-1] <= self.window_s()
+
     def in_burst(self, now: float | None = None) -> bool:
         """Whether the next decision here is likely part of a burst: another one was made within the
         window, or (at a first one) most of this replica's recent decisions came in bursts."""
-        now = self.clock() if now is None else now
-        recent = self._recent
-        return bool(recent and now - recent[-1] <= self.window_s()) or self.burst_share >= 0.5
+        return self._within_window(self.clock() if now is None else now) or self.burst_share >= 0.5
+
+    def note_hold(self, seconds: float) -> None:
+        """Count a decision held for ``seconds`` (the metric's two figures)."""
+        self.held += 1
+        self.held_s += seconds
 
     def hold_s(self, now: float | None = None) -> float:
         """How long to hold a decision so that the replicas ranked before this one are seen deciding
@@ -122,7 +129,7 @@ class UnseenPeers:
     def decided(self, uncached_blocks: float, now: float | None = None) -> None:
         """Note a decision made here (not a dry run) and the uncached blocks it left to its target."""
         now = self.clock() if now is None else now
-        burst = 1.0 if self._recent and now - self._recent[-1] <= self.window_s() else 0.0
+        burst = 1.0 if self._within_window(now) else 0.0
         a = self.burst_alpha
         self.burst_share += a * (burst - self.burst_share)
         self.request_blocks += a * (uncached_blocks - self.request_blocks)

@@ -215,8 +215,7 @@ class RouterService:
                 held_at = time.perf_counter()
                 await asyncio.sleep(hold)
                 held = time.perf_counter() - held_at
-                unseen.held += 1
-                unseen.held_s += held
+                unseen.note_hold(held)
                 t0 += held  # (the timings are the work's; the hold is reported on its own)
         t1 = time.perf_counter()
         backends = self.candidates_for(model)
