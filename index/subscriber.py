@@ -187,12 +187,10 @@ class EventSubscriber:
         self._apply_q: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=self.config.apply_queue)
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket[Any], tuple[str, _Source]] = {}
-        # a pipe in the poller wakes the thread for a command (add, remove, stop) at once: waiting
-        # for the poll timeout made a joining engine's stream start up to poll_ms late
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._wake_r = self._wake_w = -1
+        """A pipe in the poller that wakes the thread for a command (add, remove, stop) at once:
+        waiting for the poll timeout made a joining engine's stream start up to poll_ms late. Opened
+        by start(): a subscriber that never runs holds no descriptors."""
         self._native = self.config.native_receive and native_receive()
         """Live messages are received by the C loop (index/zrecv.py found pyzmq's libzmq)."""
         self._after_chunk: list[Callable[[], None]] = []
@@ -221,6 +219,8 @@ class EventSubscriber:
             self._wake()
 
     def _wake(self) -> None:
+        if self._wake_w < 0:
+            return  # not running
         with contextlib.suppress(OSError):  # full: a wake-up is pending anyway; closed: stopped
             os.write(self._wake_w, b"!")
 
@@ -228,6 +228,10 @@ class EventSubscriber:
         """Start the subscriber thread."""
         if self._thread is not None:
             return
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self._applier = threading.Thread(target=self._apply_loop, name="kv-ingest", daemon=True)
         self._applier.start()
         self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
