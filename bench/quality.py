@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="smaller traces, fewer capacities and knobs")
     p.add_argument("--traces", default="conversation,synthetic,sessions")
-    p.add_argument("--stages", default="policies,knobs,cpu,recommended,pd")
+    p.add_argument("--stages", default="policies,knobs,cpu,recommended,pd,pd_traces")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (the box has 2 shared cores)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--markdown-only", action="store_true", help="rewrite quality.md from quality.json")
@@ -278,13 +278,21 @@ def main(argv: list[str] | None = None) -> int:
     if records:
         write_markdown(records, out / "quality.md")
         print(f"wrote {out / 'quality.json'} and {out / 'quality.md'}", file=sys.stderr)
-    if stages & {"pd", "pd_threshold", "pd_capacity", "pd_wide", "pd_wide_pressure"}:  # live (sim/pd_demo.py)
+    if stages & {"pd", "pd_threshold", "pd_capacity", "pd_wide", "pd_wide_pressure", "pd_traces"}:  # live
         run_pd(out, stages, args.quick, args.pd_repeat)
     return 0
 
 
 PD_CAPACITIES = (320, 1280, 2560)
 """KV blocks per engine of the ``pd_capacity`` stage (``pd`` runs 640)."""
+PD_TRACE_RUNS = (
+    ("sessions", 64_000, 2),
+    ("conversation", 64_000, 2),
+    ("conversation", 128_000, 2),
+    ("conversation", 128_000, 4),
+)
+"""(trace, KV cache per engine in real 16-token blocks, prefill engines) of the ``pd_traces`` stage:
+64,000 blocks = 1M tokens per engine, the replicas benchmark's size; 128,000 = 2M tokens."""
 PD_THRESHOLDS = (0, 64, 128, 256, 512, 1024, 1_000_000)
 """``pd.min_uncached_tokens`` values of the ``pd_threshold`` sweep (1,000,000: never disaggregate)."""
 
@@ -303,10 +311,12 @@ def run_pd(out: Path, stages: set[str], quick: bool, repeat: int = 1) -> None:
         quick_scenario,
         run_scenario,
         summary_lines,
+        trace_scenario,
     )
-    from sim.workload import demo_config, generate
+    from sim.workload import Request, demo_config, generate
 
     runs: list[tuple[str, PDScenario]] = []
+    traces: dict[str, tuple[list[Request], float]] = {}  # title -> the trace's requests and their bound
     if "pd" in stages:
         if quick:
             runs.append(("chat (quick)", quick_scenario()))
@@ -331,6 +341,17 @@ def run_pd(out: Path, stages: set[str], quick: bool, repeat: int = 1) -> None:
         # (conversations only: the long sessions' prompts outgrow a 320-block engine, 5,120 tokens)
         scn = PDScenario(workload=conversations(), arms=wide, num_gpu_blocks=320)
         runs.append(("conversations, 4 prefill + 2 decode, 320 blocks per engine", scn))
+    if "pd_traces" in stages:  # the public multi-turn traces (sim/traces.py)
+        deadline = 25.0 if quick else 40.0
+        for name, blocks, prefill in PD_TRACE_RUNS:
+            scn, reqs, bound = trace_scenario(
+                name, capacity_blocks=blocks, deadline_s=deadline, prefill=prefill
+            )
+            title = f"{name} trace, {prefill} prefill + 2 decode, {blocks:,} real blocks per engine"
+            if prefill != 2:  # (the aggregated arm is the 2 + 2 runs' 4 engines)
+                scn = msgspec.structs.replace(scn, arms=scn.arms[1:])
+            runs.append((title, scn))
+            traces[title] = (reqs, bound)
     if "pd_threshold" in stages:
         arms = tuple(
             PDArm(label=f"min_uncached_tokens={t}", prefill=2, decode=2, pd={"min_uncached_tokens": t})
@@ -340,13 +361,22 @@ def run_pd(out: Path, stages: set[str], quick: bool, repeat: int = 1) -> None:
             runs.append((f"{name}, pd.min_uncached_tokens", PDScenario(workload=workload, arms=arms)))
     md: list[str] = ["# Prefill/decode disaggregation (live)", ""]
     doc: list[dict[str, Any]] = []
-    for k, (title, scn) in enumerate(runs * max(1, repeat)):
-        if repeat > 1:
-            title = f"{title} (run {k // len(runs) + 1})"
-        rows = asyncio.run(run_scenario(scn, title=f"P/D, {title}", out=sys.stderr))
-        md += [markdown(rows, f"{title}: {len(generate(scn.workload))} requests"), ""]
+    for k, (name, scn) in enumerate(runs * max(1, repeat)):
+        reqs, bound = traces.get(name, (None, None))
+        title = f"{name} (run {k // len(runs) + 1})" if repeat > 1 else name
+        rows = asyncio.run(run_scenario(scn, title=f"P/D, {title}", out=sys.stderr, requests=reqs))
+        n = len(reqs) if reqs is not None else len(generate(scn.workload))
+        bound_note = f", infinite-cache hit ratio {bound:.3f}" if bound is not None else ""
+        md += [markdown(rows, f"{title}: {n} requests{bound_note}"), ""]
         md += [f"- {line}" for line in summary_lines(rows)] + [""]
-        doc.append({"title": title, "scenario": msgspec.to_builtins(scn), "rows": msgspec.to_builtins(rows)})
+        doc.append(
+            {
+                "title": title,
+                "scenario": msgspec.to_builtins(scn),
+                "bound": bound,
+                "rows": msgspec.to_builtins(rows),
+            }
+        )
         (out / "pd.json").write_text(json.dumps(doc, indent=1))
         (out / "pd.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / 'pd.json'} and {out / 'pd.md'}", file=sys.stderr)

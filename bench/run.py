@@ -51,6 +51,7 @@ def main() -> int:
             plan.append(("router", cmd))
     if "pd" in wanted:  # the P/D path's added TTFT (the live P/D scenario is quality.py's pd stage)
         plan.append(("pd", [py, "bench/pd_bench.py", *(["--requests", "100"] if args.quick else [])]))
+        plan.append(("pd ceiling", [py, "bench/pd_ceiling.py"]))  # what prefill placement can gain at most
     if "quality" in wanted:
         plan.append(("quality", [py, "bench/quality.py", *(["--quick"] if args.quick else [])]))
     if "membership" in wanted:

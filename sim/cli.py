@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from sim.engine import EngineConfig
+from sim.engine import EngineConfig, token_scaled
 from sim.fleet import Fleet
 
 
@@ -61,6 +61,13 @@ def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.Argume
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--time-scale", type=float, default=d.time_scale, help="multiply all modelled durations")
+    p.add_argument(
+        "--token-scale",
+        type=float,
+        default=1.0,
+        help="one token stands for this many real ones: per-token, per-step and per-block costs are "
+        "multiplied by it (scaled-down trace replays, sim/traces.py)",
+    )
     p.add_argument("--hash-seed", type=int, default=d.hash_seed)
     p.add_argument("--topic", default=d.topic)
     p.add_argument(
@@ -94,7 +101,9 @@ def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.Argume
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
+    if args.token_scale <= 0:
+        raise SystemExit("--token-scale must be > 0")
+    cfg = EngineConfig(
         model=args.model,
         host=args.host,
         block_size=args.block_size,
@@ -120,6 +129,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         kv_connector=args.kv_connector,
         kv_side_channel_port=args.kv_side_channel_port,
     )
+    return token_scaled(cfg, args.token_scale)
 
 
 def _check_ports(args: argparse.Namespace) -> str | None:

@@ -127,6 +127,28 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """A pull that fails: end the request with an error (vLLM's default) or compute the prompt."""
 
 
+def token_scaled(cfg: EngineConfig, scale: float) -> EngineConfig:
+    """``cfg`` with the timing of an engine whose simulated token stands for ``scale`` real ones.
+
+    Trace replays shrink prompts ``scale`` times to stay fast (``sim.traces``); multiplying every
+    per-token, per-step and per-block cost by ``scale`` keeps the time an engine spends on a request
+    that of the full-length prompt. Cache sizes are the caller's (they depend on the capacity asked
+    for, in real blocks); ``max_num_batched_tokens`` shrinks so a step holds as many real tokens.
+    """
+    if scale == 1.0:
+        return cfg
+    return msgspec.structs.replace(
+        cfg,
+        step_overhead_s=cfg.step_overhead_s * scale,
+        prefill_s_per_token=cfg.prefill_s_per_token * scale,
+        decode_step_s=cfg.decode_step_s * scale,
+        decode_s_per_seq=cfg.decode_s_per_seq * scale,
+        cpu_load_s_per_block=cfg.cpu_load_s_per_block * scale,
+        kv_transfer_s_per_block=cfg.kv_transfer_s_per_block * scale,
+        max_num_batched_tokens=max(cfg.block_size, int(cfg.max_num_batched_tokens / scale)),
+    )
+
+
 class EngineError(Exception):
     """An error answered in OpenAI's shape."""
 

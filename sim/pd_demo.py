@@ -84,7 +84,13 @@ class PDScenario(msgspec.Struct, frozen=True, kw_only=True):
     num_gpu_blocks: int = 640
     """Per engine: 10k tokens, so that scattering conversations and documents evicts them."""
     time_scale: float = 1.0
+    token_scale: float = 1.0
+    """One token of the workload stands for this many real ones (trace replays: ``mock-engine
+    --token-scale``)."""
     speedup: float = 1.0
+    session_mode: bool = True
+    """Turns wait for the previous turn's answer (generated workloads); False: every request at its
+    own arrival time (trace replays, whose prompts are fixed)."""
     concurrency: int = 64
     deadline_s: float = 40.0
     ready_timeout_s: float = 90.0
@@ -133,6 +139,76 @@ def conversations(seed: int = 0) -> WorkloadConfig:
         doc_rate=0.5,
         num_docs=6,
     )
+
+
+TRACE_WORKLOADS: dict[str, dict[str, Any]] = {
+    # the replicas benchmark's settings (bench/replicas.py): ~1,500 Mooncake requests in ~60 s,
+    # 32 agentic coding sessions
+    "conversation": {"load": {"limit": 1500}, "tokens_per_block": 16, "speedup": 8.5},
+    "sessions": {"load": {"max_sessions": 32, "session_rate": 1.0}, "tokens_per_block": 4, "speedup": 10.0},
+}
+"""Public multi-turn traces of the P/D trace stage, as the live replays load them."""
+
+PD_THRESHOLD_TOKENS = 128
+"""The ``pd.min_uncached_tokens`` default in real tokens, scaled to a trace's simulated ones."""
+
+
+def trace_scenario(
+    name: str,
+    *,
+    capacity_blocks: int = 64_000,
+    engine_speed: float = 4.0,
+    deadline_s: float = 60.0,
+    prefill: int = 2,
+    decode: int = 2,
+) -> tuple[PDScenario, list[Request], float]:
+    """A public multi-turn trace (``TRACE_WORKLOADS``) as a P/D scenario, its requests and their
+    infinite-cache hit ratio (the bound of any placement).
+
+    Prompts are the trace's block ids as token ids, scaled down like every live replay (a simulated
+    token stands for ``trace.scale`` real ones; the engines' costs are scaled to match, ``--token-
+    scale``), each request at its own arrival time (the prompts are fixed, so no turn waits for an
+    answer). ``capacity_blocks`` is the KV cache per engine in real 16-token blocks; the engines run
+    ``engine_speed`` times faster than the trace's arrivals imply (1 = the A100-class timing model,
+    which the full-length Mooncake prompts overload; the replicas benchmark runs 4 aggregated
+    engines at 2, and 4 here gives a pool of 2 prefill engines the prefill capacity those 4 had).
+    The conditional arms skip the prefill leg below ``PD_THRESHOLD_TOKENS`` real tokens."""
+    from sim.engine import EngineConfig
+    from sim.offline import token_bound
+    from sim.replay import live_requests, scaled_engine
+    from sim.traces import load_trace
+
+    spec = TRACE_WORKLOADS[name]
+    tpb = spec["tokens_per_block"]
+    trace = load_trace(name, tokens_per_block=tpb, max_input_tokens=200_000, **spec["load"])
+    speedup = float(spec["speedup"])
+    engine = scaled_engine(EngineConfig(), trace.scale, capacity_blocks)
+    requests, _ = live_requests(trace, engine, 32)
+    requests = [r for r in requests if r.at_s / speedup <= deadline_s]
+    threshold = math.ceil(PD_THRESHOLD_TOKENS / trace.scale)
+    always = {"min_uncached_tokens": 0}
+    cond = {"min_uncached_tokens": threshold}
+    rr = {"prefill_policy": "round_robin"}
+    pools = {"prefill": prefill, "decode": decode}
+    arms = (
+        PDArm(label="aggregated", both=prefill + decode),
+        PDArm(label="P/D kv", **pools, pd=cond),
+        PDArm(label="P/D round-robin", **pools, pd={**cond, **rr}),
+        PDArm(label="P/D always", **pools, pd=always),
+        PDArm(label="P/D always, round-robin", **pools, pd={**always, **rr}),
+    )
+    scn = PDScenario(
+        arms=arms,
+        num_gpu_blocks=engine.num_gpu_blocks,
+        time_scale=1.0 / (speedup * engine_speed),
+        token_scale=trace.scale,
+        speedup=speedup,
+        session_mode=False,
+        concurrency=256,
+        deadline_s=deadline_s,
+    )
+    bound = token_bound([r.prompt_token_ids or [] for r in requests], 16)
+    return scn, requests, bound
 
 
 class PDRow(msgspec.Struct, kw_only=True):
@@ -312,7 +388,7 @@ async def run_arm(
     started = time.monotonic()
     flags = ["--model", MODEL, "--tokenizer", tokenizer_dir, "--gpu-blocks", str(scn.num_gpu_blocks)]
     flags += ["--max-model-len", str(scn.num_gpu_blocks * 16), "--time-scale", str(scn.time_scale)]
-    flags += ["--kv-connector", "NixlConnector"]
+    flags += ["--token-scale", str(scn.token_scale), "--kv-connector", "NixlConnector"]
     tag = arm.label.replace("/", "").replace(" ", "-").replace(",", "")
     procs = [
         (role, EngineProcess(n, flags, workdir / f"engines-{tag}-{role}.log"))
@@ -336,6 +412,7 @@ async def run_arm(
             model=MODEL,
             concurrency=scn.concurrency,
             speedup=scn.speedup,
+            session_mode=scn.session_mode,
             deadline_s=scn.deadline_s,
             echo_answers=False,
         )
@@ -427,17 +504,24 @@ def markdown(rows: Sequence[PDRow], title: str = "") -> str:
 
 
 async def run_scenario(
-    scn: PDScenario, *, out: IO[str] | None = None, title: str = "", json_path: str | None = None
+    scn: PDScenario,
+    *,
+    out: IO[str] | None = None,
+    title: str = "",
+    json_path: str | None = None,
+    requests: Sequence[Request] | None = None,
 ) -> list[PDRow]:
-    """Every arm of a scenario on the same workload; prints and returns the rows."""
+    """Every arm of a scenario on the same workload (``requests``, else the scenario's generated
+    one); prints and returns the rows."""
     out = out or sys.stdout
     from sim.toy_tokenizer import build_toy_tokenizer
 
-    requests = generate(scn.workload)
+    if requests is None:
+        requests = generate(scn.workload)
     s = summary(requests)
     follow = sum(1 for r in requests if r.turn > 0)
     out.write(
-        f"{title or 'P/D disaggregation'}: {int(s['requests'])} chat requests ({follow} follow-up turns) in "
+        f"{title or 'P/D disaggregation'}: {int(s['requests'])} requests ({follow} follow-up turns) in "
         f"{int(s['sessions'])} sessions over {s['span_s']:.0f} s; engines of {scn.num_gpu_blocks} KV blocks; "
         f"arms: {', '.join(a.label for a in scn.arms)}\n"
     )

@@ -28,7 +28,7 @@ import msgspec
 
 from router.decision.policy import POLICIES, PolicyConfig
 from sim.driver import DriverConfig, run, scrape_engines
-from sim.engine import EngineConfig
+from sim.engine import EngineConfig, token_scaled
 from sim.fleet import Fleet
 from sim.offline import PreparedWorkload, SimConfig, simulate, token_bound
 from sim.report import Row, from_live, from_sim, markdown, table, to_json
@@ -67,19 +67,14 @@ def scaled_engine(
 ) -> EngineConfig:
     """An engine whose simulated token stands for ``scale`` real ones (see the module docstring)."""
     blocks = max(16, int(capacity_blocks / scale))
-    return msgspec.structs.replace(
+    sized = msgspec.structs.replace(
         base,
         block_size=BLOCK_SIZE,
         num_gpu_blocks=blocks,
         cpu_blocks=int(cpu_blocks / scale),
         max_model_len=blocks * BLOCK_SIZE,
-        step_overhead_s=base.step_overhead_s * scale,
-        prefill_s_per_token=base.prefill_s_per_token * scale,
-        decode_step_s=base.decode_step_s * scale,
-        decode_s_per_seq=base.decode_s_per_seq * scale,
-        cpu_load_s_per_block=base.cpu_load_s_per_block * scale,
-        max_num_batched_tokens=max(BLOCK_SIZE, int(base.max_num_batched_tokens / scale)),
     )
+    return token_scaled(sized, scale)
 
 
 def load(args: argparse.Namespace, live: bool) -> Trace:

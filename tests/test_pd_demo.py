@@ -36,3 +36,26 @@ def test_quick_pd_demo(tmp_path: Path) -> None:
     assert always["fallbacks"] == 0 and kv["fallbacks"] == 0
     assert always["prefill_hit_ratio"] > 0  # the prefill pool's engines served (and cached) prompts
     assert kv["skip_ratio"] > 0  # follow-up turns found their conversation on the decode engine
+
+
+def test_trace_scenario_scales_the_trace_the_engines_and_the_threshold() -> None:
+    """The P/D trace stage (``bench/quality.py --stages pd_traces``) replays a public trace with the
+    same scaling on both sides: prompts a simulated token of which stands for ``scale`` real ones,
+    engines whose costs and cache are scaled alike, the conditional threshold in real tokens."""
+    from sim.pd_demo import PD_THRESHOLD_TOKENS, trace_scenario
+    from sim.traces import resolve
+
+    if not all(p.exists() for p in resolve("conversation")):
+        pytest.skip("the shared Mooncake trace is not present")
+    scn, requests, bound = trace_scenario("conversation", capacity_blocks=64_000, deadline_s=10.0)
+    assert scn.token_scale == 32.0  # 512-token trace blocks as 16 tokens
+    assert scn.num_gpu_blocks == 64_000 // 32 and not scn.session_mode
+    arms = {a.label: a for a in scn.arms}
+    assert arms["aggregated"].both == 4
+    assert arms["P/D kv"].pd == {"min_uncached_tokens": PD_THRESHOLD_TOKENS // 32}
+    assert arms["P/D always, round-robin"].pd == {"min_uncached_tokens": 0, "prefill_policy": "round_robin"}
+    assert (arms["P/D kv"].prefill, arms["P/D kv"].decode) == (2, 2)
+    # every request arrives within the deadline (at the replay's speed) and fits an engine
+    assert requests and all(r.at_s / scn.speedup <= 10.0 for r in requests)
+    assert all(len(r.prompt_token_ids or []) + r.max_tokens <= scn.num_gpu_blocks * 16 for r in requests)
+    assert 0.0 < bound < 1.0  # requests share prefixes, and not all of them

@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from router.decision.tokenizer import ChatTokenizer
 from sim import cli
-from sim.engine import EngineConfig, MockEngine
+from sim.engine import EngineConfig, MockEngine, token_scaled
 from sim.fleet import Fleet
 from sim.publisher import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch, decode_batch
 from sim.toy_tokenizer import build_toy_tokenizer
@@ -418,3 +418,31 @@ def test_fleet_and_cli(toy_dir: Path) -> None:
     cfg = cli._config(parser.parse_args(["mock-engine", "--gpu-blocks", "99", "--time-scale", "0.5"]))
     assert (cfg.num_gpu_blocks, cfg.time_scale) == (99, 0.5)
     assert msgspec.json.decode(msgspec.json.encode(cfg), type=EngineConfig) == cfg
+    # a scaled-down trace replay: every cost per token, step and block is 8 real ones
+    d = EngineConfig()
+    cfg = cli._config(parser.parse_args(["mock-engine", "--token-scale", "8"]))
+    assert cfg.prefill_s_per_token == pytest.approx(8 * d.prefill_s_per_token)
+    assert cfg.step_overhead_s == pytest.approx(8 * d.step_overhead_s)
+    assert cfg.decode_step_s == pytest.approx(8 * d.decode_step_s)
+    assert cfg.kv_transfer_s_per_block == pytest.approx(8 * d.kv_transfer_s_per_block)
+    assert cfg.max_num_batched_tokens == d.max_num_batched_tokens // 8
+    assert cfg.num_gpu_blocks == d.num_gpu_blocks  # sizes are the caller's
+    with pytest.raises(SystemExit):
+        cli._config(parser.parse_args(["mock-engine", "--token-scale", "0"]))
+
+
+def test_token_scale_slows_prefill_as_many_real_tokens() -> None:
+    """A 1,000-token prompt on an engine whose token stands for 4 costs the prefill of 4,000 tokens
+    (0.4 s at 0.1 ms a token): a lower bound, which a loaded machine cannot break."""
+
+    async def main() -> None:
+        cfg = token_scaled(EngineConfig(num_gpu_blocks=512, max_model_len=8192), 4.0)
+        async with MockEngine(cfg) as eng, httpx.AsyncClient(base_url=eng.url, timeout=30) as c:
+            t0 = time.monotonic()
+            body = {"prompt": [i % 200 for i in range(1000)], "max_tokens": 1}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200
+            assert time.monotonic() - t0 >= 0.4
+            assert r.json()["usage"]["prompt_tokens"] == 1000  # sizes stay the request's own
+
+    run(main())
