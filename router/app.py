@@ -361,6 +361,23 @@ class KVRouter:
                 body = msgspec.json.decode(raw)
             except msgspec.DecodeError as exc:
                 raise bad_request(f"The body is not valid JSON: {exc}") from None
+        endpoint, session = self._route_args(body, query, headers)
+        decided = await self.service.decide(endpoint, body, dry_run=True, session=session)
+        return decided.explain_json()
+
+    def route_answer_now(self, raw: bytes, query: bytes, headers: Any = ()) -> bytes | None:
+        """:meth:`route_answer` when it needs no await (a prompt of token ids), else None; raises
+        :class:`ApiError` like it. The native server answers such a lookup in the callback that
+        read it, without a task: external schedulers call ``/route`` per request."""
+        body = _token_prompt_body(raw)
+        if body is None:
+            return None
+        endpoint, session = self._route_args(body, query, headers)
+        decided = self.service.explain_now(endpoint, body, session=session)
+        return decided.explain_json() if decided is not None else None
+
+    def _route_args(self, body: Any, query: bytes, headers: Any) -> tuple[Endpoint, int | None]:
+        """``/route``'s endpoint (``?endpoint=``, else the body's shape) and session (affinity)."""
         endpoint: Endpoint
         q = parse_qs(query.decode("latin-1")).get("endpoint", [None])[-1] if query else None
         if q in ("chat", "completions"):
@@ -368,9 +385,7 @@ class KVRouter:
         else:
             endpoint = "chat" if isinstance(body, dict) and "messages" in body else "completions"
         affinity = self.replicas.affinity
-        session = affinity.session_of(headers) if affinity is not None else None
-        decided = await self.service.decide(endpoint, body, dry_run=True, session=session)
-        return decided.explain_json()
+        return endpoint, affinity.session_of(headers) if affinity is not None else None
 
     def debug_index_body(self) -> dict[str, Any]:
         """``GET /debug/index``: the index and every source's stream health, the backends."""

@@ -489,6 +489,36 @@ def test_native_lookup_endpoints_answer_as_the_framework_does(
     ] + [400] * 2
 
 
+def test_a_token_id_route_is_answered_without_a_task(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    """A /route whose prompt is token ids needs no await (router.app.KVRouter.route_answer_now), so
+    the server answers it in the callback that read it; a chat /route (tokenizing) takes the task
+    path. Both answers are the ones the other path gives (the test above)."""
+    router, engine = setup
+    tokens = [5 + i for i in range(32)]
+    engine.announce(tokens[:16], 4)
+    wait_for(lambda: _route(router, {"model": "toy", "prompt": tokens})[1]["matched_blocks"] == 4, "index")
+    server = cast(NativeServer, router.server).server
+    app = server.native.app
+    awaited: list[bytes] = []
+    real = app.route_answer
+
+    async def counting(raw: bytes, query: bytes, headers: Any = ()) -> bytes:
+        awaited.append(raw)
+        return await real(raw, query, headers)
+
+    app.route_answer = counting  # type: ignore[method-assign]
+    try:
+        status, body = _route(router, {"model": "toy", "prompt": tokens})
+        assert status == 200 and body["matched_blocks"] == 4 and body["backend"] == "a"
+        assert _route(router, {"model": "nope", "prompt": tokens})[0] == 404  # errors too
+        assert _route(router, {"model": "toy", "prompt": [10**9]})[0] == 400
+        assert awaited == []
+        status, _ = _route(router, {"model": "toy", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and len(awaited) == 1
+    finally:
+        del app.route_answer
+
+
 def _route(router: RouterRunner, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     r = httpx.post(f"{router.url}/route", json=body, timeout=10)
     return r.status_code, r.json()

@@ -217,6 +217,41 @@ class RouterService:
                 held = time.perf_counter() - held_at
                 unseen.note_hold(held)
                 t0 += held  # (the timings are the work's; the hold is reported on its own)
+        return self._choose(endpoint, body, model, tokens, tok_error, t0, held, dry_run, session)
+
+    def explain_now(
+        self, endpoint: Endpoint, body: dict[str, Any], *, session: int | None = None
+    ) -> Route | None:
+        """The dry-run decision of :meth:`decide` (``/route``) without an await, when none is
+        needed: a completions prompt already in token ids (``TokenBuffer``). None otherwise (the
+        caller then awaits :meth:`decide`). The server answers such a ``/route`` in the callback
+        that read it, without a task (~50 us less per lookup); the answer is the same."""
+        t0 = time.perf_counter()
+        model = validate_body(endpoint, body)
+        if not self.membership.can_serve(model):
+            self.candidates_for(model)  # 404 / 503, as decide() raises them
+        try:
+            tokens = self.tokenizer.tokenize_now(endpoint, body, model)
+        except TokenizerError as exc:
+            raise bad_request(str(exc)) from None
+        if tokens is None:
+            return None
+        return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session)
+
+    def _choose(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        model: str,
+        tokens: Sequence[int] | None,
+        tok_error: str | None,
+        t0: float,
+        held: float,
+        dry_run: bool,
+        session: int | None,
+    ) -> Route:
+        """Match and choose, from the prompt's tokens on (nothing here yields to the event loop)."""
+        unseen = self.unseen
         t1 = time.perf_counter()
         backends = self.candidates_for(model)
         targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]

@@ -868,16 +868,33 @@ class RequestTokenizer:
         finally:
             self.last_duration_s = time.perf_counter() - start
 
+    def tokenize_now(self, endpoint: Endpoint, body: dict[str, Any], model: str) -> Sequence[int] | None:
+        """:meth:`tokenize` when it needs no await: a completions ``prompt`` already parsed into token
+        ids (``TokenBuffer``, ``/route``), validated the same way; None for any other body."""
+        if endpoint != "completions" or type(body.get("prompt")) is not TokenBuffer:
+            return None
+        start = time.perf_counter()
+        try:
+            _check_bool(body, "add_special_tokens", True)
+            return self._token_buffer(body["prompt"], model)
+        finally:
+            self.last_duration_s = time.perf_counter() - start
+
+    def _token_buffer(self, prompt: TokenBuffer, model: str) -> TokenBuffer:
+        local = self._local.get(model, self._default)
+        max_id = local.max_token_id if local is not None else None
+        bad = prompt.first_above(max_id) if max_id is not None else -1
+        if bad >= 0:
+            raise TokenizerError(f"prompt token id {prompt[bad]} is out of vocabulary (max {max_id})")
+        return prompt
+
     async def _completions(self, body: dict[str, Any], model: str) -> Sequence[int]:
         prompt = body.get("prompt")
         add_special = _check_bool(body, "add_special_tokens", True)
         local = self._local.get(model, self._default)
         max_id = local.max_token_id if local is not None else None
         if type(prompt) is TokenBuffer:  # token ids parsed from JSON as uint64s (/route)
-            bad = prompt.first_above(max_id) if max_id is not None else -1
-            if bad >= 0:
-                raise TokenizerError(f"prompt token id {prompt[bad]} is out of vocabulary (max {max_id})")
-            return prompt
+            return self._token_buffer(prompt, model)
         if isinstance(prompt, list):
             if not prompt:
                 raise TokenizerError("prompt must not be an empty list")

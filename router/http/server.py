@@ -341,7 +341,7 @@ class _Connection(asyncio.Protocol):
     def _next(self) -> None:
         while True:
             req = self.queue.popleft()
-            answer = self.server.native.answer_now(req.method, req.path, req.headers, req.query)
+            answer = self.server.native.answer_now(req.method, req.path, req.headers, req.query, req.body)
             if answer is None or self.server.access_log:
                 self.task = self.loop.create_task(self._run(req))
                 return
