@@ -343,7 +343,7 @@ def run_pd(out: Path, stages: set[str], quick: bool, repeat: int = 1) -> None:
         runs.append(("conversations, 4 prefill + 2 decode, 320 blocks per engine", scn))
     if "pd_traces" in stages:  # the public multi-turn traces (sim/traces.py)
         deadline = 25.0 if quick else 40.0
-        for name, blocks, prefill in PD_TRACE_RUNS:
+        for name, blocks, prefill in PD_TRACE_RUNS[:1] if quick else PD_TRACE_RUNS:
             scn, reqs, bound = trace_scenario(
                 name, capacity_blocks=blocks, deadline_s=deadline, prefill=prefill
             )
