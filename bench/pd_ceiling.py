@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from index.keys import prompt_keys
-from router.decision.tokenizer import ChatTokenizer
+from router.decision.chat import ChatTokenizer
 from sim.offline import chat_tokenizer
 from sim.pd_demo import TRACE_WORKLOADS, conversations, long_sessions
 from sim.toy_tokenizer import build_toy_tokenizer

@@ -280,7 +280,7 @@ def decision_latency(url: str, tok: Path, reps: int = 40) -> dict[str, Any]:
     text again (the segment cache answers), and a chat whose earlier messages (the same sizes in
     ~500-token messages) were sent before, with a new final question each time (the next turn of a
     conversation: only the new message is tokenized)."""
-    from router.decision.tokenizer import ChatTokenizer
+    from router.decision.chat import ChatTokenizer
     from sim.toy_tokenizer import toy_corpus
 
     ct = ChatTokenizer.from_path(tok, cache_bytes=0)

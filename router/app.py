@@ -32,7 +32,7 @@ from router.config import RouterConfig
 from router.decision.pd import PDPlanner
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
-from router.decision.tokenizer import ChatTokenizer, RequestTokenizer
+from router.decision.tokenizer import RequestTokenizer
 from router.fleet.load import BoardView, LoadTracker
 from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
@@ -91,12 +91,15 @@ class KVRouter:
         self.health = self.fleet.health
         self.breakers = self.fleet.breakers
         self.policy = Policy(config.policy)
-        # one ChatTokenizer (and one segment cache) per distinct path, however many models share it
+        # one ChatTokenizer (and one segment cache) per distinct path, however many models share it;
+        # Jinja2 and HF tokenizers are imported only when one is configured (router/decision/chat.py)
         cache = int(config.tokenizer_cache_mib * (1 << 20))
-        loaded = {
-            p: ChatTokenizer.from_path(p, cache_bytes=cache)
-            for p in [*config.tokenizers.values(), *([config.tokenizer] if config.tokenizer else [])]
-        }
+        paths = [*config.tokenizers.values(), *([config.tokenizer] if config.tokenizer else [])]
+        loaded = {}
+        if paths:
+            from router.decision.chat import ChatTokenizer
+
+            loaded = {p: ChatTokenizer.from_path(p, cache_bytes=cache) for p in paths}
         local = {m: loaded[p] for m, p in config.tokenizers.items()}
         default = loaded[config.tokenizer] if config.tokenizer else None
         self.tokenizer = RequestTokenizer(

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
     if cfg.server.workers > 1:
-        from router.decision.tokenizer import ChatTokenizer
+        from router.decision.chat import ChatTokenizer
         from router.workers.supervisor import Supervisor
 
         try:  # what a worker would fail on at start, reported once here instead of by every worker

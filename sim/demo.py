@@ -29,8 +29,8 @@ from typing import IO, Any
 import httpx
 import msgspec
 
+from router.decision.chat import ChatTokenizer
 from router.decision.policy import POLICIES
-from router.decision.tokenizer import ChatTokenizer
 from sim.driver import DriverConfig, EngineCounters, run, scrape_engines
 from sim.engine import EngineConfig
 from sim.fleet import Fleet

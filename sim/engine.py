@@ -36,7 +36,8 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 
-from router.decision.tokenizer import ChatTokenizer, TokenizerError, TokenizerUnavailable
+from router.decision.chat import ChatTokenizer
+from router.decision.tokenizer import TokenizerError, TokenizerUnavailable
 from sim import nixl
 from sim.kvcache import PrefixCache
 from sim.publisher import KVEventPublisher

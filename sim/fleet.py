@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from router.decision.tokenizer import ChatTokenizer
+from router.decision.chat import ChatTokenizer
 from sim.engine import EngineConfig, MockEngine
 
 

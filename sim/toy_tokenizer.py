@@ -6,7 +6,7 @@ router's token ids (and therefore block keys) match the engine's exactly. This m
 byte-level BPE on a corpus it generates itself from a fixed seed, so nothing is downloaded and the
 written files are byte-identical on every call (tests compare two builds).
 
-Layout written (the standard HF layout that `router.decision.tokenizer.ChatTokenizer.from_path` reads):
+Layout written (the standard HF layout that `router.decision.chat.ChatTokenizer.from_path` reads):
 
 - `tokenizer.json`: ByteLevel pre-tokenizer and decoder (any text round-trips), special tokens
   `<s>` (0), `</s>` (1), `<|user|>` (2), `<|assistant|>` (3), `<|system|>` (4), and a post-processor

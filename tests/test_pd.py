@@ -506,7 +506,7 @@ def test_client_leaving_during_the_prefill_leg_aborts_it(fakes: Fleet) -> None:
 
 
 def test_route_explains_both_pools_and_a_warm_decode_engine_skips(fakes: Fleet, tokdir: Path) -> None:
-    from router.decision.tokenizer import ChatTokenizer
+    from router.decision.chat import ChatTokenizer
 
     router, p, d = fakes(pd="min_uncached_tokens = 16\n")
     tok = ChatTokenizer.from_path(tokdir)

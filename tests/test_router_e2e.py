@@ -15,7 +15,7 @@ import pytest
 import zmq
 from harness import FakeEngine, RouterRunner, wait_for
 
-from router.decision.tokenizer import ChatTokenizer
+from router.decision.chat import ChatTokenizer
 
 BS = 4
 SYSTEM = "You are a careful assistant. Answer in plain words and keep to the facts you are given."

@@ -26,8 +26,9 @@ from tokenizers import (
     trainers,
 )
 
+from router.decision.chat import ChatTokenizer
 from router.decision.segments import SegmentCache
-from router.decision.tokenizer import ChatTokenizer, RequestTokenizer
+from router.decision.tokenizer import RequestTokenizer
 from sim.toy_tokenizer import build_toy_tokenizer, toy_corpus
 
 WORDS = "the old harbour ships sail  at dawn\n\n and  return , 42 !? \u00e9 na\u00efve \ufb01ne".split(" ")  # noqa: SIM905 - shorter than the list

@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.decision.tokenizer import ChatTokenizer
+from router.decision.chat import ChatTokenizer
 from sim import cli
 from sim.engine import EngineConfig, MockEngine, token_scaled
 from sim.fleet import Fleet

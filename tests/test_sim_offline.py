@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from router.decision.chat import ChatTokenizer
 from router.decision.policy import PolicyConfig
-from router.decision.tokenizer import ChatTokenizer
 from sim.engine import EngineConfig
 from sim.offline import (
     PreparedWorkload,

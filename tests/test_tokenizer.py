@@ -13,6 +13,8 @@ import hashlib
 import json
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -25,8 +27,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from router.decision.chat import ChatTokenizer
 from router.decision.tokenizer import (
-    ChatTokenizer,
     RequestTokenizer,
     RequestTokenizerConfig,
     TokenizerError,
@@ -585,3 +587,31 @@ def test_remote_malformed_reply(toy: ChatTokenizer) -> None:
                 svc.close()
 
     asyncio.run(main())
+
+
+def test_chat_machinery_is_imported_only_with_a_tokenizer(tokdir: Path) -> None:
+    """A router with no tokenizer configured (token-id prompts, a lookup service) never imports
+    Jinja2 or HF tokenizers (~5 MB of RSS, tens of ms of start-up); one with a tokenizer loads
+    them and tokenizes chat requests locally. Each case in a fresh interpreter."""
+    script = """
+import sys
+from router.app import KVRouter
+from router.config import parse_config
+import tomllib
+router = KVRouter(parse_config(tomllib.loads(sys.argv[1])))
+print("jinja2" in sys.modules, "tokenizers" in sys.modules, bool(router.tokenizer.local_tokenizer("m")))
+"""
+    backend = '[[backends]]\nname = "a"\nurl = "http://127.0.0.1:9"\nmodels = ["m"]\n'
+    for toml, want in (
+        (backend, "False False False"),
+        (f'tokenizer = "{tokdir}"\n{backend}', "True True True"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, toml],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split("\n")[-2] == want, proc.stdout

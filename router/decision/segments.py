@@ -46,8 +46,10 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer
+if TYPE_CHECKING:  # (the tokenizer comes from router.decision.chat, which imports the library)
+    from tokenizers import Tokenizer
 
 log = logging.getLogger("kvrouter.tokenizer")
 
