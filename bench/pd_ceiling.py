@@ -2,15 +2,16 @@
 
 ``.venv/bin/python bench/pd_ceiling.py [--engines 2,4]``: the generated workloads of the P/D stage
 (``bench/quality.py --stages pd``: chat, conversations, long sessions, tokenized as the engines
-tokenize them, 16-token blocks), each public trace window of the P/D trace stage
-(``sim.pd_demo.TRACE_WORKLOADS``, as ``--stages pd_traces`` replays it) and the whole Mooncake
-conversation trace, placed on N engines with unbounded caches and no load:
+tokenize them), the requests the P/D trace stage sends (``sim.pd_demo.trace_scenario``, as
+``--stages pd_traces`` replays them) and the whole Mooncake conversation trace (16 tokens per trace
+block, as the stage), as the router keys them (full 16-token blocks), placed on N engines with
+unbounded caches and no load:
 
 - *longest prefix*: each request goes to the engine caching the longest prefix of its blocks (ties: the
   engine holding fewer blocks), the best any prefix-aware placement does without knowing the future;
 - *round-robin*: request i goes to engine i mod N.
 
-The hit ratio is the share of a request's trace blocks its engine already held. With unbounded caches
+The hit ratio is the share of a request's blocks its engine already held. With unbounded caches
 the ratio of the two is the most KV-aware placement can gain over round-robin from prefix reuse alone
 (finite caches widen it: round-robin stores every prefix on every engine, so it fills the caches
 sooner). It explains the prefill-pool ratios of the P/D benchmarks: with two prefill engines,
@@ -30,25 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from index.keys import prompt_keys
 from router.decision.chat import ChatTokenizer
 from sim.offline import chat_tokenizer
-from sim.pd_demo import TRACE_WORKLOADS, conversations, long_sessions
+from sim.pd_demo import TRACE_WORKLOADS, conversations, long_sessions, trace_scenario
 from sim.toy_tokenizer import build_toy_tokenizer
 from sim.traces import load_trace
-from sim.workload import Request, demo_config, generate
+from sim.workload import demo_config, generate
 
 
-def block_keys(requests: Sequence[Request]) -> list[list[int]]:
-    """Each request's trace blocks as keys unique across namespaces (sessions number their own ids)."""
-    return [
-        [(r.trace.namespace << 40) + int(h) for h in r.trace.hash_ids]
-        for r in requests
-        if r.trace is not None
-    ]
-
-
-def generated_keys(requests: Sequence[Request], tok: ChatTokenizer) -> list[list[int]]:
-    """Each chat request's full 16-token blocks as the router keys them (the engines' own template)."""
-    tokenize = chat_tokenizer(tok)
-    return [[int(k) for k in prompt_keys(tokenize(r), 16)] for r in requests]
+def keys_of(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each prompt's full 16-token blocks as the router keys them."""
+    return [[int(k) for k in prompt_keys(ids, 16)] for ids in prompts]
 
 
 def place(prompts: Sequence[Sequence[int]], engines: int, policy: str) -> float:
@@ -88,19 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("long sessions", long_sessions()),
         ):
             requests = generate(cfg)
-            windows.append((f"{name} (generated, {len(requests)} requests)", generated_keys(requests, tok)))
-    for name, spec in TRACE_WORKLOADS.items():
-        trace = load_trace(
-            name, tokens_per_block=spec["tokens_per_block"], max_input_tokens=200_000, **spec["load"]
-        )
-        # the requests the P/D stage sends (its 40 s deadline at the stage's speed-up)
-        t0 = trace.requests[0].at_s
-        sent = [r for r in trace.requests if (r.at_s - t0) / spec["speedup"] <= 40.0]
-        windows.append((f"{name} trace (the P/D stage's {len(sent)} requests)", block_keys(sent)))
-    whole = load_trace("conversation")
-    windows.append(
-        (f"conversation trace (whole, {len(whole.requests)} requests)", block_keys(whole.requests))
-    )
+            prompts = keys_of([chat_tokenizer(tok)(r) for r in requests])
+            windows.append((f"{name} (generated, {len(requests)} requests)", prompts))
+    for name in TRACE_WORKLOADS:  # the very requests the P/D trace stage sends
+        _, sent, _ = trace_scenario(name)
+        prompts = keys_of([r.prompt_token_ids or [] for r in sent])
+        windows.append((f"{name} trace (the P/D stage's {len(sent)} requests)", prompts))
+    whole = load_trace("conversation", tokens_per_block=16)
+    prompts = keys_of([r.token_ids() or [] for r in whole.requests])
+    windows.append((f"conversation trace (whole, {len(whole.requests)} requests)", prompts))
     print("| trace | prefill engines | longest prefix | round-robin | ceiling of the ratio |")
     print("|---|---:|---:|---:|---:|")
     for label, prompts in windows:

@@ -342,10 +342,9 @@ def run_pd(out: Path, stages: set[str], quick: bool, repeat: int = 1) -> None:
         scn = PDScenario(workload=conversations(), arms=wide, num_gpu_blocks=320)
         runs.append(("conversations, 4 prefill + 2 decode, 320 blocks per engine", scn))
     if "pd_traces" in stages:  # the public multi-turn traces (sim/traces.py)
-        deadline = 25.0 if quick else 40.0
         for name, blocks, prefill in PD_TRACE_RUNS[:1] if quick else PD_TRACE_RUNS:
             scn, reqs, bound = trace_scenario(
-                name, capacity_blocks=blocks, deadline_s=deadline, prefill=prefill
+                name, capacity_blocks=blocks, prefill=prefill, **({"deadline_s": 25.0} if quick else {})
             )
             title = f"{name} trace, {prefill} prefill + 2 decode, {blocks:,} real blocks per engine"
             if prefill != 2:  # (the aggregated arm is the 2 + 2 runs' 4 engines)

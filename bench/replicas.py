@@ -57,8 +57,7 @@ from sim.demo import RouterProcess, free_port, router_config
 from sim.driver import DriverConfig, RequestResult, run, scrape_engines
 from sim.engine import EngineConfig
 from sim.fleet import Fleet
-from sim.offline import token_bound
-from sim.replay import live_requests, scaled_engine
+from sim.replay import scaled_engine, trace_window
 from sim.report import Row, from_live
 from sim.traces import load_trace
 from sim.workload import Request
@@ -491,11 +490,7 @@ def workload(
     speedup = spec["speedup"]
     base = EngineConfig(model="toy-model", time_scale=1.0 / (speedup * engine_speed))
     engine = scaled_engine(base, trace.scale, capacity_blocks)
-    requests, bound = live_requests(trace, engine, 32)
-    # only what can be sent before the deadline: the driver would otherwise sleep until each later
-    # arrival time just to skip it (the sessions trace spans thousands of seconds)
-    requests = [r for r in requests if r.at_s / speedup <= deadline_s]
-    bound = token_bound([r.prompt_token_ids or [] for r in requests], 16)
+    requests, bound = trace_window(trace, engine, speedup, deadline_s)
     return Workload(name, requests, bound, engine, speedup, 4, deadline_s=deadline_s)
 
 

@@ -149,6 +149,9 @@ TRACE_WORKLOADS: dict[str, dict[str, Any]] = {
 }
 """Public multi-turn traces of the P/D trace stage, as the live replays load them."""
 
+TRACE_DEADLINE_S = 40.0
+"""Seconds of requests per arm of the P/D trace stage (and the window ``bench/pd_ceiling.py`` reads)."""
+
 PD_THRESHOLD_TOKENS = 128
 """The ``pd.min_uncached_tokens`` default in real tokens, scaled to a trace's simulated ones."""
 
@@ -158,7 +161,7 @@ def trace_scenario(
     *,
     capacity_blocks: int = 64_000,
     engine_speed: float = 4.0,
-    deadline_s: float = 60.0,
+    deadline_s: float = TRACE_DEADLINE_S,
     prefill: int = 2,
     decode: int = 2,
 ) -> tuple[PDScenario, list[Request], float]:
@@ -174,8 +177,7 @@ def trace_scenario(
     engines at 2, and 4 here gives a pool of 2 prefill engines the prefill capacity those 4 had).
     The conditional arms skip the prefill leg below ``PD_THRESHOLD_TOKENS`` real tokens."""
     from sim.engine import EngineConfig
-    from sim.offline import token_bound
-    from sim.replay import live_requests, scaled_engine
+    from sim.replay import scaled_engine, trace_window
     from sim.traces import load_trace
 
     spec = TRACE_WORKLOADS[name]
@@ -183,8 +185,7 @@ def trace_scenario(
     trace = load_trace(name, tokens_per_block=tpb, max_input_tokens=200_000, **spec["load"])
     speedup = float(spec["speedup"])
     engine = scaled_engine(EngineConfig(), trace.scale, capacity_blocks)
-    requests, _ = live_requests(trace, engine, 32)
-    requests = [r for r in requests if r.at_s / speedup <= deadline_s]
+    requests, bound = trace_window(trace, engine, speedup, deadline_s)
     threshold = math.ceil(PD_THRESHOLD_TOKENS / trace.scale)
     always = {"min_uncached_tokens": 0}
     cond = {"min_uncached_tokens": threshold}
@@ -207,7 +208,6 @@ def trace_scenario(
         concurrency=256,
         deadline_s=deadline_s,
     )
-    bound = token_bound([r.prompt_token_ids or [] for r in requests], 16)
     return scn, requests, bound
 
 

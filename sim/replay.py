@@ -151,6 +151,18 @@ def live_requests(
     return requests, token_bound([r.prompt_token_ids or [] for r in requests], BLOCK_SIZE)
 
 
+def trace_window(
+    trace: Trace, engine: EngineConfig, speedup: float, deadline_s: float, max_tokens: int = 32
+) -> tuple[list[Request], float]:
+    """The requests a live replay at ``speedup`` sends before ``deadline_s`` (as
+    :func:`live_requests` makes them) and their infinite-cache hit ratio. Only those: the driver
+    would otherwise sleep until each later arrival just to skip it (the sessions trace spans
+    thousands of seconds)."""
+    requests, _ = live_requests(trace, engine, max_tokens)
+    requests = [r for r in requests if r.at_s / speedup <= deadline_s]
+    return requests, token_bound([r.prompt_token_ids or [] for r in requests], BLOCK_SIZE)
+
+
 async def run_live(args: argparse.Namespace, trace: Trace, policies: list[PolicyConfig]) -> list[Row]:
     """Every policy through a fresh mock fleet and a fresh router subprocess."""
     from sim.demo import ProgressLine, RouterProcess, free_port, router_config

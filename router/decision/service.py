@@ -196,9 +196,7 @@ class RouterService:
         its load ticket nothing yields to the event loop, so a backend that starts draining meanwhile
         is never chosen, and one chosen is never removed before its request counts as in flight."""
         t0 = time.perf_counter()
-        model = validate_body(endpoint, body)
-        if not self.membership.can_serve(model):
-            self.candidates_for(model)  # 404 / 503 before any tokenizing
+        model = self._servable_model(endpoint, body)
         tokens: Sequence[int] | None = None
         tok_error: str | None = None
         try:
@@ -227,9 +225,7 @@ class RouterService:
         caller then awaits :meth:`decide`). The server answers such a ``/route`` in the callback
         that read it, without a task (~50 us less per lookup); the answer is the same."""
         t0 = time.perf_counter()
-        model = validate_body(endpoint, body)
-        if not self.membership.can_serve(model):
-            self.candidates_for(model)  # 404 / 503, as decide() raises them
+        model = self._servable_model(endpoint, body)
         try:
             tokens = self.tokenizer.tokenize_now(endpoint, body, model)
         except TokenizerError as exc:
@@ -237,6 +233,13 @@ class RouterService:
         if tokens is None:
             return None
         return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session)
+
+    def _servable_model(self, endpoint: Endpoint, body: dict[str, Any]) -> str:
+        """The body's model, validated; 404 / 503 when no backend may take it, before any tokenizing."""
+        model = validate_body(endpoint, body)
+        if not self.membership.can_serve(model):
+            self.candidates_for(model)  # raises
+        return model
 
     def _choose(
         self,
