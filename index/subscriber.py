@@ -160,6 +160,10 @@ class _Source:
         self.restarts = 0
         self.duplicates = 0
         self.foreign_topic = 0
+        self.wire_errors = 0
+        """Messages this thread could not read; the ingest thread counts bad events in its own
+        ``SourceStats.decode_errors``, so no counter has two writers (a += from two threads can lose
+        an increment). Status reports their sum."""
         self.bootstrap = "pending" if cfg.replay_endpoint is not None else "none"
         self.bootstrapped = cfg.replay_endpoint is None
         """The first bootstrap attempt has ended (or none is configured): the source is ready."""
@@ -282,7 +286,7 @@ class EventSubscriber:
                     lost_batches=src.lost,
                     restarts=src.restarts,
                     duplicates=src.duplicates,
-                    decode_errors=st.decode_errors,
+                    decode_errors=st.decode_errors + src.wire_errors,
                     foreign_topic=src.foreign_topic,
                     unknown_parents=st.unknown_parents,
                     placeholders=st.placeholders,
@@ -504,11 +508,10 @@ class EventSubscriber:
         self._accept(src, batch, chunk, allow_replay=True)
 
     def _decode_error(self, src: _Source, exc: Exception, frames: list[bytes]) -> None:
-        st = self.ingestor.stats[src.sidx]
-        st.decode_errors += 1
-        if st.decode_errors <= 5 or st.decode_errors % 1000 == 0:
+        src.wire_errors += 1
+        if src.wire_errors <= 5 or src.wire_errors % 1000 == 0:
             log.warning(
-                "source %s: malformed message skipped (%d so far): %s", src.name, st.decode_errors, exc
+                "source %s: malformed message skipped (%d so far): %s", src.name, src.wire_errors, exc
             )
         # a bad payload with a readable seq still advances the stream, so it is not replayed forever
         if len(frames) == 3 and len(frames[1]) == 8:

@@ -214,6 +214,7 @@ class Stack:
             row["last_ts"] = repr(row["last_ts"])  # (a NaN would never compare equal)
             row |= {k: getattr(src, k) for k in ("last_seq", "gaps", "lost", "restarts", "duplicates")}
             row["foreign_topic"] = src.foreign_topic
+            row["decode_errors"] += src.wire_errors  # (the receive side counts its own, as status sums)
             out.append(row)
         return out
 

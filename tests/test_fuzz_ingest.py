@@ -319,7 +319,7 @@ def test_a_non_finite_timestamp_is_a_decode_error(ts: float) -> None:
     for m in msgs:
         c.feed([m])
     src = c.srcs[0]
-    assert c.ing.stats[src.sidx].decode_errors == 1
+    assert c.counters()[0]["decode_errors"] == 1
     assert src.restarts == 0 and src.duplicates == 1 and c.store.total == 1
 
 
@@ -360,6 +360,6 @@ def test_memory_stays_bounded_over_many_payloads() -> None:
         if i % 10_000 == 9_999:
             marks.append((_rss_mib(), stack.store.nbytes))
     assert stack.store.total <= 500 + 64 and stack.store.evictions > 1000
-    assert sum(stack.ing.stats[s.sidx].decode_errors for s in stack.srcs) > 1000
+    assert sum(row["decode_errors"] for row in stack.counters()) > 1000
     assert marks[-1][1] < 1 << 20  # the tables
     assert marks[-1][0] - marks[1][0] < 32, marks  # MiB, after warm-up

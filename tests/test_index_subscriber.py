@@ -148,7 +148,13 @@ def test_gap_without_replay_is_counted_as_lost(
     pub.publish([c.extend(1)])
     pub.publish([c.extend(1)])
     pub.publish([c.extend(1)])
-    wait_for(lambda: status(idx).last_seq == pub.next_seq - 1, "stream caught up")
+    # last_seq moves on receipt, unknown_parents when the ingest thread applies: wait for both
+    wait_for(
+        lambda: (
+            status(idx).last_seq == pub.next_seq - 1 and status(idx).unknown_parents > before.unknown_parents
+        ),
+        "stream caught up and applied",
+    )
     st = status(idx)
     assert st.gaps == 1 and st.lost_batches - before.lost_batches == 2 and st.replays == 0
     # the block after the gap names a parent we never saw: anchored, so it cannot match a prompt
@@ -276,10 +282,13 @@ def test_malformed_payloads_are_counted_and_the_stream_survives(
     pub.publish([c.extend(1)])
     pub.publish_raw(msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": "x"}], 0]))
     pub.publish([c.extend(1)])
-    wait_for(lambda: status(idx).last_seq == pub.next_seq - 1, "stream caught up")
+    # the first error is counted on receipt, the second (a bad event) and the good batches when the
+    # ingest thread applies them, after last_seq has moved: wait for the applied state
+    wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "the good batches applied")
+    wait_for(lambda: status(idx).decode_errors >= 2, "both malformed messages counted")
     st = status(idx)
     assert st.decode_errors == 2 and st.gaps == 0 and st.lost_batches == 0
-    assert matched(idx, c.tokens) == len(c.hashes)
+    assert st.last_seq == pub.next_seq - 1
 
 
 def test_old_two_frame_replay_replies(
@@ -356,6 +365,7 @@ def test_messages_of_other_frame_counts_are_counted_and_the_stream_survives(
         for _ in range(5):
             good()
         wait_for(lambda: status(idx).last_seq == seq - 1, "stream caught up")
+        wait_for(lambda: status(idx).batches >= before + 3, "batches applied")  # counted by ingest
         st = status(idx)
         assert st.decode_errors >= 2 and st.batches >= before + 3  # (a short message can swallow the next)
     finally:
