@@ -67,6 +67,11 @@ FAMILIES = 32
 FAMILY_BLOCKS = 16
 TICK = os.sysconf("SC_CLK_TCK")
 LATENCY_BLOCKS = {"1k": 64, "8k": 512, "32k": 2048}
+SENTINEL = (-2, 77_777, 4)
+"""(family, seed, blocks) of the chain every source publishes last, the same tokens on all: one
+lookup then shows whether every source's stream is applied. Checking each source's own last chain
+took one lookup per source in turn, and over 64 sources that serial confirmation was 55-127 ms of a
+0.3-0.45 s drain for either service (their lookup speed, measured in its own row, not ingest)."""
 
 
 def free_port() -> int:
@@ -113,7 +118,8 @@ class Stream(msgspec.Struct):
     """Per source, the pre-encoded payloads in order."""
     chains: list[Chain]
     last: list[Chain]
-    """Per source, its last chain (visible means the whole stream of that source was applied)."""
+    """Per source, its last chain (visible means the whole stream of that source was applied): the
+    :data:`SENTINEL`, the same tokens on every source."""
     long: dict[str, Chain]
     """The latency chains (source 0, published first)."""
     blocks: int
@@ -157,6 +163,7 @@ def make_stream(sources: int, total_blocks: int, multi: bool, seed: int = 7) -> 
             c = Chain(s, rng.randrange(FAMILIES), rng.getrandbits(40), rng.randint(1, 384))
             todo.append(c)
             n += c.blocks
+        todo.append(Chain(s, *SENTINEL))
         for c in todo:
             tokens = chain_tokens(c.family, c.seed, c.blocks)
             hashes = block_hashes(tokens)
@@ -411,6 +418,8 @@ class Service:
     name = ""
     proc: subprocess.Popen[bytes] | None = None
     port = 0
+    sources = 0
+    """The event sources it follows (numbered 0..sources-1 in lookups)."""
 
     def query_body(self, tokens: list[int]) -> bytes:
         raise NotImplementedError
@@ -476,6 +485,7 @@ class KvRouter(Service):
         self, ports: list[int], mock_port: int, tmp: Path, env: dict[str, str] | None = None
     ) -> None:
         self.port = free_port()
+        self.sources = len(ports)
         lines = [
             f"block_size = {BS}",
             "remote_tokenize = false",
@@ -520,6 +530,7 @@ class Dynamo(Service):
 
     def __init__(self, python: str, ports: list[int], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
+        self.sources = len(ports)
         workers = ",".join(f"{s + 1}=tcp://127.0.0.1:{p}" for s, p in enumerate(ports))
         self.t_start = time.perf_counter()
         self.proc = subprocess.Popen(
@@ -569,13 +580,27 @@ def wait_http(svc: Service, timeout: float = 120) -> float:
     raise RuntimeError(f"{svc.name} not healthy in {timeout}s")
 
 
+def sentinel_targets(stream: Stream) -> list[tuple[int, list[int], int]]:
+    """The drain's one target: the :data:`SENTINEL` chain, on every source (source -1)."""
+    family, seed, blocks = SENTINEL
+    return [(-1, chain_tokens(family, seed, blocks), blocks)]
+
+
 def wait_visible(
-    svcs: list[Service], targets: list[tuple[int, list[int], int]], timeout: float, between: float = 0.005
+    svcs: list[Service],
+    targets: list[tuple[int, list[int], int]],
+    timeout: float,
+    between: float = 0.005,
+    confirm: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Poll every service (one thread each, ``between`` seconds apart, so a slow endpoint delays
     neither the other's detection nor loads its own process much: a /route over 64 candidates
     costs ~0.9 ms, polled every 2 ms it took a third of a core from the drain it measures) until
-    each (source, tokens, blocks) target is fully matched; the time each service finished."""
+    each (source, tokens, blocks) target is fully matched (source -1: on every source of the
+    stream); the time each service finished.
+    ``confirm`` receives, per service, the seconds from the last answer that still missed a target
+    to the finish: the serial confirmation of the targets found visible meanwhile (one lookup each),
+    which the finish includes."""
     done: dict[str, float] = {}
     errors: list[str] = []
 
@@ -583,6 +608,7 @@ def wait_visible(
         http = Http(svc.port)
         todo = list(targets)
         deadline = time.monotonic() + timeout
+        last_miss = time.perf_counter()
         try:
             while todo:
                 if time.monotonic() > deadline:
@@ -590,15 +616,22 @@ def wait_visible(
                     return
                 source, tokens, blocks = todo[-1]
                 try:
-                    got = svc.lookup(http, tokens).get(source, 0)
+                    found = svc.lookup(http, tokens)
+                    if source >= 0:
+                        ok = found.get(source, 0) == blocks
+                    else:
+                        ok = all(found.get(s, 0) == blocks for s in range(svc.sources))
                 except (OSError, ConnectionError):
-                    got = -1
-                if got == blocks:
+                    ok = False
+                if ok:
                     todo.pop()
                     continue
+                last_miss = time.perf_counter()
                 if between:
                     time.sleep(between)
             done[svc.name] = time.perf_counter()
+            if confirm is not None:
+                confirm[svc.name] = done[svc.name] - last_miss
         finally:
             http.close()
 
@@ -651,30 +684,28 @@ def drain(
     cpu0 = {svc.name: svc.cpu() for svc in svcs}
     pub0 = pubs.cpu()
     threads0 = {svc.name: svc.threads() for svc in svcs}
-    targets = [(c.source, chain_tokens(c.family, c.seed, c.blocks), c.blocks) for c in stream.last]
+    targets = sentinel_targets(stream)
     spy = None
-    if os.environ.get("KVBENCH_PYSPY"):  # profile kvrouter's drain: KVBENCH_PYSPY=/path/to/py-spy
+    profiler = os.environ.get("KVBENCH_PROFILE")
+    if profiler:  # profile kvrouter's drain, e.g. KVBENCH_PROFILE="perf record -g -p {pid} -o /tmp/x"
         assert svcs[0].proc is not None
-        spy = subprocess.Popen(
-            [os.environ["KVBENCH_PYSPY"], "record", "-p", str(svcs[0].proc.pid), "-r", "2000", "-f", "raw"]  # noqa: RUF005
-            + ["-o", f"/tmp/kvbench-pyspy-{stream.blocks}.txt", "--nonblocking", "--threads"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        cmd = profiler.format(pid=svcs[0].proc.pid, blocks=stream.blocks).split()
+        spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
     t0s: dict[str, float] = {}
     done: dict[str, float] = {}
+    confirm: dict[str, float] = {}
     if alone:
         for svc in svcs:
             t0s[svc.name] = time.perf_counter()
             svc.signal(signal.SIGCONT)
-            done |= wait_visible([svc], targets, timeout=300)
+            done |= wait_visible([svc], targets, timeout=300, confirm=confirm)
     else:
         t0 = time.perf_counter()
         for svc in svcs:
             t0s[svc.name] = t0
             svc.signal(signal.SIGCONT)
-        done = wait_visible(svcs, targets, timeout=300)
+        done = wait_visible(svcs, targets, timeout=300, confirm=confirm)
     pub_cpu = pubs.cpu() - pub0
     if spy is not None:
         spy.send_signal(signal.SIGINT)
@@ -686,6 +717,7 @@ def drain(
         out[svc.name] = {
             "seconds": round(secs, 3),
             "blocks_per_s": round(stream.blocks / secs),
+            "confirm_ms": round(confirm[svc.name] * 1e3, 1),
             "cpu_s": round(cpu, 3),
             "blocks_per_cpu_s": round(stream.blocks / cpu) if cpu else None,
             "rss_before_mb": round(rss0[svc.name] / 2**20, 1),
@@ -760,7 +792,7 @@ def paced(svcs: list[Service], pubs: Publishers, stream: Stream, rate: float) ->
     t0 = time.perf_counter()
     pubs.command(f"pace {rate / len(pubs.procs)}")
     t_sent = time.perf_counter()
-    targets = [(c.source, chain_tokens(c.family, c.seed, c.blocks), c.blocks) for c in stream.last]
+    targets = sentinel_targets(stream)
     done = wait_visible(svcs, targets, timeout=120)
     out = {}
     for svc in svcs:
