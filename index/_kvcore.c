@@ -38,6 +38,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#ifndef MAP_POPULATE
+#define MAP_POPULATE 0 /* (not Linux: tables fault in lazily) */
+#endif
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
@@ -70,6 +73,18 @@ static void *zalloc(size_t n) {
         return p == MAP_FAILED ? NULL : p;
     }
     return calloc(1, n);
+}
+
+/* A hash table's memory: like zalloc, but a large one comes with its pages already written
+ * (MAP_POPULATE). A fresh table is probed (read) before it is written, so lazily its empty rows were
+ * first mapped to the shared zero page and then faulted again on the first write, each such
+ * fault flushing the TLB of every core the process runs on: in a 64-source drain those faults were
+ * ~15% of the process's samples (BENCHMARKS.md). A hash table's rows are spread over all its pages
+ * at once, so populating them early costs no RSS a few inserts would not. */
+static void *zalloc_table(size_t n) {
+    if (n < BIG) return zalloc(n);
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
 }
 
 static void zfree(void *p, size_t n) {
@@ -242,7 +257,7 @@ static void kt_copy(const u64 *old, size_t ocap, int ow, u64 *new, size_t ncap, 
 
 /* a new key table of `cap` rows and `width` columns, swapped in under mu */
 static int kt_rebuild(Store *s, size_t cap, int width) {
-    u64 *new = zalloc(cap * (size_t)width * sizeof(u64));
+    u64 *new = zalloc_table(cap * (size_t)width * sizeof(u64));
     if (!new) return -1;
     kt_copy(s->kt, s->kcap, s->kw, new, cap, width);
     lock(s);
@@ -286,7 +301,7 @@ static void em_delete(Src *src, size_t i) {
 }
 
 static int em_rebuild(Store *s, Src *src, size_t cap) {
-    u64 *new = zalloc(cap * 3 * sizeof(u64));
+    u64 *new = zalloc_table(cap * 3 * sizeof(u64));
     if (!new) return -1;
     unsigned shift = shift_of(cap);
     size_t mask = cap - 1;
@@ -414,7 +429,7 @@ static void drop_refs(Store *s, Src *src, i64 sidx, i64 m) {
 }
 
 static int rt_rebuild(Store *s, size_t cap) {
-    u64 *new = zalloc(cap * 3 * sizeof(u64));
+    u64 *new = zalloc_table(cap * 3 * sizeof(u64));
     if (!new) return -1;
     unsigned shift = shift_of(cap);
     size_t mask = cap - 1;
