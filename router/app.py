@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-import httpx
 import msgspec
 import zmq
 
@@ -76,16 +75,13 @@ class KVRouter:
         index_cfg = msgspec.structs.replace(config.index, block_size=config.block_size)
         self.index = KVIndex(index_cfg, ctx=zmq_context)
         srv = config.server
-        self.client = httpx.AsyncClient(
-            limits=httpx.Limits(
-                max_connections=64,  # health checks and /tokenize only; the proxy has its own pool
-                keepalive_expiry=60.0,
-            ),
-            timeout=httpx.Timeout(srv.read_timeout_s, connect=srv.connect_timeout_s),
+        self.pool = UpstreamPool(
+            srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
         )
+        """Every connection to the backends: proxied requests, health probes, ``/tokenize``."""
         self.loads = LoadTracker([BoardView(worker.board(), worker.index)] if worker else [])
         self.fleet = FleetRuntime(
-            self.index, self.loads, self.client, config.health, config.membership, config.kv_topic
+            self.index, self.loads, self.pool, config.health, config.membership, config.kv_topic
         )
         self.membership = self.fleet.membership
         self.health = self.fleet.health
@@ -105,7 +101,7 @@ class KVRouter:
         self.tokenizer = RequestTokenizer(
             local,
             default=default,
-            client=self.client if config.remote_tokenize else None,
+            client=self.pool if config.remote_tokenize else None,
             backend_for=self._tokenize_backend if config.remote_tokenize else None,
         )
         self.service = RouterService(
@@ -122,9 +118,6 @@ class KVRouter:
         self.metrics = RouterMetrics(self.index, self.membership, self.loads, caches)
         self.pd_metrics = PDMetrics()
         self.metrics.add_series(self.pd_metrics.series)
-        self.pool = UpstreamPool(
-            srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
-        )
         self.checks = PredictionChecks(config.checks, self._stream_stats) if config.checks.enabled else None
         self.proxy = ProxyHandler(
             self.service,
@@ -287,7 +280,6 @@ class KVRouter:
         self.index.stop()
         self.tokenizer.close()
         self.pool.close()
-        await self.client.aclose()
 
     async def _publish_stats(self, worker: WorkerContext) -> None:
         """Publish this worker's figures for the merged /metrics and dashboard

@@ -21,7 +21,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -34,6 +33,7 @@ from router.decision.tokenizer import (
     TokenizerError,
     TokenizerUnavailable,
 )
+from router.http.upstream import UpstreamPool
 from sim.toy_tokenizer import SPECIAL_TOKENS, build_toy_tokenizer, toy_corpus
 
 BOS, EOS, USER, ASSISTANT, SYSTEM = range(5)
@@ -483,11 +483,21 @@ async def _serve(app: FastAPI) -> AsyncIterator[str]:
         await asyncio.wait_for(task, 30)
 
 
+@asynccontextmanager
+async def _pool() -> AsyncIterator[UpstreamPool]:
+    """The client the router's remote fallback uses (its upstream pool), closed afterwards."""
+    pool = UpstreamPool(connect_timeout=10.0, read_timeout=30.0)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 def test_remote_fallback_one_call_per_request(toy: ChatTokenizer) -> None:
     calls: list[dict[str, Any]] = []
 
     async def main() -> None:
-        async with _serve(_tokenize_app(toy, calls, [])) as base, httpx.AsyncClient() as client:
+        async with _serve(_tokenize_app(toy, calls, [])) as base, _pool() as client:
             svc = RequestTokenizer(
                 {}, client=client, backend_for=lambda model: base if model == "m" else None
             )
@@ -533,7 +543,7 @@ def test_remote_failures_are_typed_and_not_retried(toy: ChatTokenizer) -> None:
     fail = [503]
 
     async def main() -> None:
-        async with _serve(_tokenize_app(toy, calls, fail)) as base, httpx.AsyncClient() as client:
+        async with _serve(_tokenize_app(toy, calls, fail)) as base, _pool() as client:
             svc = RequestTokenizer({}, client=client, backend_for=lambda _m: base)
             try:
                 with pytest.raises(TokenizerUnavailable) as info:
@@ -548,7 +558,7 @@ def test_remote_failures_are_typed_and_not_retried(toy: ChatTokenizer) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-        async with httpx.AsyncClient() as client:
+        async with _pool() as client:
             svc = RequestTokenizer({}, client=client, backend_for=lambda _m: dead)
             try:
                 with pytest.raises(TokenizerUnavailable, match="failed"):
@@ -572,7 +582,7 @@ def test_remote_malformed_reply(toy: ChatTokenizer) -> None:
         return replies.pop(0)()
 
     async def main() -> None:
-        async with _serve(app) as base, httpx.AsyncClient() as client:
+        async with _serve(app) as base, _pool() as client:
             svc = RequestTokenizer(
                 {},
                 client=client,

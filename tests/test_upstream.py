@@ -283,3 +283,65 @@ def test_bytes_of_another_response_after_the_end_are_not_reused() -> None:
             pool.close()
 
     asyncio.run(main())
+
+
+def test_fetch_is_one_bounded_exchange() -> None:
+    """fetch (health probes, /v1/models, /metrics, /tokenize): the whole answer, the query string
+    sent, a keep-alive connection reused; a stalled answer is a timeout for the whole exchange, an
+    answer over max_bytes an error, a dead port a connect error; no TLS context until an https URL."""
+    targets: list[bytes] = []
+
+    async def respond(body: bytes, w: asyncio.StreamWriter) -> bool:
+        if body == b"stall":
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")  # 7 bytes never come
+            await w.drain()
+            await asyncio.sleep(30)
+            return False
+        w.write(
+            b"HTTP/1.1 201 Created\r\ncontent-length: %d\r\n\r\n%s" % (len(body) + 1024, body + b"x" * 1024)
+        )
+        await w.drain()
+        return True
+
+    class Recording(Server):
+        async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    targets.append(head.split(b" ")[1])
+                    length = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    if not await self.respond(await reader.readexactly(length), writer):
+                        break
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+    async def main() -> None:
+        srv = Recording(respond)
+        async with srv as key:
+            base = f"http://127.0.0.1:{key[2]}"
+            pool = UpstreamPool()
+            try:
+                status, body = await pool.fetch("POST", f"{base}/tokenize?x=1", {"a": "b"}, b"hi", timeout=10)
+                assert (status, body) == (201, b"hi" + b"x" * 1024)
+                assert await pool.fetch("GET", f"{base}/health", timeout=10) == (201, b"x" * 1024)
+                assert targets == [b"/tokenize?x=1", b"/health"] and srv.connections == 1
+                with pytest.raises(UpstreamError, match="over 100 bytes"):
+                    await pool.fetch("GET", f"{base}/metrics", timeout=10, max_bytes=100)
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                with pytest.raises(UpstreamTimeout):
+                    await pool.fetch("POST", f"{base}/slow", None, b"stall", timeout=0.3)
+                assert loop.time() - t0 < 10
+                assert pool._ssl is None  # plain http never built a TLS context
+            finally:
+                pool.close()
+        with pytest.raises(UpstreamConnectError):
+            await UpstreamPool().fetch("GET", f"http://127.0.0.1:{key[2]}/health", timeout=10)
+
+    asyncio.run(main())

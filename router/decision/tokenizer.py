@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
-import httpx
 import msgspec
 
 from index.keys import TokenBuffer, check_token_ids
+from router.http.upstream import UpstreamError, UpstreamPool
 
 if TYPE_CHECKING:
     from router.decision.chat import ChatTokenizer
@@ -138,7 +138,7 @@ class RequestTokenizer:
         local: Mapping[str, ChatTokenizer],
         *,
         default: ChatTokenizer | None = None,
-        client: httpx.AsyncClient | None = None,
+        client: UpstreamPool | None = None,
         backend_for: Callable[[str], str | None] | None = None,
         config: RequestTokenizerConfig | None = None,
     ) -> None:
@@ -320,19 +320,25 @@ class RequestTokenizer:
         self.remote_requests += 1
         url = base.rstrip("/") + "/tokenize"
         try:
-            resp = await self._client.post(url, json=payload, timeout=self.config.remote_timeout_s)
-        except httpx.HTTPError as exc:
+            status, body = await self._client.fetch(
+                "POST",
+                url,
+                {"content-type": "application/json"},
+                msgspec.json.encode(payload),
+                timeout=self.config.remote_timeout_s,
+            )
+        except UpstreamError as exc:
             self.remote_failures += 1
             raise TokenizerUnavailable(
                 f"remote tokenize at {url} failed: {type(exc).__name__}: {exc}"
             ) from exc
-        if resp.status_code != 200:
+        if status != 200:
             self.remote_failures += 1
             raise TokenizerUnavailable(
-                f"remote tokenize at {url} answered {resp.status_code}: {resp.text[:200]}", resp.status_code
+                f"remote tokenize at {url} answered {status}: {body[:200].decode('utf-8', 'replace')}", status
             )
         try:
-            data = resp.json()
+            data = msgspec.json.decode(body)
         except ValueError as exc:
             self.remote_failures += 1
             raise TokenizerUnavailable(f"remote tokenize at {url} returned invalid JSON") from exc

@@ -18,11 +18,12 @@ import logging
 import re
 import time
 
-import httpx
+import msgspec
 
 from router.config import HealthConfig
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
+from router.http.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger("kvrouter.backends")
 
@@ -40,7 +41,7 @@ class HealthChecker:
         self,
         membership: Membership,
         health: HealthConfig,
-        client: httpx.AsyncClient,
+        client: UpstreamPool,
         loads: LoadTracker | None = None,
     ) -> None:
         self.membership = membership
@@ -68,14 +69,14 @@ class HealthChecker:
         models: set[str] | None = None
         parents: dict[str, str] = {}
         try:
-            r = await self.client.get(f"{url}/health", timeout=timeout, headers=headers)
-            ok = r.status_code == 200
-            error = "" if ok else f"/health answered {r.status_code}"
+            status, _ = await self.client.fetch("GET", f"{url}/health", headers, timeout=timeout)
+            ok = status == 200
+            error = "" if ok else f"/health answered {status}"
             if ok and spec.models is None:
                 models, parents = await self._models(url, headers, timeout)
             if ok and self.health.scrape_metrics and self.loads is not None:
                 await self._scrape(member, url, headers, timeout)
-        except (httpx.HTTPError, ValueError) as exc:
+        except (UpstreamError, ValueError) as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
         if member.spec is not spec:
             return
@@ -103,9 +104,10 @@ class HealthChecker:
     async def _models(
         self, url: str, headers: dict[str, str], timeout: float
     ) -> tuple[set[str], dict[str, str]]:
-        r = await self.client.get(f"{url}/v1/models", timeout=timeout, headers=headers)
-        r.raise_for_status()
-        payload = r.json()
+        status, body = await self.client.fetch("GET", f"{url}/v1/models", headers, timeout=timeout)
+        if status != 200:
+            raise ValueError(f"/v1/models answered {status}")
+        payload = msgspec.json.decode(body)
         data = payload.get("data") if isinstance(payload, dict) else None
         if not isinstance(data, list):
             raise ValueError("/v1/models did not return {'data': [...]}")
@@ -125,11 +127,11 @@ class HealthChecker:
 
     async def _scrape(self, member: Member, url: str, headers: dict[str, str], timeout: float) -> None:
         assert self.loads is not None
-        r = await self.client.get(f"{url}/metrics", timeout=timeout, headers=headers)
-        if r.status_code != 200:
+        status, body = await self.client.fetch("GET", f"{url}/metrics", headers, timeout=timeout)
+        if status != 200:
             return
         values: dict[str, float] = {}
-        for name, _labels, value in _METRIC_RE.findall(r.text):
+        for name, _labels, value in _METRIC_RE.findall(body.decode("utf-8", "replace")):
             with contextlib.suppress(ValueError):
                 values[name] = values.get(name, 0.0) + float(value)
         ranks = member.spec.dp_size

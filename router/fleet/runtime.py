@@ -20,8 +20,6 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-import httpx
-
 from index.kvindex import KVIndex
 from index.subscriber import SourceConfig
 from router.config import BackendConfig, HealthConfig, MembershipConfig, rank_endpoint
@@ -29,6 +27,7 @@ from router.fleet.breaker import Breakers
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
+from router.http.upstream import UpstreamPool
 
 log = logging.getLogger("kvrouter.membership")
 
@@ -60,7 +59,7 @@ class FleetRuntime:
         self,
         index: KVIndex,
         loads: LoadTracker,
-        client: httpx.AsyncClient,
+        client: UpstreamPool,
         health: HealthConfig,
         config: MembershipConfig,
         default_topic: str = "",

@@ -3,7 +3,7 @@
 Why not httpx here: measured on this machine against a zero-latency upstream, httpx sustained
 1,275 req/s on one connection and 403 req/s over 32 (its pool scans every connection, with a
 readability syscall each, on every request), where this client does ~14k and ~22k (BENCHMARKS.md).
-httpx stays for the cold paths (health checks, /tokenize).
+The router's own calls to its backends (health checks, /tokenize) use it too (:meth:`UpstreamPool.fetch`).
 
 What it does, and no more: one request per connection at a time; the request written in one
 ``write``; the response parsed by httptools (chunked or content-length, de-chunked for the caller);
@@ -316,6 +316,42 @@ class UpstreamPool:
                 raise
             return UpstreamResponse(self, key, conn, self.read_timeout)
         raise UpstreamError("unreachable")  # pragma: no cover
+
+    async def fetch(
+        self,
+        method: str,
+        url: str,
+        headers: dict[str, str] | None = None,
+        body: bytes = b"",
+        *,
+        timeout: float,
+        max_bytes: int = 16 << 20,
+    ) -> tuple[int, bytes]:
+        """One whole exchange, (status, body), for the router's own calls to its backends (health
+        probes, ``/v1/models``, ``/metrics``, ``/tokenize``): at most ``timeout`` seconds in all.
+        Raises :class:`UpstreamError` (:class:`UpstreamTimeout` when out of time), also for a
+        body over ``max_bytes``. These calls went through httpx, which cost ``kvrouter serve``
+        ~0.1 s of start-up (its import, an SSL context built whether or not a backend speaks TLS,
+        its first request) and ~2 MB; this pool builds its TLS context at the first https URL."""
+        u = urlsplit(url)
+        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        pairs = list((headers or {}).items())
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self.request(self.key_of(url), method, target, pairs, body)
+                try:
+                    size = 0
+                    async for data in resp.aiter_raw():
+                        size += len(data)
+                        if size > max_bytes:
+                            raise UpstreamError(f"{method} {url}: the answer is over {max_bytes} bytes")
+                        chunks.append(data)
+                finally:
+                    await resp.aclose()
+        except TimeoutError:
+            raise UpstreamTimeout(f"{method} {url}: no complete answer in {timeout:g}s") from None
+        return resp.status, b"".join(chunks)
 
     def close(self) -> None:
         """Close every idle connection."""
