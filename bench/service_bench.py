@@ -492,7 +492,7 @@ class KvRouter(Service):
             "[server]",
             'host = "127.0.0.1"',
             f"port = {self.port}",
-            'log_level = "warning"',
+            f'log_level = "{"info" if os.environ.get("KVBENCH_LOGS") else "warning"}"',
             "[health]",
             "interval_s = 3600.0",
         ]
@@ -507,11 +507,12 @@ class KvRouter(Service):
         cfg = tmp / f"fleet-{self.port}.toml"
         cfg.write_text("\n".join(lines) + "\n")
         self.t_start = time.perf_counter()
+        logs = os.environ.get("KVBENCH_LOGS")  # a directory: keep each kvrouter's log there
         self.proc = subprocess.Popen(
             [KVROUTER, "serve", "--config", str(cfg)],
             env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=open(Path(logs) / f"kvrouter-{self.port}.log", "wb") if logs else subprocess.DEVNULL,  # noqa: SIM115
         )
 
     def query_body(self, tokens: list[int]) -> bytes:
@@ -560,6 +561,19 @@ class Dynamo(Service):
         for worker, ranks in msgspec.json.decode(body).get("scores", {}).items():
             out[int(worker) - 1] = max(ranks.values()) // BS if ranks else 0
         return out
+
+
+def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """Wait until a process accepts connections on 127.0.0.1:port."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listening on port {port}") from None
+            time.sleep(0.02)
 
 
 def wait_http(svc: Service, timeout: float = 120) -> float:
@@ -931,6 +945,9 @@ def main() -> int:
         stderr=subprocess.DEVNULL,
     )
     try:
+        # the backend up before any router starts: a router that probes it first starts with no
+        # healthy backend (a race that a slower router start used to hide)
+        wait_listening(mock_port, mock)
         with tempfile.TemporaryDirectory(prefix="kvbench-") as tmpdir:
             tmp = Path(tmpdir)
             first = True

@@ -97,6 +97,8 @@ class HealthChecker:
         else:
             member.failures += 1
             member.last_error = error
+            if not member.healthy and member.failures == 1:  # (e.g. at start: say why, once)
+                log.warning("backend %s is not healthy: %s", member.name, error)
             if member.healthy and member.failures >= self.health.unhealthy_after:
                 log.warning("backend %s is unhealthy: %s", member.name, error)
                 member.healthy = False
