@@ -865,7 +865,9 @@ def startup(dynamo_py: str | None, mock_port: int, tmp: Path, rounds: int) -> di
                         t_http = wait_http(svc)
                         target = [(0, probe_payload(0)[1], 1)]
                         deadline = time.monotonic() + 60
+                        probes = 0
                         while True:
+                            probes += 1
                             pubs.command("probe")
                             try:
                                 done = wait_visible([svc], target, timeout=0.05, between=0.005)
@@ -878,6 +880,7 @@ def startup(dynamo_py: str | None, mock_port: int, tmp: Path, rounds: int) -> di
                                 "http_s": round(t_http - svc.t_start, 3),
                                 "subscribed_s": round(done[svc.name] - svc.t_start, 3),
                                 "rss_mb": round(svc.rss() / 2**20, 1),
+                                "probes": probes,
                             }
                         )
                     finally:

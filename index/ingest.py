@@ -49,7 +49,7 @@ from index.keys import (
     unknown_root,
 )
 from index.rawtokens import TokenIds
-from index.store import OP_REMOVE, OP_STORE, PrefixStore, SourceId
+from index.store import MEDIA, OP_REMOVE, OP_STORE, PrefixStore, SourceId
 from index.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, WireError, decode_payload
 
 log = logging.getLogger("kvrouter.index")
@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 else:
     np = LazyModule("numpy")  # the Python path only (what the C core hands over)
 _NO_COUNTS = (0, 0, 0, 0)
+
+
+_BUILTIN_MEDIA = frozenset(MEDIA)
 
 
 class SourceStats:
@@ -371,6 +374,8 @@ class Ingestor:
         todo = items if type(items) is list else list(items)
         n = len(todo)
         i = 0
+        taught = -1
+        decoded: Batch | None = None
         while i < n:
             if core is not None:
                 nxt, status = core.ingest(todo, i)
@@ -379,6 +384,11 @@ class Ingestor:
                 if status == 0:
                     return
                 i = nxt
+                if i != taught and type(todo[i][1]) is bytes:
+                    taught = i  # (once per item: what the core still refuses goes the Python way)
+                    decoded = self._decode_or_none(todo[i][1])
+                    if decoded is not None and self._teach_core(todo[i][0], decoded):
+                        continue  # the core takes it now
             # what the core did not take: this item, and the decoded batches and restarts after it
             j = i + 1
             while j < n and type(todo[j][1]) is not bytes:
@@ -386,17 +396,67 @@ class Ingestor:
             if core is None:
                 j = n
             run: list[tuple[int, Batch | None]] = []
-            for sidx, item in todo[i:j]:
-                if type(item) is bytes:
+            for k, (sidx, item) in enumerate(todo[i:j], i):
+                if k == taught and decoded is not None:
+                    run.append((sidx, decoded))  # (decoded once, above)
+                elif type(item) is bytes:
                     try:
                         run.append((sidx, decode_payload(item)))
                     except WireError as exc:
                         self._decode_error(sidx, exc)
                 else:
-                    run.append((sidx, item))  # type: ignore[arg-type]  # (not bytes)
+                    run.append((sidx, item))
             if run:
                 self._apply_decoded(run)
             i = j
+
+    @staticmethod
+    def _decode_or_none(payload: bytes) -> Batch | None:
+        try:
+            return decode_payload(payload)
+        except WireError:
+            return None  # (counted when the Python path decodes it again)
+
+    def _teach_core(self, sidx: int, batch: Batch) -> bool:
+        """Learn what made the C core refuse a payload when that is only news, not an oddity: the
+        source's block size (its first BlockStored) or a medium not registered yet. Returns whether
+        anything was learned, so the core can take the payload after all. Before this, every
+        source's first event went the Python way, which imports numpy: ~15 MB and 60-400 ms (on a
+        cold disk) before a starting router saw its first block (BENCHMARKS.md, issue 11)."""
+        st = self.stats.get(sidx)
+        if st is None:
+            return False
+        # only for a batch the Python path would take whole, with the same side effects in the same
+        # order (tests/kvfuzz.py compares the two paths): one valid block size, media registered in
+        # event order; anything odd is left to the Python path
+        sizes = set()
+        media: list[str] = []
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                tokens = ev.token_ids
+                ntokens = tokens.size if type(tokens) is TokenIds else len(tokens)
+                bs, n = ev.block_size, len(ev.block_hashes)
+                if not n or not 0 < bs <= MAX_BLOCK_SIZE or ntokens != bs * n:
+                    return False
+                if ev.extra_keys and not all(x is None or type(x) is list for x in ev.extra_keys):
+                    return False
+                sizes.add(bs)
+                media.append(ev.medium or "GPU")
+            elif type(ev) is BlockRemoved:
+                media.append(ev.medium or "GPU")
+        if len(sizes) > 1:
+            return False
+        learned = False
+        for medium in media:
+            if medium in _BUILTIN_MEDIA:
+                continue
+            if not self._registers(medium):  # (idempotent: a known one costs one retry at most)
+                return False
+            learned = True
+        if sizes and st.block_size != (bs := next(iter(sizes))):
+            self._learn_block_size(sidx, st, bs)
+            learned = True
+        return learned
 
     def _merge_core_stats(self, core: Any) -> None:
         now = time.time()

@@ -1,7 +1,9 @@
 """What ``kvrouter serve`` loads to start: a router whose prompts are token ids (a lookup service,
 the job Dynamo's indexer does) must start without the web framework, the chat machinery or httpx
-(each tens of ms of start-up and MBs of RSS; BENCHMARKS.md, issue 11), and still probe its backends.
-Checked in a fresh interpreter, against a real backend on an ephemeral port."""
+(each tens of ms of start-up and MBs of RSS; BENCHMARKS.md, issue 11), still probe its backends, and
+index an engine's first KV event without numpy (the Python ingest path's; it cost a starting router
+60-400 ms before its first block). Checked in a fresh interpreter, against a real backend and a real
+ZMQ publisher in vLLM's layout on ephemeral ports."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import sys
 from pathlib import Path
 
 SCRIPT = r"""
-import asyncio, sys, tomllib
+import asyncio, sys, time, tomllib
+import msgspec, zmq
 from router.app import KVRouter
 from router.config import parse_config
 import router.http.server, router.serve  # everything `kvrouter serve` imports
@@ -33,22 +36,43 @@ async def backend(reader, writer):
 async def main():
     server = await asyncio.start_server(backend, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    toml = f'remote_tokenize = true\n[[backends]]\nname = "a"\nurl = "http://127.0.0.1:{port}"\n'
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    toml = (
+        f'block_size = 16\nremote_tokenize = true\n[[backends]]\nname = "a"\n'
+        f'url = "http://127.0.0.1:{port}"\nkv_events = "{pub.getsockopt_string(zmq.LAST_ENDPOINT)}"\n'
+    )
     router = KVRouter(parse_config(tomllib.loads(toml)))
     await router.startup()
     try:
         member = router.membership.get("a")
         print(member.healthy, sorted(member.models))
-        print(*(name in sys.modules for name in ("httpx", "fastapi", "jinja2", "tokenizers")))
+        event = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+                 "token_ids": list(range(16)), "block_size": 16, "lora_id": None, "medium": "GPU",
+                 "lora_name": None, "extra_keys": [None]}
+        deadline = time.monotonic() + 60
+        seq = 0
+        while router.index.status()[0].blocks.get("GPU", 0) == 0:  # (until the subscription is up)
+            assert time.monotonic() < deadline, router.index.status()
+            payload = msgspec.msgpack.encode([time.time(), [event], 0])
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
+            await asyncio.sleep(0.02)
+        print(router.index.status()[0].block_size)
+        print(*(name in sys.modules for name in ("httpx", "fastapi", "jinja2", "tokenizers", "numpy")))
     finally:
         await router.shutdown()
         server.close()
+        pub.close()
+        ctx.term()
 
 asyncio.run(main())
 """
 
 
-def test_a_token_id_router_starts_without_httpx_fastapi_or_the_chat_machinery() -> None:
+def test_a_token_id_router_starts_and_indexes_without_httpx_fastapi_numpy_or_chat() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT],
         capture_output=True,
@@ -59,4 +83,5 @@ def test_a_token_id_router_starts_without_httpx_fastapi_or_the_chat_machinery() 
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0] == "True ['m']", proc.stdout  # probed (/health, /v1/models) over the upstream pool
-    assert lines[1] == "False False False False", proc.stdout
+    assert lines[1] == "16", proc.stdout  # the first event indexed, its block size learned
+    assert lines[2] == "False False False False False", proc.stdout
