@@ -341,6 +341,8 @@ class Ingestor:
         self.batched = callable(getattr(store, "apply_ops", None))
         """Apply runs of events with one store call (:meth:`PrefixStore.apply_ops`); False: one call per
         event (the dict store has no batch call; tests compare both)."""
+        self._known_media: set[str] = set(_BUILTIN_MEDIA)
+        """Media names known to be registered (names are never unregistered): news for the core only once."""
 
     def add_source(self, source: SourceId) -> int:
         """Register a source with the store and give it counters."""
@@ -448,10 +450,11 @@ class Ingestor:
             return False
         learned = False
         for medium in media:
-            if medium in _BUILTIN_MEDIA:
+            if medium in self._known_media:
                 continue
-            if not self._registers(medium):  # (idempotent: a known one costs one retry at most)
+            if not self._registers(medium):
                 return False
+            self._known_media.add(medium)
             learned = True
         if sizes and st.block_size != (bs := next(iter(sizes))):
             self._learn_block_size(sidx, st, bs)

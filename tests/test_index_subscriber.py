@@ -365,9 +365,9 @@ def test_messages_of_other_frame_counts_are_counted_and_the_stream_survives(
         for _ in range(5):
             good()
         wait_for(lambda: status(idx).last_seq == seq - 1, "stream caught up")
-        wait_for(lambda: status(idx).batches >= before + 3, "batches applied")  # counted by ingest
-        st = status(idx)
-        assert st.decode_errors >= 2 and st.batches >= before + 3  # (a short message can swallow the next)
+        # counted by ingest (a short message can swallow the next, hence 3 of the 5)
+        wait_for(lambda: status(idx).batches >= before + 3, "batches applied")
+        assert status(idx).decode_errors >= 2
     finally:
         pub.close(0)
 

@@ -54,7 +54,11 @@ async def main():
                  "lora_name": None, "extra_keys": [None]}
         deadline = time.monotonic() + 60
         seq = 0
-        while router.index.status()[0].blocks.get("GPU", 0) == 0:  # (until the subscription is up)
+        def indexed():
+            status = router.index.status()  # (empty until the subscriber thread registered it)
+            return status[0].blocks.get("GPU", 0) if status else 0
+
+        while indexed() == 0:  # (until the subscription is up)
             assert time.monotonic() < deadline, router.index.status()
             payload = msgspec.msgpack.encode([time.time(), [event], 0])
             pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -341,7 +342,10 @@ def test_fetch_is_one_bounded_exchange() -> None:
                 assert pool._ssl is None  # plain http never built a TLS context
             finally:
                 pool.close()
-        with pytest.raises(UpstreamConnectError):
-            await UpstreamPool().fetch("GET", f"http://127.0.0.1:{key[2]}/health", timeout=10)
+        with socket.socket() as held:  # a port bound by nobody listening: refused, and not reusable
+            held.bind(("127.0.0.1", 0))
+            dead = held.getsockname()[1]
+            with pytest.raises(UpstreamConnectError):
+                await UpstreamPool().fetch("GET", f"http://127.0.0.1:{dead}/health", timeout=10)
 
     asyncio.run(main())

@@ -310,8 +310,9 @@ class RequestTokenizer:
         return await loop.run_in_executor(self._pool, fn, *args)
 
     async def _remote(self, model: str, payload: dict[str, Any]) -> list[int]:
-        """Exactly one `POST {backend}/tokenize`; any failure is `TokenizerUnavailable` (no retry:
-        the router would rather route on load now than wait on a second round trip)."""
+        """One `POST {backend}/tokenize`; any failure is `TokenizerUnavailable` (no retry: the
+        router would rather route on load now than wait on a second round trip; the upstream pool
+        resends only a request that a closed idle connection never delivered)."""
         if self._client is None or self._backend_for is None:
             raise TokenizerUnavailable(f"no local tokenizer for model {model!r} and no remote fallback")
         base = self._backend_for(model)

@@ -51,6 +51,8 @@ class HealthChecker:
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         self.checks = 0
+        self._reported: dict[str, str] = {}
+        """member -> the probe error last logged while it was not healthy (each reason logged once)."""
 
     def mark_failed(self, member: Member, error: str) -> None:
         """A proxied request could not reach the member: skip it until a probe succeeds."""
@@ -85,19 +87,23 @@ class HealthChecker:
             member.lora_parents = parents
         member.checked_at = time.time()
         if ok:
-            if not member.healthy:
-                log.info(
-                    "backend %s is healthy (models: %s)",
-                    member.name,
-                    ", ".join(sorted(member.models)) or "-",
-                )
+            if member.models:
+                if not member.healthy:
+                    models_list = ", ".join(sorted(member.models))
+                    log.info("backend %s is healthy (models: %s)", member.name, models_list)
+                self._reported.pop(member.name, None)
+            elif self._reported.get(member.name) != "serves no model":
+                self._reported[member.name] = "serves no model"
+                log.warning("backend %s answers but serves no model: not routable", member.name)
             member.healthy = bool(member.models)
             member.failures = 0
             member.last_error = "" if member.models else "serves no model"
         else:
             member.failures += 1
             member.last_error = error
-            if not member.healthy and member.failures == 1:  # (e.g. at start: say why, once)
+            if not member.healthy and self._reported.get(member.name) != error:
+                # (e.g. at start, or a backend that never came up: say why, once per reason)
+                self._reported[member.name] = error
                 log.warning("backend %s is not healthy: %s", member.name, error)
             if member.healthy and member.failures >= self.health.unhealthy_after:
                 log.warning("backend %s is unhealthy: %s", member.name, error)
@@ -164,7 +170,10 @@ class HealthChecker:
 
     async def check_all(self) -> None:
         """Probe every member concurrently."""
-        await asyncio.gather(*(self.check(m) for m in list(self.membership.members.values())))
+        members = self.membership.members
+        for name in [n for n in self._reported if n not in members]:  # (bounded by the fleet)
+            del self._reported[name]
+        await asyncio.gather(*(self.check(m) for m in list(members.values())))
         self.checks += 1
 
     async def _loop(self) -> None:

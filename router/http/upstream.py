@@ -246,12 +246,12 @@ class UpstreamPool:
                 self._ssl = ssl.create_default_context()
             ctx = self._ssl
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(
+            # (asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+            # that arrives as the connect completes, losing a caller's own deadline, e.g. fetch's)
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
                     lambda: _Conn(loop), host, port, ssl=ctx, server_hostname=host if ctx else None
-                ),
-                self.connect_timeout,
-            )
+                )
         except TimeoutError:
             raise UpstreamConnectError(f"connect to {host}:{port} timed out") from None
         except OSError as exc:
@@ -328,11 +328,14 @@ class UpstreamPool:
         max_bytes: int = 16 << 20,
     ) -> tuple[int, bytes]:
         """One whole exchange, (status, body), for the router's own calls to its backends (health
-        probes, ``/v1/models``, ``/metrics``, ``/tokenize``): at most ``timeout`` seconds in all.
-        Raises :class:`UpstreamError` (:class:`UpstreamTimeout` when out of time), also for a
-        body over ``max_bytes``. These calls went through httpx, which cost ``kvrouter serve``
-        ~0.1 s of start-up (its import, an SSL context built whether or not a backend speaks TLS,
-        its first request) and ~2 MB; this pool builds its TLS context at the first https URL."""
+        probes, ``/v1/models``, ``/metrics``, ``/tokenize``): at most ``timeout`` seconds in all,
+        connecting and reading included. Raises :class:`UpstreamError` (:class:`UpstreamTimeout`
+        when out of time), also for a body over ``max_bytes``. These calls went through httpx,
+        which cost ``kvrouter serve`` ~0.1 s of start-up (its import, an SSL context built whether
+        or not a backend speaks TLS, its first request) and ~2 MB. As for proxied requests: TLS
+        trusts the system's CA store and is set up at the first https URL, ``HTTP(S)_PROXY`` is
+        not consulted (backends are reached directly), and a request is sent again once only when
+        a reused idle connection turns out closed before any answer (it was not processed)."""
         u = urlsplit(url)
         target = (u.path or "/") + (f"?{u.query}" if u.query else "")
         pairs = list((headers or {}).items())

@@ -1,0 +1,90 @@
+"""Health probes over the upstream pool against real backends on ephemeral ports: a healthy engine
+(models and LoRA parents from /v1/models, load from /metrics), one that serves no model, one that
+stalls past the probe timeout and a dead port; each unhealthy reason is logged once, not every round."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from router.config import BackendConfig, HealthConfig, MembershipConfig
+from router.fleet.health import HealthChecker
+from router.fleet.load import LoadTracker
+from router.fleet.membership import Membership
+from router.http.upstream import UpstreamPool
+
+MODELS = b'{"object": "list", "data": [{"id": "m"}, {"id": "lora-a", "parent": "m"}]}'
+NO_MODELS = b'{"object": "list", "data": []}'
+METRICS = b'vllm:num_requests_running{model_name="m"} 3.0\nvllm:num_requests_waiting{model_name="m"} 2.0\n'
+
+
+def backend(
+    models: bytes, stall: bool = False
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if stall:
+                    await asyncio.sleep(30)
+                path = head.split(b" ")[1]
+                body = {b"/v1/models": models, b"/metrics": METRICS}.get(path, b"{}")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return handle
+
+
+def test_probes_models_metrics_and_one_log_line_per_reason(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        servers = [
+            await asyncio.start_server(backend(MODELS), "127.0.0.1", 0),
+            await asyncio.start_server(backend(NO_MODELS), "127.0.0.1", 0),
+            await asyncio.start_server(backend(MODELS, stall=True), "127.0.0.1", 0),
+        ]
+        held = socket.socket()  # bound, never listening: connections are refused
+        held.bind(("127.0.0.1", 0))
+        ports = [s.sockets[0].getsockname()[1] for s in servers] + [held.getsockname()[1]]
+        names = ["good", "empty", "stalled", "dead"]
+        membership = Membership(MembershipConfig())
+        membership.reconcile(
+            "config", [BackendConfig(n, f"http://127.0.0.1:{p}") for n, p in zip(names, ports, strict=True)]
+        )
+        loads = LoadTracker([])
+        for m in membership.members.values():
+            for target in m.targets:
+                loads.track(target)
+        pool = UpstreamPool()
+        checker = HealthChecker(membership, HealthConfig(timeout_s=0.5, scrape_metrics=True), pool, loads)
+        try:
+            with caplog.at_level("INFO", logger="kvrouter.backends"):
+                t0 = time.monotonic()
+                for _ in range(3):
+                    await checker.check_all()
+                assert time.monotonic() - t0 < 20  # the stalled backend costs its timeout, not 30 s
+            good, empty, stalled, dead = (membership.get(n) for n in names)
+            assert good is not None and empty is not None and stalled is not None and dead is not None
+            assert good.healthy and good.models == {"m", "lora-a"} and good.lora_parents == {"lora-a": "m"}
+            assert loads.get(("good", 0)).engine_waiting == 2.0
+            assert not empty.healthy and empty.last_error == "serves no model"
+            assert not stalled.healthy and "UpstreamTimeout" in stalled.last_error
+            assert not dead.healthy and "UpstreamConnectError" in dead.last_error
+            lines = [r.getMessage() for r in caplog.records]
+            for name in ("empty", "stalled", "dead"):  # three rounds, one line each
+                assert sum(f"backend {name} " in line for line in lines) == 1, lines
+            assert sum("backend good is healthy" in line for line in lines) == 1, lines
+        finally:
+            pool.close()
+            held.close()
+            for s in servers:
+                s.close()
+
+    asyncio.run(main())
