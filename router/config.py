@@ -71,6 +71,7 @@ class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     interval_s: float = 5.0
     timeout_s: float = 2.0
+    """Bound on each probe request (``/health``, ``/v1/models``, ``/metrics``), connect included."""
     unhealthy_after: int = 2
     """Consecutive failed checks before a backend is skipped (its index is kept)."""
     scrape_metrics: bool = False
