@@ -12,12 +12,11 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import importlib.resources
 import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import msgspec
@@ -37,7 +36,6 @@ from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
 from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth
 from router.fleet.sources.configfile import ConfigWatcher
-from router.fleet.sources.kubernetes import PodWatcher
 from router.http.asgi import Receive, Scope, Send
 from router.http.errors import bad_request, unauthorized, unavailable
 from router.http.openapi import openapi_spec
@@ -53,8 +51,10 @@ from router.observe.metrics import (
 )
 from router.pd.exchange import PDExchange
 from router.pd.metrics import PDMetrics, merge_dashboards
-from router.workers.stats import SnapshotWriter, families_of, merge_dashboard, read_snapshots, render_merged
-from router.workers.supervisor import WorkerContext
+
+if TYPE_CHECKING:  # (imported where used: only with Kubernetes discovery / several workers)
+    from router.fleet.sources.kubernetes import PodWatcher
+    from router.workers.supervisor import WorkerContext
 
 log = logging.getLogger("kvrouter")
 
@@ -161,6 +161,8 @@ class KVRouter:
             )
         self.pods: PodWatcher | None = None
         if config.membership.kubernetes.enabled:
+            from router.fleet.sources.kubernetes import PodWatcher
+
             self.pods = PodWatcher(config.membership.kubernetes, self.membership, config.kv_topic)
         self.metrics.add_collector(SourcesCollector(self.config_watcher, self.pods))
         self.metrics.add_collector(BreakerCollector(self.breakers, self.membership))
@@ -284,6 +286,8 @@ class KVRouter:
     async def _publish_stats(self, worker: WorkerContext) -> None:
         """Publish this worker's figures for the merged /metrics and dashboard
         (:mod:`router.workers.stats`)."""
+        from router.workers.stats import SnapshotWriter, families_of
+
         writer = SnapshotWriter(worker.run_dir, worker.index)
         while True:
             try:
@@ -413,6 +417,8 @@ class KVRouter:
     def metrics_text(self) -> bytes:
         """``GET /metrics``: Prometheus text (every worker's figures merged when there are several)."""
         if self.worker is not None:
+            from router.workers.stats import read_snapshots, render_merged
+
             return render_merged(read_snapshots(self.worker.run_dir))
         return self.metrics.render()
 
@@ -425,6 +431,8 @@ class KVRouter:
         """``GET /dashboard/data``: the live figures the page polls."""
         data = self._dashboard_live()
         if self.worker is not None:
+            from router.workers.stats import merge_dashboard, read_snapshots
+
             snaps = read_snapshots(self.worker.run_dir)
             data = merge_dashboard(data, snaps)
             data["pd"] = merge_dashboards([s.dashboard.get("pd") or {} for s in snaps])  # P/D panel
@@ -499,6 +507,8 @@ class _ForgetChecks:
 
 
 def _dashboard_page() -> str:
+    import importlib.resources  # (at the first /dashboard, not at start-up)
+
     try:
         return (importlib.resources.files("router") / "static" / "dashboard.html").read_text()
     except (FileNotFoundError, OSError):
