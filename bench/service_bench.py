@@ -117,9 +117,6 @@ class Stream(msgspec.Struct):
     payloads: list[list[bytes]]
     """Per source, the pre-encoded payloads in order."""
     chains: list[Chain]
-    last: list[Chain]
-    """Per source, its last chain (visible means the whole stream of that source was applied): the
-    :data:`SENTINEL`, the same tokens on every source."""
     long: dict[str, Chain]
     """The latency chains (source 0, published first)."""
     blocks: int
@@ -148,7 +145,6 @@ def make_stream(sources: int, total_blocks: int, multi: bool, seed: int = 7) -> 
     per_source = total_blocks // sources
     events: list[list[dict[str, Any]]] = [[] for _ in range(sources)]
     chains: list[Chain] = []
-    last: list[Chain] = []
     long: dict[str, Chain] = {}
     blocks = 0
     for s in range(sources):
@@ -181,7 +177,6 @@ def make_stream(sources: int, total_blocks: int, multi: bool, seed: int = 7) -> 
                 first += k
             if c.family >= 0:
                 chains.append(c)
-        last.append(todo[-1])
     enc = msgspec.msgpack.Encoder()
     payloads: list[list[bytes]] = []
     batches = 0
@@ -196,7 +191,7 @@ def make_stream(sources: int, total_blocks: int, multi: bool, seed: int = 7) -> 
             i += k
         batches += len(out)
         payloads.append(out)
-    return Stream(sources, payloads, chains, last, long, blocks, batches)
+    return Stream(sources, payloads, chains, long, blocks, batches)
 
 
 def probe_payload(s: int, rank: int = 0) -> tuple[bytes, list[int]]:

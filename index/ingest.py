@@ -32,7 +32,7 @@ import bisect
 import logging
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from index._lazy import LazyModule
@@ -428,34 +428,33 @@ class Ingestor:
         st = self.stats.get(sidx)
         if st is None:
             return False
-        # only for a batch the Python path would take whole, with the same side effects in the same
-        # order (tests/kvfuzz.py compares the two paths): one valid block size, media registered in
-        # event order; anything odd is left to the Python path
+        # only for a batch the Python path would take whole (the same checks, media registered in
+        # the same event order: tests/kvfuzz.py compares the two paths) and of one block size;
+        # anything odd is left to the Python path
         sizes = set()
-        media: list[str] = []
+        learned = False
+        known = self._known_media
         for ev in batch.events:
             if type(ev) is BlockStored:
+                medium = ev.medium or "GPU"
+                new = medium not in known
                 tokens = ev.token_ids
                 ntokens = tokens.size if type(tokens) is TokenIds else len(tokens)
-                bs, n = ev.block_size, len(ev.block_hashes)
-                if not n or not 0 < bs <= MAX_BLOCK_SIZE or ntokens != bs * n:
+                if self._stored_fault(ev, len(ev.block_hashes), ntokens, medium, known) is not None:
                     return False
-                if ev.extra_keys and not all(x is None or type(x) is list for x in ev.extra_keys):
-                    return False
-                sizes.add(bs)
-                media.append(ev.medium or "GPU")
+                sizes.add(ev.block_size)
             elif type(ev) is BlockRemoved:
-                media.append(ev.medium or "GPU")
+                medium = ev.medium or "GPU"
+                new = medium not in known
+                if new and not self._registers(medium):
+                    return False
+            else:
+                continue
+            if new:
+                known.add(medium)
+                learned = True
         if len(sizes) > 1:
             return False
-        learned = False
-        for medium in media:
-            if medium in self._known_media:
-                continue
-            if not self._registers(medium):
-                return False
-            self._known_media.add(medium)
-            learned = True
         if sizes and st.block_size != (bs := next(iter(sizes))):
             self._learn_block_size(sidx, st, bs)
             learned = True
@@ -571,16 +570,8 @@ class Ingestor:
                     st.placeholders += 1
                     plan.append(None)
                     continue
-                why = None
                 medium = stored.medium or "GPU"
-                if n == 0 or bs <= 0 or ntokens != bs * n:
-                    why = "bad shape"
-                elif bs > MAX_BLOCK_SIZE:
-                    why = f"block_size over {MAX_BLOCK_SIZE}"
-                elif medium not in media and not self._registers(medium):
-                    why = f"medium {medium[:40]!r}"
-                elif stored.extra_keys and not all(x is None or type(x) is list for x in stored.extra_keys):
-                    why = "an extra_keys entry that is not an array"
+                why = self._stored_fault(stored, n, ntokens, medium, media)
                 if why is not None:
                     self._bad_event(sidx, st, _stored_what(n, bs, ntokens, why))
                     plan.append(None)
@@ -775,6 +766,22 @@ class Ingestor:
         st.bad_events += 1
         if st.bad_events <= 3 or st.bad_events % 1000 == 0:
             log.warning("source %s: %s skipped (%d so far)", self.source_name(sidx), what, st.bad_events)
+
+    def _stored_fault(
+        self, ev: BlockStored, n: int, ntokens: int, medium: str, known: Container[str]
+    ) -> str | None:
+        """Why a BlockStored of ``n`` hashes and ``ntokens`` token ids is a bad event, None when it is
+        not; registers its medium when new (``known``: the names known registered)."""
+        bs = ev.block_size
+        if n == 0 or bs <= 0 or ntokens != bs * n:
+            return "bad shape"
+        if bs > MAX_BLOCK_SIZE:
+            return f"block_size over {MAX_BLOCK_SIZE}"
+        if medium not in known and not self._registers(medium):
+            return f"medium {medium[:40]!r}"
+        if ev.extra_keys and not all(x is None or type(x) is list for x in ev.extra_keys):
+            return "an extra_keys entry that is not an array"
+        return None
 
     def _registers(self, medium: str) -> bool:
         """Whether the store knows or can register a medium name (at most ``MAX_MEDIA`` names of at

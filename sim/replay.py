@@ -131,6 +131,11 @@ def live_requests(
     """The trace's requests as a live replay sends them (token-id prompts cut to fit the engine's
     context, outputs scaled and capped at ``max_tokens`` simulated tokens, default 32, arrivals from
     0), and their infinite-cache hit ratio."""
+    requests = _replayed(trace, engine, max_tokens)
+    return requests, token_bound([r.prompt_token_ids or [] for r in requests], BLOCK_SIZE)
+
+
+def _replayed(trace: Trace, engine: EngineConfig, max_tokens: int | None) -> list[Request]:
     room = engine.max_model_len
     cap = max_tokens if max_tokens is not None else 32
     requests: list[Request] = []
@@ -148,7 +153,7 @@ def live_requests(
                 kind=r.kind,
             )
         )
-    return requests, token_bound([r.prompt_token_ids or [] for r in requests], BLOCK_SIZE)
+    return requests
 
 
 def trace_window(
@@ -158,8 +163,7 @@ def trace_window(
     :func:`live_requests` makes them) and their infinite-cache hit ratio. Only those: the driver
     would otherwise sleep until each later arrival just to skip it (the sessions trace spans
     thousands of seconds)."""
-    requests, _ = live_requests(trace, engine, max_tokens)
-    requests = [r for r in requests if r.at_s / speedup <= deadline_s]
+    requests = [r for r in _replayed(trace, engine, max_tokens) if r.at_s / speedup <= deadline_s]
     return requests, token_bound([r.prompt_token_ids or [] for r in requests], BLOCK_SIZE)
 
 

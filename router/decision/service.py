@@ -225,17 +225,19 @@ class RouterService:
         caller then awaits :meth:`decide`). The server answers such a ``/route`` in the callback
         that read it, without a task (~50 us less per lookup); the answer is the same."""
         t0 = time.perf_counter()
-        model = self._servable_model(endpoint, body)
+        model = validate_body(endpoint, body)
+        backends = self.candidates_for(model)  # 404 / 503 before tokenizing; no await follows
         try:
             tokens = self.tokenizer.tokenize_now(endpoint, body, model)
         except TokenizerError as exc:
             raise bad_request(str(exc)) from None
         if tokens is None:
             return None
-        return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session)
+        return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session, backends)
 
     def _servable_model(self, endpoint: Endpoint, body: dict[str, Any]) -> str:
-        """The body's model, validated; 404 / 503 when no backend may take it, before any tokenizing."""
+        """The body's model, validated; 404 / 503 when no backend may take it, before any tokenizing
+        (the candidates themselves are taken after it: :meth:`decide` awaits in between)."""
         model = validate_body(endpoint, body)
         if not self.membership.can_serve(model):
             self.candidates_for(model)  # raises
@@ -252,11 +254,14 @@ class RouterService:
         held: float,
         dry_run: bool,
         session: int | None,
+        backends: list[Member] | None = None,
     ) -> Route:
-        """Match and choose, from the prompt's tokens on (nothing here yields to the event loop)."""
+        """Match and choose, from the prompt's tokens on (nothing here yields to the event loop);
+        ``backends``: the candidates, when the caller took them with no await since."""
         unseen = self.unseen
         t1 = time.perf_counter()
-        backends = self.candidates_for(model)
+        if backends is None:
+            backends = self.candidates_for(model)
         targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
         report: MatchReport | None = None
         if tokens is not None:
