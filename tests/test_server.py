@@ -4,7 +4,9 @@ proxied response."""
 
 from __future__ import annotations
 
+import email.utils
 import json
+import random
 import socket
 import threading
 import time
@@ -17,7 +19,7 @@ import pytest
 import zmq
 from harness import TIMEOUT, FakeEngine, NativeServer, RouterRunner, wait_for
 
-from router.http.server import _Connection
+from router.http.server import _Connection, http_date
 
 
 @pytest.fixture
@@ -522,3 +524,10 @@ def test_a_token_id_route_is_answered_without_a_task(setup: tuple[RouterRunner, 
 def _route(router: RouterRunner, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     r = httpx.post(f"{router.url}/route", json=body, timeout=10)
     return r.status_code, r.json()
+
+
+def test_the_date_header_is_an_imf_fixdate() -> None:
+    """The server writes ``date`` itself; email.utils is the reference (English names, GMT)."""
+    rng = random.Random(3)
+    for t in [0, 951782400, 1767225599, 4102444800, *(rng.randrange(0, 2**32) for _ in range(2000))]:
+        assert http_date(t).decode() == email.utils.formatdate(t, usegmt=True), t

@@ -18,9 +18,9 @@ import msgspec
 import pytest
 import zmq
 from harness import FakeEngine, wait_for
-from prometheus_client import CollectorRegistry, Gauge
 
 from router.fleet.load import BoardView, LoadBoard, LoadTracker
+from router.observe.exposition import GaugeFamily, Registry
 from router.observe.metrics import LeanCounter, LeanHistogram
 from router.workers.stats import (
     Snapshot,
@@ -110,7 +110,7 @@ def test_board_targets_come_and_go_and_slots_are_reused(tmp_path: Path) -> None:
 
 
 def _snapshot(worker: int, requests: float, lag: float, recent_time: float) -> Snapshot:
-    reg = CollectorRegistry()
+    reg = Registry()
     req = LeanCounter("kvrouter_requests", "Requests", ["backend", "model", "status"])
     req.inc(("a", "toy", "2xx"), requests)
     ttft = LeanHistogram("kvrouter_ttft_seconds", "TTFT", ["backend"], (0.1, 1.0))
@@ -120,12 +120,11 @@ def _snapshot(worker: int, requests: float, lag: float, recent_time: float) -> S
         def collect(self) -> Any:
             yield req.family()
             yield ttft.family()
-
-        def describe(self) -> Any:
-            return []
+            blocks = GaugeFamily("kvrouter_index_blocks", "Indexed blocks", ["source"])
+            blocks.add_metric(["a/0"], lag)
+            yield blocks
 
     reg.register(_C())
-    Gauge("kvrouter_index_blocks", "Indexed blocks", ["source"], registry=reg).labels("a/0").set(lag)
     dash = {
         "totals": {"requests": int(requests), "errors": worker},
         "backends": [

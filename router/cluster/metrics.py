@@ -5,15 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 from router.cluster.affinity import SessionAffinity
 from router.cluster.node import Cluster
 from router.cluster.unseen import UnseenPeers
+from router.observe.exposition import CounterFamily, Family, GaugeFamily
 
 
-class ClusterCollector(Collector):
+class ClusterCollector:
     """``kvrouter_cluster_*`` (when a store is configured) and ``kvrouter_session_affinity_*``."""
 
     def __init__(
@@ -23,21 +21,21 @@ class ClusterCollector(Collector):
         self.affinity = affinity
         self.unseen = unseen
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         c = self.cluster
         if c is not None:
             st = c.stats
-            connected = GaugeMetricFamily(
+            connected = GaugeFamily(
                 "kvrouter_cluster_connected", "Connected to the shared store (1) or deciding alone (0)"
             )
             connected.add_metric([], 1.0 if c.connected else 0.0)
             yield connected
             now = time.monotonic()
             peers = list(c.table.peers.values())
-            n = GaugeMetricFamily("kvrouter_cluster_peers", "Other router replicas heard from recently")
+            n = GaugeFamily("kvrouter_cluster_peers", "Other router replicas heard from recently")
             n.add_metric([], len(peers))
             yield n
-            age = GaugeMetricFamily(
+            age = GaugeFamily(
                 "kvrouter_cluster_peer_max_age_seconds",
                 "Age of the stalest peer's last update (this replica's clock); 0 without peers",
             )
@@ -72,29 +70,29 @@ class ClusterCollector(Collector):
                 ),
             ]
             for name, doc, label, values in labelled:
-                fam = CounterMetricFamily(name, doc, labels=[label])
+                fam = CounterFamily(name, doc, labels=[label])
                 for key, v in values.items():
                     fam.add_metric([key], v)
                 yield fam
-            expired = CounterMetricFamily(
+            expired = CounterFamily(
                 "kvrouter_cluster_peers_expired", "Peers dropped after peer_timeout_s of silence"
             )
             expired.add_metric([], c.table.expired)
             yield expired
-            missed = CounterMetricFamily(
+            missed = CounterFamily(
                 "kvrouter_cluster_missed_messages", "Peer messages never received (sequence gaps)"
             )
             missed.add_metric([], c.table.missed)
             yield missed
             yield st.lag.family()
         if self.unseen is not None:
-            assumed = CounterMetricFamily(
+            assumed = CounterFamily(
                 "kvrouter_cluster_assumed_decisions",
                 "Other replicas' concurrent decisions assumed as load (not seen yet), summed over decisions",
             )
             assumed.add_metric([], self.unseen.assumed_total)
             yield assumed
-            held = CounterMetricFamily(
+            held = CounterFamily(
                 "kvrouter_cluster_held_decisions",
                 "Decisions held to see earlier-ranked replicas decide a burst first (stagger_bursts)",
                 labels=["unit"],
@@ -104,7 +102,7 @@ class ClusterCollector(Collector):
             yield held
         a = self.affinity
         if a is not None:
-            res = CounterMetricFamily(
+            res = CounterFamily(
                 "kvrouter_session_affinity",
                 "Requests with a session header: new, kept, steered, overloaded, unavailable",
                 labels=["result"],
@@ -112,12 +110,9 @@ class ClusterCollector(Collector):
             for result, v in a.results.items():
                 res.add_metric([result], v)
             yield res
-            pins = GaugeMetricFamily("kvrouter_session_pins", "Session pins held by this replica")
+            pins = GaugeFamily("kvrouter_session_pins", "Session pins held by this replica")
             pins.add_metric([], len(a.pins))
             yield pins
-
-    def describe(self) -> Iterable[Metric]:
-        return []
 
 
 __all__ = ["ClusterCollector"]

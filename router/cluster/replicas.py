@@ -16,13 +16,12 @@ import os
 import socket
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
 from index.kvindex import KVIndex
 from router.cluster.affinity import SessionAffinity
 from router.cluster.config import ClusterConfig
 from router.cluster.unseen import UnseenPeers, replica_ranks
 from router.fleet.load import LoadTracker
+from router.observe.exposition import Registry
 
 
 class Replicas:
@@ -60,7 +59,7 @@ class Replicas:
                 ranks = replica_ranks(group or self.cluster.id, self.cluster.replica_keys)
                 self.unseen = UnseenPeers(ranks, self.cluster.unseen_window, stagger=config.stagger_bursts)
 
-    def register(self, registry: CollectorRegistry) -> None:
+    def register(self, registry: Registry) -> None:
         """Export the cluster and affinity metrics from ``registry``."""
         if self.affinity is None and self.cluster is None:
             return

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import email.utils
 import logging
 import signal
 import socket
@@ -57,6 +56,23 @@ _LINGER_S = 2.0
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 _NO_BODY = frozenset({204, 304})
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+_DAYS = (b"Mon", b"Tue", b"Wed", b"Thu", b"Fri", b"Sat", b"Sun")
+_MONTHS = (b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov", b"Dec")
+
+
+def http_date(t: float) -> bytes:
+    """RFC 9110's IMF-fixdate of ``t`` (English names whatever the locale; email.utils, which does
+    the same, is ~4 ms of a starting router's imports)."""
+    tm = time.gmtime(t)
+    return b"%s, %02d %s %04d %02d:%02d:%02d GMT" % (
+        _DAYS[tm.tm_wday],
+        tm.tm_mday,
+        _MONTHS[tm.tm_mon - 1],
+        tm.tm_year,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec,
+    )
 
 
 class _Request:
@@ -544,7 +560,7 @@ class HttpServer:
         now = int(time.time())
         if now != self._date_at:
             self._date_at = now
-            self._date = b"date: %s\r\n" % email.utils.formatdate(now, usegmt=True).encode()
+            self._date = b"date: %s\r\n" % http_date(now)
         return self._date
 
     async def dispatch(self, req: _Request, writer: _Writer, conn: _Connection) -> None:

@@ -3,8 +3,8 @@
 Metrics are added around the core, not threaded through it: request metrics are recorded by the
 proxy, and the index and event-stream figures are read from `KVIndex.status()` at scrape time by a
 custom collector, so the ingest path pays for nothing but one histogram observation (event lag).
-Each app gets its own ``CollectorRegistry`` (no globals), and every label is bounded: backend,
-DP rank, model, medium, source, status class, outcome; never a per-request value.
+Each app gets its own :class:`router.observe.exposition.Registry` (no globals), and every label is
+bounded: backend, DP rank, model, medium, source, status class, outcome; never a per-request value.
 
 The request-path series are plain Python counters and bucket lists (:class:`LeanCounter`,
 :class:`LeanHistogram`) exported at scrape time, not prometheus-client objects: its children take a
@@ -16,21 +16,27 @@ written only on the event loop's thread; a scrape copies them in one C call each
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from index.kvindex import PREDICTED, KVIndex
 from router.decision.segments import SegmentCache
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Membership
 from router.observe.checks import ERROR_BUCKETS
+from router.observe.exposition import (
+    Collector,
+    CounterFamily,
+    Family,
+    GaugeFamily,
+    HistogramFamily,
+    Registry,
+    number,
+)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25)
@@ -55,9 +61,9 @@ class LeanCounter:
         values = self.values
         values[labels] = values.get(labels, 0.0) + amount
 
-    def family(self) -> CounterMetricFamily:
+    def family(self) -> CounterFamily:
         """The Prometheus family of every series so far."""
-        fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+        fam = CounterFamily(self.name, self.doc, labels=self.labelnames)
         for labels, value in list(self.values.items()):
             fam.add_metric(list(labels), value)
         return fam
@@ -89,16 +95,16 @@ class LeanHistogram:
         s[bisect.bisect_left(self.bounds, value)] += 1
         s[-1] += value
 
-    def family(self) -> HistogramMetricFamily:
+    def family(self) -> HistogramFamily:
         """The Prometheus family: cumulative buckets, ``+Inf``, sum and count."""
-        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        fam = HistogramFamily(self.name, self.doc, labels=self.labelnames)
         for labels, s in list(self.series.items()):
             counts = list(s)
             buckets: list[tuple[str, float]] = []
             acc = 0.0
             for bound, n in zip(self.bounds, counts, strict=False):
                 acc += n
-                buckets.append((floatToGoString(bound), acc))  # type: ignore[no-untyped-call]
+                buckets.append((number(bound), acc))
             buckets.append(("+Inf", acc + counts[-2]))
             fam.add_metric(list(labels), buckets, counts[-1])
         return fam
@@ -126,8 +132,7 @@ class RouterMetrics:
         loads: LoadTracker,
         segment_caches: Sequence[SegmentCache] = (),
     ) -> None:
-        disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide; *_created add nothing
-        self.registry = CollectorRegistry()
+        self.registry = Registry()
         r = self.registry
         self.requests = LeanCounter(
             "kvrouter_requests", "Requests by backend, model and status", ["backend", "model", "status"]
@@ -184,13 +189,15 @@ class RouterMetrics:
             self.upstream_latency,
             self.ttft,
         ]
-        self.event_lag = Histogram(
+        # observed on the ingest thread only; a scrape copies its one series in one C call
+        self.event_lag = LeanHistogram(
             "kvrouter_kv_event_lag_seconds",
             "From a KV event batch's timestamp to its application in the index",
-            buckets=_LAG_BUCKETS,
-            registry=r,
+            [],
+            _LAG_BUCKETS,
         )
-        index.ingestor.lag_observer = self.event_lag.observe
+        index.ingestor.lag_observer = functools.partial(self.event_lag.observe, ())
+        self._lean.append(self.event_lag)
         r.register(_LeanCollector(self._lean))
         r.register(_StateCollector(index, membership, loads))
         r.register(_TokenizerCollector(segment_caches))
@@ -262,24 +269,21 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         """Prometheus text exposition."""
-        return generate_latest(self.registry)
+        return self.registry.render()
 
 
-class _LeanCollector(Collector):
+class _LeanCollector:
     """Exports the request-path series kept by :class:`LeanCounter` / :class:`LeanHistogram`."""
 
     def __init__(self, series: list[LeanCounter | LeanHistogram]) -> None:
         self.series = series
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         for s in self.series:
             yield s.family()
 
-    def describe(self) -> Iterable[Metric]:
-        return []
 
-
-class _StateCollector(Collector):
+class _StateCollector:
     """Index, event-stream, health and in-flight figures, read at scrape time."""
 
     def __init__(self, index: KVIndex, membership: Membership, loads: LoadTracker) -> None:
@@ -287,15 +291,15 @@ class _StateCollector(Collector):
         self.membership = membership
         self.loads = loads
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         status = self.index.status()
-        blocks = GaugeMetricFamily(
+        blocks = GaugeFamily(
             "kvrouter_index_blocks", "Indexed blocks per source and medium", labels=["source", "medium"]
         )
-        connected = GaugeMetricFamily(
+        connected = GaugeFamily(
             "kvrouter_kv_source_connected", "Event stream connected (1) or not", labels=["source"]
         )
-        age = GaugeMetricFamily(
+        age = GaugeFamily(
             "kvrouter_kv_last_event_age_seconds",
             "Seconds since the source's last applied batch",
             labels=["source"],
@@ -315,10 +319,8 @@ class _StateCollector(Collector):
                 "Batches that neither arrived nor could be replayed",
             ),
         }
-        families = {k: CounterMetricFamily(n, h, labels=["source"]) for k, (n, h) in counters.items()}
-        events = CounterMetricFamily(
-            "kvrouter_kv_events", "Events applied by type", labels=["source", "type"]
-        )
+        families = {k: CounterFamily(n, h, labels=["source"]) for k, (n, h) in counters.items()}
+        events = CounterFamily("kvrouter_kv_events", "Events applied by type", labels=["source", "type"])
         stats = self.index.ingestor.stats
         for s in status:
             for medium, n in s.blocks.items():
@@ -338,27 +340,27 @@ class _StateCollector(Collector):
         yield age
         yield from families.values()
         yield events
-        evictions = CounterMetricFamily("kvrouter_index_evictions", "Residencies evicted by the memory cap")
+        evictions = CounterFamily("kvrouter_index_evictions", "Residencies evicted by the memory cap")
         evictions.add_metric([], self.index.evictions)
         yield evictions
-        inflight = GaugeMetricFamily(
+        inflight = GaugeFamily(
             "kvrouter_inflight_requests", "Requests in flight", labels=["backend", "dp_rank"]
         )
         for (backend, rank), load in self.loads.all().items():
             inflight.add_metric([backend, str(rank)], load.active)
         yield inflight
-        healthy = GaugeMetricFamily(
+        healthy = GaugeFamily(
             "kvrouter_backend_healthy", "Backend passes health checks (1) or not", labels=["backend"]
         )
         members = list(self.membership.members.values())
         for b in members:
             healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
         yield healthy
-        states = GaugeMetricFamily("kvrouter_backends", "Backends by membership state", labels=["state"])
+        states = GaugeFamily("kvrouter_backends", "Backends by membership state", labels=["state"])
         for state, n in self.membership.counts().items():
             states.add_metric([state], n)
         yield states
-        changes = CounterMetricFamily(
+        changes = CounterFamily(
             "kvrouter_membership_changes",
             "Membership changes (joined, ready, draining, drained, removed, replaced, updated, readmitted)"
             " by origin (config, admin, kubernetes)",
@@ -368,19 +370,16 @@ class _StateCollector(Collector):
             changes.add_metric([change, origin], n)
         yield changes
 
-    def describe(self) -> Iterable[Metric]:
-        return []
 
-
-class BreakerCollector(Collector):
+class BreakerCollector:
     """Passive ejections and the retry budget (router.fleet.breaker), read at scrape time."""
 
     def __init__(self, breakers: Any, membership: Membership) -> None:
         self.breakers = breakers
         self.membership = membership
 
-    def collect(self) -> Iterable[Metric]:
-        ejections = CounterMetricFamily(
+    def collect(self) -> Iterable[Family]:
+        ejections = CounterFamily(
             "kvrouter_backend_ejections",
             "Backends ejected by their breaker after failed requests",
             labels=["backend"],
@@ -388,13 +387,13 @@ class BreakerCollector(Collector):
         for name, n in sorted(self.breakers.ejected_total.items()):
             ejections.add_metric([name], n)
         yield ejections
-        ejected = GaugeMetricFamily(
+        ejected = GaugeFamily(
             "kvrouter_backend_ejected", "Backend's breaker is open (1) or not (0)", labels=["backend"]
         )
         for name in list(self.membership.members):
             ejected.add_metric([name], 1.0 if self.breakers.state(name) == "open" else 0.0)
         yield ejected
-        retries = CounterMetricFamily(
+        retries = CounterFamily(
             "kvrouter_retries",
             "Retries on another backend: allowed by the retry budget, or refused by it",
             labels=["result"],
@@ -403,19 +402,16 @@ class BreakerCollector(Collector):
         retries.add_metric(["refused"], self.breakers.retries_refused)
         yield retries
 
-    def describe(self) -> Iterable[Metric]:
-        return []
 
-
-class ChecksCollector(Collector):
+class ChecksCollector:
     """Prediction checks (router.observe.checks), read at scrape time."""
 
     def __init__(self, checks: Any) -> None:
         self.checks = checks
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         c = self.checks
-        results = CounterMetricFamily(
+        results = CounterFamily(
             "kvrouter_prediction_checks",
             "Predicted cached tokens compared with the engine's usage.prompt_tokens_details.cached_tokens:"
             " exact, within_block, over (predicted more), under (predicted less), no_usage",
@@ -424,17 +420,17 @@ class ChecksCollector(Collector):
         for (backend, result), n in sorted(c.counts.items()):
             results.add_metric([backend, result], n)
         yield results
-        errors = HistogramMetricFamily(
+        errors = HistogramFamily(
             "kvrouter_prediction_error_tokens",
             "Engine's cached tokens minus the router's prediction, per checked request",
         )
         buckets, total = [], 0
         for bound, n in zip((*ERROR_BUCKETS, float("inf")), c.error_buckets, strict=True):
             total += n
-            buckets.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
+            buckets.append((number(bound), total))
         errors.add_metric([], buckets, c.error_sum)
         yield errors
-        mismatch = CounterMetricFamily(
+        mismatch = CounterFamily(
             "kvrouter_prompt_tokens_mismatch",
             "Requests whose prompt token count differed from the engine's (tokenizer or chat template)",
             labels=["backend"],
@@ -442,7 +438,7 @@ class ChecksCollector(Collector):
         for backend, n in sorted(c.mismatched_prompts.items()):
             mismatch.add_metric([backend], n)
         yield mismatch
-        diagnosed = GaugeMetricFamily(
+        diagnosed = GaugeFamily(
             "kvrouter_prediction_diagnosis",
             "A backend's predictions are systematically off (1; /debug/index names the cause)",
             labels=["backend"],
@@ -451,19 +447,16 @@ class ChecksCollector(Collector):
             diagnosed.add_metric([backend], 1.0)
         yield diagnosed
 
-    def describe(self) -> Iterable[Metric]:
-        return []
 
-
-class SourcesCollector(Collector):
+class SourcesCollector:
     """Membership sources: config reloads and Kubernetes discovery, read at scrape time."""
 
     def __init__(self, config_watcher: Any | None, pods: Any | None) -> None:
         self.config_watcher = config_watcher
         self.pods = pods
 
-    def collect(self) -> Iterable[Metric]:
-        reloads = CounterMetricFamily(
+    def collect(self) -> Iterable[Family]:
+        reloads = CounterFamily(
             "kvrouter_config_reloads",
             "Config file reloads by result (applied, rejected: invalid file kept out, unchanged)",
             labels=["result"],
@@ -474,7 +467,7 @@ class SourcesCollector(Collector):
         yield reloads
         if self.pods is None:
             return
-        skipped = CounterMetricFamily(
+        skipped = CounterFamily(
             "kvrouter_discovery_skipped",
             "Pods discovery could not turn into a backend (missing_port, bad_annotation, invalid, "
             "name_taken, bad_pod)",
@@ -483,35 +476,32 @@ class SourcesCollector(Collector):
         for reason, n in sorted(self.pods.skipped.items()):
             skipped.add_metric([reason], n)
         yield skipped
-        events = CounterMetricFamily(
+        events = CounterFamily(
             "kvrouter_discovery_events", "Kubernetes watch events by type", labels=["type"]
         )
         for kind, n in sorted(self.pods.events.items()):
             events.add_metric([kind], n)
         yield events
-        failures = CounterMetricFamily(
+        failures = CounterFamily(
             "kvrouter_discovery_failures", "List or watch failures (each retried after a backoff)"
         )
         failures.add_metric([], self.pods.failures)
         yield failures
-        connected = GaugeMetricFamily(
+        connected = GaugeFamily(
             "kvrouter_discovery_connected", "The Kubernetes watch is established (1) or not (0)"
         )
         connected.add_metric([], 1.0 if self.pods.connected else 0.0)
         yield connected
 
-    def describe(self) -> Iterable[Metric]:
-        return []
 
-
-class _TokenizerCollector(Collector):
+class _TokenizerCollector:
     """The segment token caches' counters, read at scrape time."""
 
     def __init__(self, caches: Sequence[SegmentCache]) -> None:
         self.caches = list(caches)
 
-    def collect(self) -> Iterable[Metric]:
-        tokens = CounterMetricFamily(
+    def collect(self) -> Iterable[Family]:
+        tokens = CounterFamily(
             "kvrouter_tokenizer_cache_tokens",
             "Prompt tokens taken from the segment cache (hit) or tokenized and stored (miss)",
             labels=["result"],
@@ -519,20 +509,17 @@ class _TokenizerCollector(Collector):
         tokens.add_metric(["hit"], sum(c.hit_tokens for c in self.caches))
         tokens.add_metric(["miss"], sum(c.miss_tokens for c in self.caches))
         yield tokens
-        resident = GaugeMetricFamily(
+        resident = GaugeFamily(
             "kvrouter_tokenizer_cache_bytes", "Estimated memory held by the segment caches"
         )
         resident.add_metric([], sum(c.bytes for c in self.caches))
         yield resident
-        off = GaugeMetricFamily(
+        off = GaugeFamily(
             "kvrouter_tokenizer_cache_disabled",
             "Segment caches switched off after a sampled check found a difference (should be 0)",
         )
         off.add_metric([], sum(1 for c in self.caches if c.max_bytes > 0 and not c.enabled))
         yield off
-
-    def describe(self) -> Iterable[Metric]:
-        return []
 
 
 def dashboard_data(

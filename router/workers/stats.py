@@ -28,11 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
 
+from router.observe.exposition import Family as Live
+from router.observe.exposition import GaugeFamily, Registry, render
 from router.pd.metrics import NAMES as PD_SUMMED
 
 log = logging.getLogger("kvrouter.workers")
@@ -104,12 +102,9 @@ class Retired(msgspec.Struct):
 _RETIRED = "retired.msgpack"
 
 
-def families_of(registry: CollectorRegistry) -> list[Family]:
+def families_of(registry: Registry) -> list[Family]:
     """A registry's families in a serialisable form."""
-    return [
-        Family(m.name, m.type, m.documentation, [(s.name, dict(s.labels), float(s.value)) for s in m.samples])
-        for m in registry.collect()
-    ]
+    return [Family(m.name, m.type, m.doc, list(m.samples)) for m in registry.collect()]
 
 
 class SnapshotWriter:
@@ -208,26 +203,17 @@ def merge_families(snaps: list[Snapshot]) -> list[Family]:
     return list(merged.values())
 
 
-class _Families(Collector):
-    def __init__(self, families: Iterable[Family], extra: Iterable[Metric]) -> None:
-        self.families = families
-        self.extra = extra
-
-    def collect(self) -> Iterable[Metric]:
-        for fam in self.families:
-            m = Metric(fam.name, fam.doc, fam.type)
-            for name, labels, value in fam.samples:
-                m.add_sample(name, labels, value)
-            yield m
-        yield from self.extra
-
-    def describe(self) -> Iterable[Metric]:
-        return []
+def _live(families: Iterable[Family]) -> Iterable[Live]:
+    for fam in families:
+        m = Live(fam.name, fam.doc, fam.type)
+        for name, labels, value in fam.samples:
+            m.add_sample(name, labels, value)
+        yield m
 
 
 def render_merged(snaps: list[Snapshot]) -> bytes:
     """Prometheus text of the merged snapshots, plus ``kvrouter_worker_snapshot_age_seconds``."""
-    age = GaugeMetricFamily(
+    age = GaugeFamily(
         "kvrouter_worker_snapshot_age_seconds",
         "Age of each worker's published figures; one that keeps growing is a stuck or dead worker",
         labels=["worker"],
@@ -236,9 +222,7 @@ def render_merged(snaps: list[Snapshot]) -> bytes:
     for s in snaps:
         if s.worker >= 0:  # not the retired workers' figures
             age.add_metric([str(s.worker)], max(now - s.time, 0.0))
-    reg = CollectorRegistry()
-    reg.register(_Families(merge_families(snaps), [age]))
-    return generate_latest(reg)
+    return render([*_live(merge_families(snaps)), age])
 
 
 def _sum_dashboards(snaps: list[Snapshot]) -> dict[str, Any]:
