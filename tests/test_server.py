@@ -19,7 +19,7 @@ import pytest
 import zmq
 from harness import TIMEOUT, FakeEngine, NativeServer, RouterRunner, wait_for
 
-from router.http.server import _Connection, http_date
+from router.http.server import _REASONS, _Connection, http_date
 
 
 @pytest.fixture
@@ -531,3 +531,12 @@ def test_the_date_header_is_an_imf_fixdate() -> None:
     rng = random.Random(3)
     for t in [0, 951782400, 1767225599, 4102444800, *(rng.randrange(0, 2**32) for _ in range(2000))]:
         assert http_date(t).decode() == email.utils.formatdate(t, usegmt=True), t
+
+
+def test_every_status_has_its_reason_phrase() -> None:
+    """The server's own table of reason phrases (no http.HTTPStatus at start-up) covers the same
+    statuses as the standard library's (whose phrases changed across Python versions)."""
+    from http import HTTPStatus
+
+    assert set(_REASONS) <= {s.value for s in HTTPStatus} and len(_REASONS) >= 62  # (3.11 has 62)
+    assert (_REASONS[200], _REASONS[404], _REASONS[503]) == (b"OK", b"Not Found", b"Service Unavailable")
