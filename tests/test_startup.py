@@ -7,9 +7,12 @@ ZMQ publisher in vLLM's layout on ephemeral ports."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = r"""
 import asyncio, sys, time, tomllib
@@ -96,3 +99,35 @@ def test_a_token_id_router_starts_and_indexes_without_httpx_fastapi_numpy_or_cha
     assert lines[2] == "False False False False False", proc.stdout
     assert lines[3] == "False False", proc.stdout
     assert lines[4] == "False False False", proc.stdout
+
+
+CLI_SCRIPT = r"""
+import argparse, sys
+from router.cli import build_parser
+parser = build_parser(serve_only=True)
+args = parser.parse_args(["serve", "--config", "fleet.toml"])
+print(args.command, args.config, "shutil" in sys.modules)
+serve = parser._subparsers._group_actions[0].choices["serve"]
+ours = [parser.format_help(), serve.format_help()]
+parser.formatter_class = serve.formatter_class = argparse.HelpFormatter  # (imports shutil)
+print(ours == [parser.format_help(), serve.format_help()])
+"""
+
+
+@pytest.mark.parametrize("columns", [None, "97"])
+def test_the_cli_parses_serve_without_shutil_and_helps_as_argparse_does(columns: str | None) -> None:
+    """argparse's own formatter imports shutil (and zlib, bz2, lzma) to learn the terminal's width;
+    kvrouter's tells it the same width."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns:
+        env["COLUMNS"] = columns
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["serve fleet.toml False", "True"], proc.stdout
