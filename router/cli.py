@@ -48,7 +48,7 @@ def build_parser(serve_only: bool = False) -> argparse.ArgumentParser:
     simulation commands, whose modules (the mock engine's web app and numpy) a router never needs:
     `kvrouter serve` starts ~0.5 s sooner and ~25 MB lighter without them."""
     parser = _Parser(prog="kvrouter", description="KV-aware request router for vLLM fleets.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub: argparse._SubParsersAction[Any] = parser.add_subparsers(dest="command", required=True)
     from router import serve
 
     serve.register(sub)

@@ -84,21 +84,28 @@ asyncio.run(main())
 """
 
 
-def test_a_token_id_router_starts_and_indexes_without_httpx_fastapi_numpy_or_chat() -> None:
+def _fresh(script: str, env: dict[str, str] | None = None) -> str:
+    """What ``script`` prints, run in a fresh interpreter from the repository's root."""
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=Path(__file__).resolve().parents[1],
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert lines[0] == "True ['m']", proc.stdout  # probed (/health, /v1/models) over the upstream pool
-    assert lines[1] == "16", proc.stdout  # the first event indexed, its block size learned
-    assert lines[2] == "False False False False False", proc.stdout
-    assert lines[3] == "False False", proc.stdout
-    assert lines[4] == "False False False", proc.stdout
+    return proc.stdout
+
+
+def test_a_token_id_router_starts_and_indexes_without_httpx_fastapi_numpy_or_chat() -> None:
+    stdout = _fresh(SCRIPT)
+    lines = stdout.splitlines()
+    assert lines[0] == "True ['m']", stdout  # probed (/health, /v1/models) over the upstream pool
+    assert lines[1] == "16", stdout  # the first event indexed, its block size learned
+    assert lines[2] == "False False False False False", stdout
+    assert lines[3] == "False False", stdout
+    assert lines[4] == "False False False", stdout
 
 
 CLI_SCRIPT = r"""
@@ -121,13 +128,5 @@ def test_the_cli_parses_serve_without_shutil_and_helps_as_argparse_does(columns:
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     if columns:
         env["COLUMNS"] = columns
-    proc = subprocess.run(
-        [sys.executable, "-c", CLI_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["serve fleet.toml False", "True"], proc.stdout
+    stdout = _fresh(CLI_SCRIPT, env)
+    assert stdout.splitlines() == ["serve fleet.toml False", "True"], stdout
