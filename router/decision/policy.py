@@ -122,21 +122,6 @@ class Policy:
         self._turn += 1
         return turn
 
-    def credit(self, c: Candidate, prompt_blocks: int) -> float:
-        """Prefill blocks a candidate's cached prefix saves (0 below the minimum-match threshold)."""
-        cfg = self.config
-        if c.matched_blocks < max(cfg.min_match_blocks, 1):
-            return 0.0
-        if prompt_blocks and c.matched_blocks < cfg.min_match_ratio * prompt_blocks:
-            return 0.0
-        by = c.blocks_by_medium
-        return (
-            cfg.gpu_credit * by.get("GPU", 0)
-            + cfg.cpu_credit * by.get("CPU", 0)
-            + cfg.storage_credit * by.get("STORAGE", 0)
-            + cfg.predicted_credit * by.get("PREDICTED", 0)
-        )
-
     def load_terms(self, c: Candidate, block_size: int) -> float:
         """The load part of a candidate's cost before ``load_weight`` (the prefix credit aside)."""
         cfg = self.config
@@ -159,35 +144,61 @@ class Policy:
         if not candidates:
             raise ValueError("no candidates")
         cfg = self.config
-        scores = []
+        scores: list[CandidateScore] = []
+        append = scores.append
         kv = cfg.name == "kv"
         bs = max(block_size, 1)
         load_weight, decode_weight, waiting_weight = cfg.load_weight, cfg.decode_weight, cfg.waiting_weight
-        for c in candidates:  # (a /route over 64 candidates runs this 64 times: kept lean)
+        # the credit: prefill blocks a candidate's cached prefix saves, 0 below the minimum-match
+        # thresholds (taken once: a /route over 64 candidates runs this loop 64 times)
+        min_blocks = max(cfg.min_match_blocks, 1)
+        min_ratio = cfg.min_match_ratio * prompt_blocks if prompt_blocks else 0.0
+        gpu, cpu, storage, predicted = (
+            cfg.gpu_credit,
+            cfg.cpu_credit,
+            cfg.storage_credit,
+            cfg.predicted_credit,
+        )
+        for c in candidates:
             load = c.load
-            credit = self.credit(c, prompt_blocks) if kv and c.matched_blocks else 0.0
+            matched = c.matched_blocks
+            by = c.blocks_by_medium
+            credit = 0.0
+            if kv and matched >= min_blocks and matched >= min_ratio:
+                credit = (
+                    gpu * by.get("GPU", 0)
+                    + cpu * by.get("CPU", 0)
+                    + storage * by.get("STORAGE", 0)
+                    + predicted * by.get("PREDICTED", 0)
+                )
             prefill = prompt_blocks - credit if prompt_blocks > credit else 0.0
-            queued = load.pending_prefill_tokens / bs if load.pending_prefill_tokens else 0.0
+            pending = load.pending_prefill_tokens
+            queued = pending / bs if pending else 0.0
             if credit:
                 # predicted blocks are prefill of this very prefix already queued there: waiting for
                 # them is not extra work, it is this request's own prefix being computed
-                queued = max(queued - c.blocks_by_medium.get("PREDICTED", 0), 0.0)
+                queued = max(queued - by.get("PREDICTED", 0), 0.0)
+            active = load.active
+            waiting = load.engine_waiting
+            assumed = c.assumed_blocks
             cost = prefill + load_weight * (
-                queued + decode_weight * load.active + waiting_weight * load.engine_waiting + c.assumed_blocks
+                queued + decode_weight * active + waiting_weight * waiting + assumed
             )
-            scores.append(
+            append(
                 CandidateScore(
                     c.backend,
                     c.dp_rank,
-                    c.matched_blocks,
-                    c.blocks_by_medium,  # shared, not copied: neither side changes it
+                    matched,
+                    by,  # shared, not copied: neither side changes it
                     credit,  # (terms rounded when shown, by explain(); the cost now: ties compare it)
                     prefill,
                     queued,
-                    load.active,
-                    load.engine_waiting,
+                    active,
+                    waiting,
                     round(cost, 3) if cost % 1 else cost,
-                    assumed_blocks=c.assumed_blocks,
+                    False,
+                    "",
+                    assumed,
                 )
             )
         chosen = self._pick(scores, candidates, dry_run)

@@ -170,9 +170,9 @@ class RouterService:
         self.tokenizer = tokenizer
         self.recent: collections.deque[Route] = collections.deque(maxlen=recent)
         self.affinity: SessionAffinity | None = None
+        """Session pins (``[cluster] session_header``), applied after the policy (router/cluster)."""
         self.unseen: UnseenPeers | None = None
         """Other replicas' concurrent decisions, assumed as load (router/cluster/unseen.py)."""
-        """Session pins (``[cluster] session_header``), applied after the policy (router/cluster)."""
 
     def candidates_for(self, model: str) -> list[Member]:
         """Members that may take a request for a model now (ready, healthy, not ejected by their
