@@ -2,7 +2,8 @@
 
 ``.venv/bin/python bench/quality.py [--quick] [--traces conversation,synthetic,sessions] [--jobs N]``
 writes ``bench/out/quality.json`` (every run, with its full config) and ``bench/out/quality.md``
-(tables for BENCHMARKS.md). Traces are read from /work/shared/data/traces (``$KVROUTER_TRACE_DIR``).
+(tables for BENCHMARKS.md). Traces are read from ``../shared/data/traces`` beside the repository
+(``$KVROUTER_TRACE_DIR``).
 
 Stages, each on every selected trace:
 

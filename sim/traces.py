@@ -1,4 +1,5 @@
-"""Loaders for the public prefix-sharing traces in /work/shared/data/traces (read in place, never copied).
+"""Loaders for the public prefix-sharing traces in ``../shared/data/traces`` beside the repository
+(read in place, never copied).
 
 Formats (details and statistics in that directory's README.md):
 
@@ -49,7 +50,8 @@ import numpy as np
 
 from sim.workload import Request, TracePrompt
 
-DEFAULT_TRACE_DIR = Path("/work/shared/data/traces")
+DEFAULT_TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+"""``../shared/data/traces`` beside the repository (this file is ``<repo>/sim/traces.py``)."""
 TRACE_FILES = {
     "conversation": "mooncake_fast25_conversation_trace.jsonl.gz",
     "synthetic": "mooncake_fast25_synthetic_trace.jsonl.gz",
@@ -64,7 +66,8 @@ README_BOUNDS = {"conversation": 0.3664, "synthetic": 0.6396, "sessions": 0.9634
 
 
 def trace_dir() -> Path:
-    """Where the shared traces live: ``$KVROUTER_TRACE_DIR`` or /work/shared/data/traces."""
+    """Where the shared traces live: ``$KVROUTER_TRACE_DIR``, else ``../shared/data/traces`` beside
+    the repository."""
     return Path(os.environ.get("KVROUTER_TRACE_DIR", str(DEFAULT_TRACE_DIR)))
 
 
