@@ -26,7 +26,8 @@ GRAFANA = DEPLOY / "grafana" / "kvrouter-dashboard.json"
 COMPOSE = DEPLOY / "compose"
 K8S = DEPLOY / "k8s"
 
-# The router's Prometheus contract: name -> (type, labels). Kept here until this test scrapes a live /metrics.
+# The router's Prometheus contract: name -> (type, labels); a live scrape keeps to it exactly
+# (test_router_e2e.py::test_metrics_scrape_is_valid_prometheus_text_and_keeps_the_contract).
 EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_requests_total": ("counter", frozenset({"backend", "model", "status"})),
     "kvrouter_request_errors_total": ("counter", frozenset({"backend", "kind"})),
@@ -55,6 +56,18 @@ EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_tokenizer_cache_tokens_total": ("counter", frozenset({"result"})),
     "kvrouter_tokenizer_cache_bytes": ("gauge", frozenset()),
     "kvrouter_tokenizer_cache_disabled": ("gauge", frozenset()),
+    # membership, breakers and retries, config reloads (router/fleet)
+    "kvrouter_backends": ("gauge", frozenset({"state"})),
+    "kvrouter_membership_changes_total": ("counter", frozenset({"change", "origin"})),
+    "kvrouter_backend_ejections_total": ("counter", frozenset({"backend"})),
+    "kvrouter_backend_ejected": ("gauge", frozenset({"backend"})),
+    "kvrouter_retries_total": ("counter", frozenset({"result"})),
+    "kvrouter_config_reloads_total": ("counter", frozenset({"result"})),
+    # prediction checks (router/observe/checks.py)
+    "kvrouter_prediction_checks_total": ("counter", frozenset({"backend", "result"})),
+    "kvrouter_prediction_error_tokens": ("histogram", frozenset()),
+    "kvrouter_prompt_tokens_mismatch_total": ("counter", frozenset({"backend"})),
+    "kvrouter_prediction_diagnosis": ("gauge", frozenset({"backend"})),
     # P/D disaggregation (router/pd/metrics.py)
     "kvrouter_pd_requests_total": ("counter", frozenset({"mode"})),
     "kvrouter_pd_skips_total": ("counter", frozenset({"reason"})),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -220,6 +222,43 @@ def test_predict_on_route_keeps_a_burst_together(fleet: Fleet) -> None:
     )
     data = httpx.get(f"{router.url}/dashboard/data", timeout=30).json()
     assert data["totals"]["matched_tokens"] == 0, data["totals"]
+
+
+def test_metrics_scrape_is_valid_prometheus_text_and_keeps_the_contract(fleet: Fleet) -> None:
+    """kvrouter writes its exposition itself (router/observe/exposition.py): a live scrape, after
+    traffic, parsed by prometheus-client's parser and checked by ``promtool check metrics`` (when
+    installed: Debian's ``prometheus``), has every family of the contract (tests/test_deploy.py) with
+    its type and labels, and nothing else."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_deploy import EXPORTED_METRICS
+
+    router, eng = fleet(("a", "b"))
+    prompt = ids(9, 6 * BS)
+    eng["a"].announce(prompt, BS)
+    body = {"model": "toy", "prompt": prompt}
+    wait_routed(router, body, "a", 6)
+    for _ in range(3):
+        assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=30).status_code == 200
+    text = httpx.get(f"{router.url}/metrics", timeout=30).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    contract = {
+        name.removesuffix("_total") if kind == "counter" else name: (kind, labels)
+        for name, (kind, labels) in EXPORTED_METRICS.items()
+    }
+    assert set(families) == set(contract), set(families) ^ set(contract)
+    for name, fam in families.items():
+        kind, labels = contract[name]
+        assert fam.type == kind, name
+        for sample in fam.samples:
+            assert set(sample.labels) <= labels | ({"le"} if kind == "histogram" else set()), sample
+    assert families["kvrouter_requests"].samples, "no request counted"
+    assert any(s.value > 0 for s in families["kvrouter_kv_event_lag_seconds"].samples)
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        proc = subprocess.run(
+            [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_failover_before_first_byte(fleet: Fleet, tok: ChatTokenizer) -> None:
