@@ -7,6 +7,7 @@ with a :class:`ConfigError` whose message names the key and the problem, e.g.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -315,6 +316,14 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("block_size: must be between 1 and 4096")
     if cfg.policy.name not in POLICIES:
         raise ConfigError(f"policy.name: must be one of {', '.join(POLICIES)}")
+    pol = cfg.policy
+    for key in ("gpu_credit", "cpu_credit", "storage_credit", "predicted_credit", "load_weight",
+                "decode_weight", "waiting_weight", "temperature"):  # fmt: skip
+        value = getattr(pol, key)
+        if not math.isfinite(value) or value < 0:  # (NaN compares false both ways: scores undefined)
+            raise ConfigError(f"policy.{key}: must be a finite number >= 0")
+    if not 0.0 <= pol.min_match_ratio <= 1.0:  # (false for NaN)
+        raise ConfigError("policy.min_match_ratio: must be between 0 and 1")
     if cfg.pd.min_uncached_tokens < 0 or cfg.pd.max_prefill_queue_tokens < 0:
         raise ConfigError("pd: min_uncached_tokens and max_prefill_queue_tokens must be >= 0")
     if cfg.pd.prefill_timeout_s <= 0:

@@ -67,7 +67,7 @@ README_BOUNDS = {"conversation": 0.3664, "synthetic": 0.6396, "sessions": 0.9634
 
 def trace_dir() -> Path:
     """Where the shared traces live: ``$KVROUTER_TRACE_DIR``, else ``../shared/data/traces`` beside
-    the repository."""
+    the repository (a checkout or an editable install; an installed package needs the variable)."""
     return Path(os.environ.get("KVROUTER_TRACE_DIR", str(DEFAULT_TRACE_DIR)))
 
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.observe import exposition
 from router.observe.exposition import (
     CounterFamily,
     Family,
@@ -161,6 +162,32 @@ def test_numbers() -> None:
     ]
 
 
-def test_label_values_must_match_the_label_names() -> None:
-    with pytest.raises(ValueError):
-        CounterFamily("t_bad", "doc", ["a", "b"]).add_metric(["only one"], 1)
+def test_a_fault_in_one_part_never_fails_a_scrape(caplog: pytest.LogCaptureFixture) -> None:
+    """A series with the wrong number of label values is left out, a collector that raises is left
+    out of that scrape; the rest renders, and each fault is logged once."""
+    exposition._logged.clear()  # (once per process: start this test from none)
+    good = CounterFamily("t_good", "doc", ["a"])
+    good.add_metric(["x"], 1)
+    bad = CounterFamily("t_bad", "doc", ["a", "b"])
+    bad.add_metric(["only one"], 1)
+    bad.add_metric(["x", "y"], 2)
+    assert [s[1] for s in bad.samples] == [{"a": "x", "b": "y"}]
+
+    class _Broken:
+        def collect(self) -> Iterable[Family]:
+            yield good
+            raise RuntimeError("boom")
+
+    class _Fine:
+        def collect(self) -> Iterable[Family]:
+            return [good, bad]
+
+    reg = Registry()
+    reg.register(_Broken())
+    reg.register(_Fine())
+    with caplog.at_level("ERROR", logger="kvrouter.metrics"):
+        first, second = reg.render(), reg.render()
+    assert first == second == render([good, bad])  # (the broken collector's one good family: left out)
+    assert reg.faults == 2
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2 and "t_bad" in logged[0] and "boom" in logged[1], logged

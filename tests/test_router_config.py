@@ -60,6 +60,11 @@ def cfg(**top: Any) -> dict[str, Any]:
         (cfg(pd={"min_uncached_tokens": -1}), "pd"),
         (cfg(pd={"prefill_policy": "fastest"}), "pd.prefill_policy"),
         (cfg(pd={"prefill_timeout_s": 0}), "pd.prefill_timeout_s"),
+        (cfg(policy={"min_match_ratio": float("nan")}), "policy.min_match_ratio"),
+        (cfg(policy={"min_match_ratio": 1.5}), "policy.min_match_ratio"),
+        (cfg(policy={"load_weight": -1.0}), "policy.load_weight"),
+        (cfg(policy={"cpu_credit": float("inf")}), "policy.cpu_credit"),
+        (cfg(policy={"temperature": float("nan")}), "policy.temperature"),
     ],
 )
 def test_config_errors_name_the_key(data: dict[str, Any], message: str) -> None:

@@ -8,18 +8,34 @@ benchmark box (BENCHMARKS.md, issue 11). What this keeps of prometheus-client's 
 dashboards and alerts see the same series: counters are exported with the ``_total`` suffix on their
 HELP, TYPE and sample lines; histograms as cumulative ``_bucket{le=...}`` samples, then ``_count``
 and ``_sum`` (neither when a bucket bound is negative, which prometheus-client also omits); no
-``_created`` series; labels sorted by name on each line; numbers as Go writes them (``1e+06``,
-``+Inf``), which matters for ``le`` values, since a label is compared as a string. Tests parse this
+``_created`` series; labels sorted by name on each line; numbers as prometheus-client writes them
+(Go's ``1e+06`` for positive values from a million up, ``+Inf``; Python's repr otherwise), which
+matters for ``le`` values, since a label is compared as a string. Tests parse this
 output with prometheus-client's parser and compare it with what prometheus-client renders.
 
-A collector is anything with ``collect() -> Iterable[Family]``, called at scrape time.
+A collector is anything with ``collect() -> Iterable[Family]``, called at scrape time. A fault in one
+never fails a scrape: a series whose label values do not match its family's names is left out
+(prometheus-client silently cut or padded it), and a collector that raises is left out of that
+scrape and counted in :attr:`Registry.faults`; each kind of fault is logged once (kvrouter.metrics).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
+
+log = logging.getLogger("kvrouter.metrics")
+_logged: set[tuple[str, str]] = set()
+"""(where, what) faults logged so far: each once per process (a scrape every 15 s would repeat them)."""
+
+
+def _fault(where: str, what: str) -> None:
+    if (where, what) not in _logged and len(_logged) < 1000:
+        _logged.add((where, what))
+        log.error("metrics: %s: %s (logged once)", where, what)
+
 
 Sample = tuple[str, dict[str, str], float]
 """(sample name, labels, value)."""
@@ -41,6 +57,13 @@ class Family:
         """A sample as is (the workers' merge rebuilds families from their samples)."""
         self.samples.append((name, labels, float(value)))
 
+    def _labels(self, values: Sequence[str]) -> dict[str, str] | None:
+        """The series' labels by name; None (logged once) when the count does not match."""
+        if len(values) != len(self.labelnames):
+            _fault(self.name, f"a series with {len(values)} label values for {self.labelnames} left out")
+            return None
+        return dict(zip(self.labelnames, values, strict=True))
+
 
 class CounterFamily(Family):
     """A counter: each series is exported as ``<name>_total``."""
@@ -52,8 +75,9 @@ class CounterFamily(Family):
 
     def add_metric(self, labels: Sequence[str], value: float) -> None:
         """One series: its label values (in the family's label order) and its total."""
-        named = dict(zip(self.labelnames, labels, strict=True))
-        self.samples.append((self.name + "_total", named, float(value)))
+        named = self._labels(labels)
+        if named is not None:
+            self.samples.append((self.name + "_total", named, float(value)))
 
 
 class GaugeFamily(Family):
@@ -66,7 +90,9 @@ class GaugeFamily(Family):
 
     def add_metric(self, labels: Sequence[str], value: float) -> None:
         """One series: its label values and its value."""
-        self.samples.append((self.name, dict(zip(self.labelnames, labels, strict=True)), float(value)))
+        named = self._labels(labels)
+        if named is not None:
+            self.samples.append((self.name, named, float(value)))
 
 
 class HistogramFamily(Family):
@@ -82,7 +108,9 @@ class HistogramFamily(Family):
     ) -> None:
         """One series: (``le`` text, cumulative count) per bucket, ``+Inf`` last, and the sum of the
         observations. The count is the ``+Inf`` bucket's."""
-        base = dict(zip(self.labelnames, labels, strict=True))
+        base = self._labels(labels)
+        if base is None:
+            return
         bucket = self.name + "_bucket"
         for le, count in buckets:
             self.samples.append((bucket, {**base, "le": le}, float(count)))
@@ -102,15 +130,24 @@ class Registry:
 
     def __init__(self) -> None:
         self._collectors: list[Collector] = []
+        self.faults = 0
+        """Collectors that raised, over every scrape so far."""
 
     def register(self, collector: Collector) -> None:
         """Read ``collector`` at every scrape from now on."""
         self._collectors.append(collector)
 
     def collect(self) -> Iterator[Family]:
-        """Every collector's families, in registration order."""
+        """Every collector's families, in registration order; a collector that raises is left out
+        of this scrape (whole: none of its families, rather than some)."""
         for c in list(self._collectors):
-            yield from c.collect()
+            try:
+                families = list(c.collect())
+            except Exception as exc:  # a bug in one part's figures must not take down /metrics
+                self.faults += 1
+                _fault(type(c).__name__, f"collector raised {type(exc).__name__}: {exc}")
+                continue
+            yield from families
 
     def render(self) -> bytes:
         """The text exposition of every family."""
@@ -118,8 +155,9 @@ class Registry:
 
 
 def number(value: float) -> str:
-    """A sample value or ``le`` bound as Prometheus's Go clients write it: ``+Inf``, ``-Inf``,
-    ``NaN``, and an exponent from 1e+06 up where Python would write all the digits."""
+    """A sample value or ``le`` bound as prometheus-client writes it: ``+Inf``, ``-Inf``, ``NaN``,
+    Go's exponent for positive values from 1e+06 up (``1.5e+07``: Python would write all the
+    digits), Python's repr otherwise."""
     if math.isnan(value):
         return "NaN"
     if math.isinf(value):
