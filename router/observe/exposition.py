@@ -118,6 +118,18 @@ class HistogramFamily(Family):
             self.samples.append((self.name + "_count", base, float(buckets[-1][1])))
             self.samples.append((self.name + "_sum", base, float(sum_value)))
 
+    def add_counts(
+        self, labels: Sequence[str], bounds: Sequence[float], counts: Sequence[float], sum_value: float
+    ) -> None:
+        """One series from per-bucket counts: ``counts[i]`` observations at or below ``bounds[i]``
+        (and above the bound before), then one more count, of those above the last bound."""
+        buckets: list[tuple[str, float]] = []
+        total = 0.0
+        for bound, n in zip((*bounds, math.inf), counts, strict=True):
+            total += n
+            buckets.append((number(bound), total))
+        self.add_metric(labels, buckets, sum_value)
+
 
 class Collector(Protocol):
     """What a registry reads at scrape time."""
@@ -126,7 +138,7 @@ class Collector(Protocol):
 
 
 class Registry:
-    """The collectors of one router (each app its own: no process-wide state)."""
+    """The collectors of one router (each app its own)."""
 
     def __init__(self) -> None:
         self._collectors: list[Collector] = []
@@ -178,7 +190,16 @@ _HEAD_NAME = {"counter": "_total"}
 _TEXT_TYPE = {"unknown": "untyped"}
 
 
-def render(families: Iterable[Family]) -> bytes:
+class Rendered(Protocol):
+    """What :func:`render` reads of a family (a :class:`Family`, or the workers' snapshot of one)."""
+
+    name: str
+    doc: str
+    type: str
+    samples: list[Sample]
+
+
+def render(families: Iterable[Rendered]) -> bytes:
     """Families as Prometheus text: ``# HELP`` and ``# TYPE`` lines, then one line per sample."""
     out: list[str] = []
     for fam in families:
@@ -201,6 +222,7 @@ __all__ = [
     "GaugeFamily",
     "HistogramFamily",
     "Registry",
+    "Rendered",
     "number",
     "render",
 ]

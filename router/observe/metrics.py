@@ -36,7 +36,6 @@ from router.observe.exposition import (
     GaugeFamily,
     HistogramFamily,
     Registry,
-    number,
 )
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -100,14 +99,8 @@ class LeanHistogram:
         """The Prometheus family: cumulative buckets, ``+Inf``, sum and count."""
         fam = HistogramFamily(self.name, self.doc, labels=self.labelnames)
         for labels, s in list(self.series.items()):
-            counts = list(s)
-            buckets: list[tuple[str, float]] = []
-            acc = 0.0
-            for bound, n in zip(self.bounds, counts, strict=False):
-                acc += n
-                buckets.append((number(bound), acc))
-            buckets.append(("+Inf", acc + counts[-2]))
-            fam.add_metric(list(labels), buckets, counts[-1])
+            counts = list(s)  # (one copy: a writer on another thread may go on meanwhile)
+            fam.add_counts(labels, self.bounds, counts[:-1], counts[-1])
         return fam
 
 
@@ -425,11 +418,7 @@ class ChecksCollector:
             "kvrouter_prediction_error_tokens",
             "Engine's cached tokens minus the router's prediction, per checked request",
         )
-        buckets, total = [], 0
-        for bound, n in zip((*ERROR_BUCKETS, float("inf")), c.error_buckets, strict=True):
-            total += n
-            buckets.append((number(bound), total))
-        errors.add_metric([], buckets, c.error_sum)
+        errors.add_counts([], ERROR_BUCKETS, c.error_buckets, c.error_sum)
         yield errors
         mismatch = CounterFamily(
             "kvrouter_prompt_tokens_mismatch",

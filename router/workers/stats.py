@@ -23,13 +23,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from router.observe.exposition import Family as Live
 from router.observe.exposition import GaugeFamily, Registry, render
 from router.pd.metrics import NAMES as PD_SUMMED
 
@@ -203,14 +201,6 @@ def merge_families(snaps: list[Snapshot]) -> list[Family]:
     return list(merged.values())
 
 
-def _live(families: Iterable[Family]) -> Iterable[Live]:
-    for fam in families:
-        m = Live(fam.name, fam.doc, fam.type)
-        for name, labels, value in fam.samples:
-            m.add_sample(name, labels, value)
-        yield m
-
-
 def render_merged(snaps: list[Snapshot]) -> bytes:
     """Prometheus text of the merged snapshots, plus ``kvrouter_worker_snapshot_age_seconds``."""
     age = GaugeFamily(
@@ -222,7 +212,7 @@ def render_merged(snaps: list[Snapshot]) -> bytes:
     for s in snaps:
         if s.worker >= 0:  # not the retired workers' figures
             age.add_metric([str(s.worker)], max(now - s.time, 0.0))
-    return render([*_live(merge_families(snaps)), age])
+    return render([*merge_families(snaps), age])  # (a snapshot's family renders as it is)
 
 
 def _sum_dashboards(snaps: list[Snapshot]) -> dict[str, Any]:
