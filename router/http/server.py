@@ -54,6 +54,7 @@ _LINGER_S = 2.0
 """After refusing a request, how long the rest of what the client sends is read and dropped."""
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 _NO_BODY = frozenset({204, 304})
+_BACKLOG = 2048
 # reason phrases (RFC 9110 and the registry); an enum built from http.HTTPStatus costs ~3 ms of start-up
 _REASONS = {
     100: b"Continue",
@@ -136,6 +137,35 @@ def http_date(t: float) -> bytes:
         tm.tm_min,
         tm.tm_sec,
     )
+
+
+def bind_numeric(host: str, port: int, backlog: int) -> socket.socket | None:
+    """A listening socket for a numeric address (``127.0.0.1``, ``0.0.0.0``, ``::``), bound here; None
+    for a host name, which the event loop resolves. Why: the loop's ``create_server`` resolves even a
+    literal address, in a thread pool it starts for that (4 threads), and imports the idna codec to
+    do so: ~5 ms of a ~0.15 s warm start (BENCHMARKS.md). The socket is what the loop would have
+    made: ``SO_REUSEADDR``, IPv6 only on an IPv6 address, non-blocking, listening."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            sock.listen(backlog)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    return None
 
 
 class _Request:
@@ -681,11 +711,12 @@ class HttpServer:
         """Start the router's background work, then listen."""
         await self.app.startup()
         loop = asyncio.get_running_loop()
-        if self.sock is not None:
-            self._server = await loop.create_server(lambda: _Connection(self), sock=self.sock, backlog=2048)
+        sock = self.sock if self.sock is not None else bind_numeric(self.host, self.port, _BACKLOG)
+        if sock is not None:
+            self._server = await loop.create_server(lambda: _Connection(self), sock=sock, backlog=_BACKLOG)
         else:
             self._server = await loop.create_server(
-                lambda: _Connection(self), self.host, self.port, backlog=2048, reuse_address=True
+                lambda: _Connection(self), self.host, self.port, backlog=_BACKLOG, reuse_address=True
             )
         sockets = self._server.sockets
         if sockets:
@@ -743,4 +774,4 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
 
 
-__all__ = ["HttpServer", "loop_factory"]
+__all__ = ["HttpServer", "bind_numeric", "loop_factory"]
