@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -477,9 +478,17 @@ class KvRouter(Service):
     path = "/route"
 
     def __init__(
-        self, ports: list[int], mock_port: int, tmp: Path, env: dict[str, str] | None = None
+        self,
+        ports: list[int],
+        mock_port: int,
+        tmp: Path,
+        env: dict[str, str] | None = None,
+        container: str | None = None,
     ) -> None:
+        """``container``: run the image this command line starts instead of the local executable
+        (:func:`container_command`)."""
         self.port = free_port()
+        self.container = container
         self.sources = len(ports)
         lines = [
             f"block_size = {BS}",
@@ -503,8 +512,11 @@ class KvRouter(Service):
         cfg.write_text("\n".join(lines) + "\n")
         self.t_start = time.perf_counter()
         logs = os.environ.get("KVBENCH_LOGS")  # a directory: keep each kvrouter's log there
+        cmd = [KVROUTER, "serve", "--config", str(cfg)]
+        if container:
+            cmd = container_command(container, cfg)
         self.proc = subprocess.Popen(
-            [KVROUTER, "serve", "--config", str(cfg)],
+            cmd,
             env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=open(Path(logs) / f"kvrouter-{self.port}.log", "wb") if logs else subprocess.DEVNULL,  # noqa: SIM115
@@ -518,6 +530,14 @@ class KvRouter(Service):
         for c in msgspec.json.decode(body)["candidates"]:
             out[int(c["backend"][1:])] = c["matched_blocks"]
         return out
+
+
+def container_command(template: str, config: Path) -> list[str]:
+    """The command line that starts kvrouter's container image on ``config``: ``template`` with
+    ``{config}`` replaced, e.g. ``podman run --rm --network=host -v
+    {config}:/etc/kvrouter/fleet.toml:ro kvrouter:dev`` (the image's default arguments serve that
+    file; host networking, as the publishers and the mock backend listen on 127.0.0.1)."""
+    return [part.replace("{config}", str(config)) for part in shlex.split(template)]
 
 
 class Dynamo(Service):
@@ -840,12 +860,20 @@ def drop_caches() -> bool:
 
 
 def _start_once(
-    name: str, dynamo_py: str | None, pubs: Publishers, mock_port: int, tmp: Path, env: dict[str, str]
+    name: str,
+    dynamo_py: str | None,
+    pubs: Publishers,
+    mock_port: int,
+    tmp: Path,
+    env: dict[str, str],
+    container: str | None = None,
 ) -> dict[str, Any]:
     """One start of one service: to its health endpoint answering, then to a probe event visible."""
     svc: Service
     if name == "kvrouter":
         svc = KvRouter(pubs.ports, mock_port, tmp, env)
+    elif name == "container":
+        svc = KvRouter(pubs.ports, mock_port, tmp, env, container=container)
     else:
         assert dynamo_py is not None
         svc = Dynamo(dynamo_py, pubs.ports, env)
@@ -866,15 +894,21 @@ def _start_once(
         return {
             "http_s": round(t_http - svc.t_start, 3),
             "subscribed_s": round(done[svc.name] - svc.t_start, 3),
-            "rss_mb": round(svc.rss() / 2**20, 1),
+            "rss_mb": None if name == "container" else round(svc.rss() / 2**20, 1),  # (of podman's)
             "probes": probes,
         }
     finally:
         svc.stop()
 
 
-def startup(dynamo_py: str | None, mock_port: int, tmp: Path, rounds: int) -> dict[str, Any]:
-    """Start to subscribed: process start until the first probe event shows through the lookup."""
+def startup(
+    dynamo_py: str | None, mock_port: int, tmp: Path, rounds: int, container: str | None = None
+) -> dict[str, Any]:
+    """Start to subscribed: process start until the first probe event shows through the lookup.
+    ``container``: also start kvrouter's image with this command line (:func:`container_command`),
+    from the container engine's start: ``container cold`` with the page cache dropped (a node that
+    never ran the image has it on disk only), then ``container`` rounds. Every container is a new
+    one from the image, so nothing from an earlier start is reused but the page cache."""
     sources = 8
     pubs = Publishers(None, sources, 8, tmp)
     out: dict[str, Any] = {"page_cache_dropped": None}
@@ -904,6 +938,14 @@ def startup(dynamo_py: str | None, mock_port: int, tmp: Path, rounds: int) -> di
                     env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(dir=tmp, prefix="pyc-")
                 out.setdefault(f"{name} {mode}", []).append(
                     _start_once(name, dynamo_py, pubs, mock_port, tmp, env)
+                )
+        if container:
+            for r in range(1 + rounds):
+                if r == 0:
+                    out["page_cache_dropped"] = drop_caches()
+                key = "container cold" if r == 0 else "container"
+                out.setdefault(key, []).append(
+                    _start_once("container", None, pubs, mock_port, tmp, {}, container)
                 )
     finally:
         pubs.close()
@@ -941,6 +983,13 @@ def main() -> int:
         help="continue the services together (competing for the cores) or one at a time",
     )
     ap.add_argument("--skip", default="", help="phases to skip: drain,paced,latency,startup")
+    ap.add_argument(
+        "--container",
+        default=None,
+        help="also time starts of kvrouter's image: the command that runs it, {config} standing for "
+        "the fleet file (e.g. 'podman run --rm --network=host -v "
+        "{config}:/etc/kvrouter/fleet.toml:ro kvrouter:dev')",
+    )
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
     if args.publisher:
@@ -1023,7 +1072,7 @@ def main() -> int:
                                     pubs.close()
                             first = False
             if "startup" not in skip:
-                res = startup(dynamo_py, mock_port, tmp, args.startup_rounds)
+                res = startup(dynamo_py, mock_port, tmp, args.startup_rounds, args.container)
                 print("== start to subscribed", flush=True)
                 print(json.dumps(res, indent=1), flush=True)
                 results["startup"] = res
