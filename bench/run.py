@@ -4,7 +4,8 @@ some (also pd, membership, churn, replicas).
 
 Each benchmark prints its own figures; this script only sequences them and stops at the first
 failure. The service benchmark compares with Dynamo's indexer when ``--dynamo`` names the python of
-a venv holding ``ai-dynamo-runtime==1.6.1`` (skipped with a message otherwise); the router benchmark
+a venv holding ``ai-dynamo-runtime==1.6.1`` (skipped with a message otherwise), and times the
+container image's start when ``--container`` gives the command that runs it; the router benchmark
 needs ``wrk`` (skipped with a message when it is missing).
 """
 
@@ -29,6 +30,12 @@ def main() -> int:
     )
     ap.add_argument("--vllm-router", default=None, help="a vllm-router binary to measure in the same run")
     ap.add_argument("--dynamo", default=None, help="python of a venv with ai-dynamo-runtime==1.6.1")
+    ap.add_argument(
+        "--container",
+        default=None,
+        help="the service benchmark also times new containers of the image this command runs "
+        "({config} for the fleet file; see bench/service_bench.py)",
+    )
     args = ap.parse_args()
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
     py = sys.executable
@@ -36,6 +43,7 @@ def main() -> int:
     if "service" in wanted:
         cmd = [py, "bench/service_bench.py", *(["--quick"] if args.quick else [])]
         cmd += ["--dynamo", args.dynamo] if args.dynamo else []
+        cmd += ["--container", args.container] if args.container else []
         plan.append(("service", cmd))
         quick = ["--blocks", "200000"] if args.quick else []
         plan.append(("remove", [py, "bench/remove_bench.py", *quick]))
