@@ -19,7 +19,8 @@ import pytest
 import zmq
 from harness import TIMEOUT, FakeEngine, NativeServer, RouterRunner, wait_for
 
-from router.http.server import _REASONS, _Connection, bind_numeric, http_date
+from router.http.listen import listening_socket
+from router.http.server import _REASONS, _Connection, http_date
 
 
 @pytest.fixture
@@ -543,26 +544,26 @@ def test_every_status_has_its_reason_phrase() -> None:
 
 
 def test_a_numeric_listen_address_is_bound_by_the_server() -> None:
-    """``bind_numeric``: a literal address gets a listening, non-blocking socket bound here (the
+    """``listening_socket``: a literal address gets a listening, non-blocking socket bound here (the
     loop would resolve it in a thread pool), IPv6 only on an IPv6 address; a host name is left to
     the loop; an address in use is an OSError that names it, and the socket is not leaked."""
-    sock = bind_numeric("127.0.0.1", 0, 16)
+    sock = listening_socket("127.0.0.1", 0, 16)
     assert sock is not None
     try:
         port = sock.getsockname()[1]
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
         assert not sock.getblocking() and sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
-            bind_numeric("127.0.0.1", port, 16)
+            listening_socket("127.0.0.1", port, 16)
         client = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
         client.close()
     finally:
         sock.close()
-    assert bind_numeric("localhost", 0, 16) is None
-    assert bind_numeric("", 0, 16) is None
+    assert listening_socket("localhost", 0, 16) is None
+    assert listening_socket("", 0, 16) is None
     if socket.has_ipv6:
         try:
-            six = bind_numeric("::1", 0, 16)
+            six = listening_socket("::1", 0, 16)
         except OSError:
             six = None  # (a box without an IPv6 loopback)
         if six is not None:

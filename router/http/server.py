@@ -40,6 +40,7 @@ import httptools
 
 from router.http.asgi import Headers, Message
 from router.http.errors import ApiError, bad_request, head_too_large, internal_error, too_large
+from router.http.listen import listening_socket
 from router.http.native import NativeEndpoints
 from router.http.proxy import PATHS, send_error
 
@@ -137,35 +138,6 @@ def http_date(t: float) -> bytes:
         tm.tm_min,
         tm.tm_sec,
     )
-
-
-def bind_numeric(host: str, port: int, backlog: int) -> socket.socket | None:
-    """A listening socket for a numeric address (``127.0.0.1``, ``0.0.0.0``, ``::``), bound here; None
-    for a host name, which the event loop resolves. Why: the loop's ``create_server`` resolves even a
-    literal address, in a thread pool it starts for that (4 threads), and imports the idna codec to
-    do so: ~5 ms of a ~0.15 s warm start (BENCHMARKS.md). The socket is what the loop would have
-    made: ``SO_REUSEADDR``, IPv6 only on an IPv6 address, non-blocking, listening."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            socket.inet_pton(family, host)
-        except OSError:
-            continue
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as exc:
-                raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
-            sock.listen(backlog)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-    return None
 
 
 class _Request:
@@ -711,7 +683,7 @@ class HttpServer:
         """Start the router's background work, then listen."""
         await self.app.startup()
         loop = asyncio.get_running_loop()
-        sock = self.sock if self.sock is not None else bind_numeric(self.host, self.port, _BACKLOG)
+        sock = self.sock if self.sock is not None else listening_socket(self.host, self.port, _BACKLOG)
         if sock is not None:
             self._server = await loop.create_server(lambda: _Connection(self), sock=sock, backlog=_BACKLOG)
         else:
@@ -774,4 +746,4 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
 
 
-__all__ = ["HttpServer", "bind_numeric", "loop_factory"]
+__all__ = ["HttpServer", "loop_factory"]

@@ -41,7 +41,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from multiprocessing.process import BaseProcess
@@ -53,6 +52,7 @@ import msgspec
 
 from router.config import RouterConfig
 from router.fleet.load import LoadBoard
+from router.http.listen import bound_socket
 from router.workers.stats import retire
 
 log = logging.getLogger("kvrouter.workers")
@@ -73,26 +73,6 @@ class WorkerContext(msgspec.Struct, frozen=True):
     def board(self) -> LoadBoard:
         """The shared load board of this router's workers (targets get slots as they join)."""
         return LoadBoard(str(Path(self.run_dir) / "load.board"), self.workers)
-
-
-def bound_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
-    """A TCP socket bound to (host, port) with SO_REUSEADDR (and SO_REUSEPORT), not listening.
-    ``host`` "" means every interface, as for asyncio."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio does
-        sock.bind(addr)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def _die_with_parent() -> None:
@@ -257,4 +237,4 @@ class Supervisor:
                 proc.join(5)
 
 
-__all__ = ["Supervisor", "WorkerContext", "bound_socket", "worker_main"]
+__all__ = ["Supervisor", "WorkerContext", "worker_main"]

@@ -1,0 +1,71 @@
+"""Listening sockets that kvrouter binds itself.
+
+A numeric address (``127.0.0.1``, ``0.0.0.0``, ``::``) is bound as it is. The event loop's
+``create_server`` would resolve even a literal address, in a pool of 4 resolver threads it starts
+for that, and import the idna codec to do so: ~5 ms of a ~0.15 s warm start (BENCHMARKS.md, service
+section). A host name is left to whoever resolves it: the single-process server hands it to the
+loop, which binds every address the name has; the workers' supervisor binds the first one.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+
+def numeric_family(host: str) -> socket.AddressFamily | None:
+    """AF_INET or AF_INET6 for a literal address, None for a host name (or "", every interface)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return family
+    return None
+
+
+def bound_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
+    """A TCP socket bound to (host, port), not listening: SO_REUSEADDR, SO_REUSEPORT when asked
+    (the workers share one port), IPv6 only on an IPv6 address as asyncio does. ``host`` "" means
+    every interface, as for asyncio; a name is resolved here (its first address)."""
+    family = numeric_family(host)
+    addr: tuple[Any, ...]
+    if family is not None:
+        kind, proto, addr = socket.SOCK_STREAM, 0, (host, port)
+    else:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket | None:
+    """A listening, non-blocking socket for a numeric address, as the event loop would have made it;
+    None for a host name (the loop resolves it). A taken address is an OSError that names it."""
+    if numeric_family(host) is None:
+        return None
+    try:
+        sock = bound_socket(host, port, reuse_port=False)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    try:
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+__all__ = ["bound_socket", "listening_socket", "numeric_family"]
