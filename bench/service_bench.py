@@ -467,6 +467,10 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                self.killed()
+
+    def killed(self) -> None:
+        """After a kill: what the process leaves running."""
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
@@ -513,14 +517,21 @@ class KvRouter(Service):
         self.t_start = time.perf_counter()
         logs = os.environ.get("KVBENCH_LOGS")  # a directory: keep each kvrouter's log there
         cmd = [KVROUTER, "serve", "--config", str(cfg)]
+        self.container_name = f"kvbench-{self.port}" if container and "{name}" in container else None
         if container:
-            cmd = container_command(container, cfg)
+            cmd = container_command(container, cfg, self.container_name or "")
         self.proc = subprocess.Popen(
             cmd,
             env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=open(Path(logs) / f"kvrouter-{self.port}.log", "wb") if logs else subprocess.DEVNULL,  # noqa: SIM115
         )
+
+    def killed(self) -> None:
+        """A container engine's process killed leaves its container running: removed by name."""
+        if self.container and self.container_name:
+            engine = shlex.split(self.container)[0]
+            subprocess.run([engine, "rm", "-f", self.container_name], capture_output=True, timeout=60)
 
     def query_body(self, tokens: list[int]) -> bytes:
         return msgspec.json.encode({"model": "default", "prompt": tokens})
@@ -532,12 +543,13 @@ class KvRouter(Service):
         return out
 
 
-def container_command(template: str, config: Path) -> list[str]:
+def container_command(template: str, config: Path, name: str) -> list[str]:
     """The command line that starts kvrouter's container image on ``config``: ``template`` with
-    ``{config}`` replaced, e.g. ``podman run --rm --network=host -v
-    {config}:/etc/kvrouter/fleet.toml:ro kvrouter:dev`` (the image's default arguments serve that
-    file; host networking, as the publishers and the mock backend listen on 127.0.0.1)."""
-    return [part.replace("{config}", str(config)) for part in shlex.split(template)]
+    ``{config}`` (and ``{name}``, a name for this container) replaced, e.g. ``podman run --rm
+    --network=host --name {name} -v {config}:/etc/kvrouter/fleet.toml:ro kvrouter:dev`` (the image's
+    default arguments serve that file; host networking, as the publishers and the mock backend
+    listen on 127.0.0.1). With ``{name}``, a container that outlives its engine's process is removed."""
+    return [part.replace("{config}", str(config)).replace("{name}", name) for part in shlex.split(template)]
 
 
 class Dynamo(Service):
@@ -942,7 +954,7 @@ def startup(
         if container:
             for r in range(1 + rounds):
                 if r == 0:
-                    out["page_cache_dropped"] = drop_caches()
+                    out["container_page_cache_dropped"] = drop_caches()
                 key = "container cold" if r == 0 else "container"
                 out.setdefault(key, []).append(
                     _start_once("container", None, pubs, mock_port, tmp, {}, container)
@@ -987,8 +999,8 @@ def main() -> int:
         "--container",
         default=None,
         help="also time starts of kvrouter's image: the command that runs it, {config} standing for "
-        "the fleet file (e.g. 'podman run --rm --network=host -v "
-        "{config}:/etc/kvrouter/fleet.toml:ro kvrouter:dev')",
+        "the fleet file and {name} for a container name (e.g. 'podman run --rm --network=host "
+        "--name {name} -v {config}:/etc/kvrouter/fleet.toml:ro kvrouter:dev')",
     )
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
@@ -1007,7 +1019,7 @@ def main() -> int:
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}",
-        "command": " ".join(sys.argv),
+        "command": shlex.join(sys.argv),
     }
     mock_port = free_port()
     mock = subprocess.Popen(

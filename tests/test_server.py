@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import os
 import random
 import socket
 import threading
@@ -553,8 +554,10 @@ def test_a_numeric_listen_address_is_bound_by_the_server() -> None:
         port = sock.getsockname()[1]
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
         assert not sock.getblocking() and sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+        fds = len(os.listdir("/proc/self/fd"))
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
             listening_socket("127.0.0.1", port, 16)
+        assert len(os.listdir("/proc/self/fd")) == fds  # the refused socket was closed
         client = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
         client.close()
     finally:
@@ -570,5 +573,7 @@ def test_a_numeric_listen_address_is_bound_by_the_server() -> None:
             try:
                 assert six.family == socket.AF_INET6
                 assert six.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+                with pytest.raises(OSError, match=rf"cannot listen on \[::1\]:{six.getsockname()[1]}"):
+                    listening_socket("::1", six.getsockname()[1], 16)
             finally:
                 six.close()

@@ -1,10 +1,11 @@
 """Listening sockets that kvrouter binds itself.
 
-A numeric address (``127.0.0.1``, ``0.0.0.0``, ``::``) is bound as it is. The event loop's
-``create_server`` would resolve even a literal address, in a pool of 4 resolver threads it starts
-for that, and import the idna codec to do so: ~5 ms of a ~0.15 s warm start (BENCHMARKS.md, service
-section). A host name is left to whoever resolves it: the single-process server hands it to the
-loop, which binds every address the name has; the workers' supervisor binds the first one.
+A numeric address (``127.0.0.1``, ``0.0.0.0``, ``::``) is bound as it is. uvloop's
+``create_server`` (the loop ``kvrouter serve`` runs on) resolves even a literal address, in a pool
+of 4 resolver threads it starts for that, and imports the idna codec to do so: ~5 ms of a ~0.15 s
+warm start (BENCHMARKS.md, service section; asyncio's own loop does not). A host name is left to
+whoever resolves it: the single-process server hands it to the loop, which binds every address the
+name has; the workers' supervisor binds the first one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 
 def numeric_family(host: str) -> socket.AddressFamily | None:
-    """AF_INET or AF_INET6 for a literal address, None for a host name (or "", every interface)."""
+    """AF_INET or AF_INET6 for an address in its standard form, None otherwise: a host name, "" (every
+    interface), an IPv6 address with a zone (``fe80::1%eth0``) or a short IPv4 form (``127.1``), all of
+    which the resolver handles."""
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
             socket.inet_pton(family, host)
@@ -26,8 +29,9 @@ def numeric_family(host: str) -> socket.AddressFamily | None:
 
 def bound_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
     """A TCP socket bound to (host, port), not listening: SO_REUSEADDR, SO_REUSEPORT when asked
-    (the workers share one port), IPv6 only on an IPv6 address as asyncio does. ``host`` "" means
-    every interface, as for asyncio; a name is resolved here (its first address)."""
+    (the workers share one port), IPv6 only on an IPv6 address as asyncio does. A name is resolved
+    here and its first address bound; so is "" (every interface: the first of the IPv4 and IPv6
+    wildcards, usually IPv4, where asyncio's loop binds both)."""
     family = numeric_family(host)
     addr: tuple[Any, ...]
     if family is not None:
@@ -53,12 +57,14 @@ def bound_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket
 def listening_socket(host: str, port: int, backlog: int) -> socket.socket | None:
     """A listening, non-blocking socket for a numeric address, as the event loop would have made it;
     None for a host name (the loop resolves it). A taken address is an OSError that names it."""
-    if numeric_family(host) is None:
+    family = numeric_family(host)
+    if family is None:
         return None
     try:
         sock = bound_socket(host, port, reuse_port=False)
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror}") from None
     try:
         sock.listen(backlog)
         sock.setblocking(False)

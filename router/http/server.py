@@ -685,7 +685,14 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         sock = self.sock if self.sock is not None else listening_socket(self.host, self.port, _BACKLOG)
         if sock is not None:
-            self._server = await loop.create_server(lambda: _Connection(self), sock=sock, backlog=_BACKLOG)
+            try:
+                self._server = await loop.create_server(
+                    lambda: _Connection(self), sock=sock, backlog=_BACKLOG
+                )
+            except BaseException:
+                if sock is not self.sock:
+                    sock.close()  # (ours; a socket handed in stays its owner's)
+                raise
         else:
             self._server = await loop.create_server(
                 lambda: _Connection(self), self.host, self.port, backlog=_BACKLOG, reuse_address=True
