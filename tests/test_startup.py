@@ -181,3 +181,125 @@ def test_a_numeric_listen_address_starts_no_resolver() -> None:
     assert lines[0] == 'HTTP/1.1 200 OK {"status":"ok"}', lines
     assert lines[1] == "False []", lines
     assert lines[2] == "released", lines
+
+
+BACKLOG_SCRIPT = r"""
+import asyncio, socket, threading, time, tomllib
+from router.app import KVRouter
+from router.config import parse_config
+from router.http.server import HttpServer, loop_factory
+
+connected = threading.Event()
+seen = {}
+
+async def backend(reader, writer):  # answers its first probe only once the client is connected
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            deadline = time.monotonic() + 60
+            while not connected.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            path = head.split(b" ")[1]
+            body = b'{"data": [{"id": "m"}]}' if path == b"/v1/models" else b"{}"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+def client(port):
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=60)
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    seen["connected"] = time.monotonic()
+    connected.set()
+    s.sendall(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
+    seen["answer"] = s.recv(4096).split(b"\r\n", 1)[0].decode()
+    seen["answered"] = time.monotonic()
+    s.close()
+
+async def main():
+    up = await asyncio.start_server(backend, "127.0.0.1", 0)
+    toml = (f'[server]\nhost = "127.0.0.1"\n[[backends]]\nname = "a"\n'
+            f'url = "http://127.0.0.1:{up.sockets[0].getsockname()[1]}"\nmodels = ["m"]\n')
+    server = HttpServer(KVRouter(parse_config(tomllib.loads(toml))))
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    server.port = probe.getsockname()[1]  # (an ephemeral port)
+    probe.close()
+    thread = threading.Thread(target=client, args=(server.port,))
+    thread.start()
+    await server.start()
+    started = time.monotonic()
+    await asyncio.get_running_loop().run_in_executor(None, thread.join, 60)
+    print(seen["connected"] < started <= seen["answered"], seen["answer"])
+    await server.stop()
+    up.close()
+
+with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    runner.run(main())
+"""
+
+
+def test_a_client_connecting_during_the_start_waits_for_the_router() -> None:
+    """The port listens before the first probe round: a client that connects meanwhile is neither
+    refused nor answered early; its request is answered once the router serves (the backend here
+    answers its probe only after that client connected)."""
+    lines = _fresh(BACKLOG_SCRIPT).splitlines()
+    assert lines == ["True HTTP/1.1 200 OK"], lines
+
+
+def test_a_taken_port_fails_before_any_backend_is_probed(tmp_path: Path) -> None:
+    """`kvrouter serve` on a port in use exits 1 naming the address, without probing its backends
+    or subscribing to anything first."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hits: list[str] = []
+
+    class Backend(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    backend = ThreadingHTTPServer(("127.0.0.1", 0), Backend)
+    serving = threading.Thread(target=backend.serve_forever, daemon=True)
+    serving.start()
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "fleet.toml"
+        cfg.write_text(
+            f'[server]\nhost = "127.0.0.1"\nport = {port}\n[[backends]]\nname = "a"\n'
+            f'url = "http://127.0.0.1:{backend.server_address[1]}"\nmodels = ["m"]\n'
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert f"cannot serve: [Errno 98] cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr
+        assert hits == [], hits
+    finally:
+        taken.close()
+        backend.shutdown()
+        backend.server_close()
+        serving.join(30)

@@ -680,23 +680,26 @@ class HttpServer:
         await self.app.api(scope, receive, send)
 
     async def start(self) -> None:
-        """Start the router's background work, then listen."""
-        await self.app.startup()
-        loop = asyncio.get_running_loop()
+        """Bind, start the router's background work, then serve. A numeric address is bound and
+        listening first: a taken port fails before any backend is probed or stream subscribed, and a
+        client that connects during the start waits in the listen backlog until the router serves it
+        (not refused, not answered before the fleet is known). A host name is bound by the loop, last."""
         sock = self.sock if self.sock is not None else listening_socket(self.host, self.port, _BACKLOG)
-        if sock is not None:
-            try:
+        try:
+            await self.app.startup()
+            loop = asyncio.get_running_loop()
+            if sock is not None:
                 self._server = await loop.create_server(
                     lambda: _Connection(self), sock=sock, backlog=_BACKLOG
                 )
-            except BaseException:
-                if sock is not self.sock:
-                    sock.close()  # (ours; a socket handed in stays its owner's)
-                raise
-        else:
-            self._server = await loop.create_server(
-                lambda: _Connection(self), self.host, self.port, backlog=_BACKLOG, reuse_address=True
-            )
+            else:
+                self._server = await loop.create_server(
+                    lambda: _Connection(self), self.host, self.port, backlog=_BACKLOG, reuse_address=True
+                )
+        except BaseException:
+            if sock is not None and sock is not self.sock:
+                sock.close()  # (ours; a socket handed in stays its owner's)
+            raise
         sockets = self._server.sockets
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
