@@ -14,19 +14,16 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = r"""
-import asyncio, sys, time, tomllib
-import msgspec, zmq
-from router.app import KVRouter
-from router.config import parse_config
-import router.http.server, router.serve  # everything `kvrouter serve` imports
-
+BACKEND = r"""
 CARDS = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
 
-async def backend(reader, writer):
+async def backend(reader, writer, hold=None):
+    # a vLLM stand-in for the router's probes (/health, /v1/models); ``hold``: awaited before answering
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
+            if hold is not None:
+                await hold()
             path = head.split(b" ")[1]
             body = CARDS if path == b"/v1/models" else b"{}"
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
@@ -35,6 +32,14 @@ async def backend(reader, writer):
         pass
     finally:
         writer.close()
+"""
+
+SCRIPT = r"""
+import asyncio, sys, time, tomllib
+import msgspec, zmq
+from router.app import KVRouter
+from router.config import parse_config
+import router.http.server, router.serve  # everything `kvrouter serve` imports
 
 async def main():
     server = await asyncio.start_server(backend, "127.0.0.1", 0)
@@ -99,7 +104,7 @@ def _fresh(script: str, env: dict[str, str] | None = None) -> str:
 
 
 def test_a_token_id_router_starts_and_indexes_without_httpx_fastapi_numpy_or_chat() -> None:
-    stdout = _fresh(SCRIPT)
+    stdout = _fresh(BACKEND + SCRIPT)
     lines = stdout.splitlines()
     assert lines[0] == "True ['m']", stdout  # probed (/health, /v1/models) over the upstream pool
     assert lines[1] == "16", stdout  # the first event indexed, its block size learned
@@ -192,21 +197,10 @@ from router.http.server import HttpServer, loop_factory
 connected = threading.Event()
 seen = {}
 
-async def backend(reader, writer):  # answers its first probe only once the client is connected
-    try:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            deadline = time.monotonic() + 60
-            while not connected.is_set() and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            path = head.split(b" ")[1]
-            body = b'{"data": [{"id": "m"}]}' if path == b"/v1/models" else b"{}"
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
+async def until_connected():  # the backend answers its probes only once the client is connected
+    deadline = time.monotonic() + 60
+    while not connected.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
 
 def client(port):
     deadline = time.monotonic() + 60
@@ -225,7 +219,7 @@ def client(port):
     s.close()
 
 async def main():
-    up = await asyncio.start_server(backend, "127.0.0.1", 0)
+    up = await asyncio.start_server(lambda r, w: backend(r, w, until_connected), "127.0.0.1", 0)
     toml = (f'[server]\nhost = "127.0.0.1"\n[[backends]]\nname = "a"\n'
             f'url = "http://127.0.0.1:{up.sockets[0].getsockname()[1]}"\nmodels = ["m"]\n')
     server = HttpServer(KVRouter(parse_config(tomllib.loads(toml))))
@@ -251,7 +245,7 @@ def test_a_client_connecting_during_the_start_waits_for_the_router() -> None:
     """The port listens before the first probe round: a client that connects meanwhile is neither
     refused nor answered early; its request is answered once the router serves (the backend here
     answers its probe only after that client connected)."""
-    lines = _fresh(BACKLOG_SCRIPT).splitlines()
+    lines = _fresh(BACKEND + BACKLOG_SCRIPT).splitlines()
     assert lines == ["True HTTP/1.1 200 OK"], lines
 
 
