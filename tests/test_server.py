@@ -20,7 +20,7 @@ import pytest
 import zmq
 from harness import TIMEOUT, FakeEngine, NativeServer, RouterRunner, wait_for
 
-from router.http.listen import listening_socket
+from router.http.listen import server_socket
 from router.http.server import _REASONS, _Connection, http_date
 
 
@@ -545,35 +545,40 @@ def test_every_status_has_its_reason_phrase() -> None:
 
 
 def test_a_numeric_listen_address_is_bound_by_the_server() -> None:
-    """``listening_socket``: a literal address gets a listening, non-blocking socket bound here (the
-    loop would resolve it in a thread pool), IPv6 only on an IPv6 address; a host name is left to
-    the loop; an address in use is an OSError that names it, and the socket is not leaked."""
-    sock = listening_socket("127.0.0.1", 0, 16)
+    """``server_socket``: a literal address gets a socket bound here (the loop would resolve it in a
+    thread pool), non-blocking, IPv6 only on an IPv6 address, not listening until the loop serves
+    on it (until then a client is refused); a host name is left to the loop; an address in use is
+    an OSError that names it, and the refused socket is closed."""
+    sock = server_socket("127.0.0.1", 0)
     assert sock is not None
     try:
         port = sock.getsockname()[1]
-        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        assert port and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 0
         assert not sock.getblocking() and sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        sock.listen(16)  # (what the loop's create_server does)
         fds = len(os.listdir("/proc/self/fd"))
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
-            listening_socket("127.0.0.1", port, 16)
-        assert len(os.listdir("/proc/self/fd")) == fds  # the refused socket was closed
+            server_socket("127.0.0.1", port)
+        assert len(os.listdir("/proc/self/fd")) == fds
         client = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
         client.close()
     finally:
         sock.close()
-    assert listening_socket("localhost", 0, 16) is None
-    assert listening_socket("", 0, 16) is None
+    assert server_socket("localhost", 0) is None
+    assert server_socket("", 0) is None
     if socket.has_ipv6:
         try:
-            six = listening_socket("::1", 0, 16)
+            six = server_socket("::1", 0)
         except OSError:
             six = None  # (a box without an IPv6 loopback)
         if six is not None:
             try:
                 assert six.family == socket.AF_INET6
                 assert six.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+                six.listen(16)
                 with pytest.raises(OSError, match=rf"cannot listen on \[::1\]:{six.getsockname()[1]}"):
-                    listening_socket("::1", six.getsockname()[1], 16)
+                    server_socket("::1", six.getsockname()[1])
             finally:
                 six.close()

@@ -54,9 +54,11 @@ def bound_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket
     return sock
 
 
-def listening_socket(host: str, port: int, backlog: int) -> socket.socket | None:
-    """A listening, non-blocking socket for a numeric address, as the event loop would have made it;
-    None for a host name (the loop resolves it). A taken address is an OSError that names it."""
+def server_socket(host: str, port: int) -> socket.socket | None:
+    """The single-process server's socket for a numeric address: bound, non-blocking, not listening
+    yet (the loop's ``create_server`` listens on it once the router serves, so until then a client
+    or a TCP health check is refused, as before); None for a host name (the loop resolves it). A
+    taken address is an OSError that names it."""
     family = numeric_family(host)
     if family is None:
         return None
@@ -65,13 +67,8 @@ def listening_socket(host: str, port: int, backlog: int) -> socket.socket | None
     except OSError as exc:
         where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
         raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror}") from None
-    try:
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
+    sock.setblocking(False)
     return sock
 
 
-__all__ = ["bound_socket", "listening_socket", "numeric_family"]
+__all__ = ["bound_socket", "numeric_family", "server_socket"]

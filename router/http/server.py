@@ -40,7 +40,7 @@ import httptools
 
 from router.http.asgi import Headers, Message
 from router.http.errors import ApiError, bad_request, head_too_large, internal_error, too_large
-from router.http.listen import listening_socket
+from router.http.listen import server_socket
 from router.http.native import NativeEndpoints
 from router.http.proxy import PATHS, send_error
 
@@ -680,11 +680,12 @@ class HttpServer:
         await self.app.api(scope, receive, send)
 
     async def start(self) -> None:
-        """Bind, start the router's background work, then serve. A numeric address is bound and
-        listening first: a taken port fails before any backend is probed or stream subscribed, and a
-        client that connects during the start waits in the listen backlog until the router serves it
-        (not refused, not answered before the fleet is known). A host name is bound by the loop, last."""
-        sock = self.sock if self.sock is not None else listening_socket(self.host, self.port, _BACKLOG)
+        """Bind, start the router's background work, then listen and serve. A numeric address is
+        bound first, so a port in use fails before any backend is probed or stream subscribed; it
+        listens only once the router serves, so a client or a TCP health check is refused while it
+        starts (an L4 balancer's failover keeps working) rather than held. A host name is bound by
+        the loop, last; a socket handed in is served as given."""
+        sock = self.sock if self.sock is not None else server_socket(self.host, self.port)
         try:
             await self.app.startup()
             loop = asyncio.get_running_loop()
