@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Awaitable, Callable
 
 import pytest
+from backend_stub import probe_backend
 
 from router.config import BackendConfig, HealthConfig, MembershipConfig
 from router.fleet.health import HealthChecker
@@ -22,33 +22,14 @@ NO_MODELS = b'{"object": "list", "data": []}'
 METRICS = b'vllm:num_requests_running{model_name="m"} 3.0\nvllm:num_requests_waiting{model_name="m"} 2.0\n'
 
 
-def backend(
-    models: bytes, stall: bool = False
-) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if stall:
-                    await asyncio.sleep(30)
-                path = head.split(b" ")[1]
-                body = {b"/v1/models": models, b"/metrics": METRICS}.get(path, b"{}")
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    return handle
-
-
 def test_probes_models_metrics_and_one_log_line_per_reason(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         servers = [
-            await asyncio.start_server(backend(MODELS), "127.0.0.1", 0),
-            await asyncio.start_server(backend(NO_MODELS), "127.0.0.1", 0),
-            await asyncio.start_server(backend(MODELS, stall=True), "127.0.0.1", 0),
+            await asyncio.start_server(probe_backend(MODELS, METRICS), "127.0.0.1", 0),
+            await asyncio.start_server(probe_backend(NO_MODELS, METRICS), "127.0.0.1", 0),
+            await asyncio.start_server(
+                probe_backend(MODELS, METRICS, hold=lambda: asyncio.sleep(30)), "127.0.0.1", 0
+            ),
         ]
         held = socket.socket()  # bound, never listening: connections are refused
         held.bind(("127.0.0.1", 0))

@@ -15,23 +15,10 @@ from pathlib import Path
 import pytest
 
 BACKEND = r"""
+import sys
+sys.path.insert(0, "tests")
+from backend_stub import probe_backend  # (asyncio only)
 CARDS = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
-
-async def backend(reader, writer, hold=None):
-    # a vLLM stand-in for the router's probes (/health, /v1/models); ``hold``: awaited before answering
-    try:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            if hold is not None:
-                await hold()
-            path = head.split(b" ")[1]
-            body = CARDS if path == b"/v1/models" else b"{}"
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
 """
 
 SCRIPT = r"""
@@ -42,7 +29,7 @@ from router.config import parse_config
 import router.http.server, router.serve  # everything `kvrouter serve` imports
 
 async def main():
-    server = await asyncio.start_server(backend, "127.0.0.1", 0)
+    server = await asyncio.start_server(probe_backend(CARDS), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -205,7 +192,7 @@ async def try_router():  # while the router probes its backend (its start-up): i
 
 async def main():
     global server
-    up = await asyncio.start_server(lambda r, w: backend(r, w, try_router), "127.0.0.1", 0)
+    up = await asyncio.start_server(probe_backend(CARDS, hold=try_router), "127.0.0.1", 0)
     toml = (f'[server]\nhost = "127.0.0.1"\n[health]\ntimeout_s = 30\n[[backends]]\nname = "a"\n'
             f'url = "http://127.0.0.1:{up.sockets[0].getsockname()[1]}"\nmodels = ["m"]\n')
     server = HttpServer(KVRouter(parse_config(tomllib.loads(toml))))
