@@ -15,6 +15,7 @@ import hmac
 import logging
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -181,22 +182,29 @@ class KVRouter:
     def authorize(self, scope: Scope) -> None:
         """Raise 401 unless the request carries an accepted bearer key (when keys are configured);
         the admin API has its own keys (404 when off, 401 without an admin key, 403 for a client key)."""
-        path = scope.get("path", "")
+        self.authorize_request(
+            scope.get("path", ""), scope.get("headers", ()), scope.get("query_string", b"")
+        )
+
+    def authorize_request(
+        self, path: str, headers: Iterable[tuple[bytes, bytes]], query: bytes = b""
+    ) -> None:
+        """:meth:`authorize` from the request's parts (the native endpoints' path: no scope dict)."""
         if path.startswith("/admin/") or path == "/admin":
-            admin_auth(scope.get("headers", ()), self._admin_keys, self._keys)
+            admin_auth(headers, self._admin_keys, self._keys)
             return
         if not self._keys:
             return
-        if self.config.auth_exempt_probes and scope.get("path") in ("/health", "/ready"):
+        if self.config.auth_exempt_probes and path in ("/health", "/ready"):
             return
         token = b""
-        for name, value in scope.get("headers", ()):
+        for name, value in headers:
             if name == b"authorization" and value[:7].lower() == b"bearer ":
                 token = value[7:].strip()
                 break
-        if not token and scope.get("path", "").startswith("/dashboard"):
+        if not token and path.startswith("/dashboard"):
             # the page is opened in a browser, which cannot set headers: accept ?key=
-            keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key")
+            keys = parse_qs(query.decode("latin-1")).get("key")
             if keys:
                 token = keys[0].encode()
         if not token or not any(hmac.compare_digest(token, k) for k in self._keys):

@@ -404,6 +404,118 @@ def test_a_refused_request_is_answered_even_while_the_client_keeps_sending(
         s.close()
 
 
+def test_the_linger_ends_even_while_the_client_keeps_sending(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    """The lingering close lasts ``_LINGER_S`` whatever the client sends meanwhile (a client that
+    streams the rest of a refused body forever must not hold the connection open)."""
+    router, _ = setup
+    s = _connect(router)
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 90000000\r\n\r\n")
+        assert _read_response(s, bytearray())[0] == 413
+        deadline = time.monotonic() + TIMEOUT
+        closed = False
+        while not closed and time.monotonic() < deadline:
+            try:
+                s.sendall(b"x" * 4096)  # once the server closed, this is reset
+            except OSError:
+                closed = True
+            else:
+                time.sleep(0.05)  # (a pace for the sender; the wait is the deadline above)
+        assert closed, "the server still reads after the lingering close should have ended"
+    finally:
+        s.close()
+
+
+def test_a_repeated_request_head_is_answered_from_its_remembered_parse(
+    setup: tuple[RouterRunner, FakeEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probes send the same bytes every time: the server keeps the parse of a bodiless GET or HEAD
+    by its exact bytes and answers a repeat without parsing it again, with the same answer."""
+    router, _ = setup
+    server = cast(NativeServer, router.server).server
+    parsed: list[bytes] = []
+    real = _Connection.on_url
+
+    def counting(self: _Connection, url: bytes) -> None:
+        parsed.append(url)
+        real(self, url)
+
+    monkeypatch.setattr(_Connection, "on_url", counting)
+    probe = b"GET /health HTTP/1.1\r\nhost: t\r\nuser-agent: kube-probe/1.31\r\n\r\n"
+    with _connect(router) as s:
+        buf = bytearray()
+        answers = []
+        for _ in range(3):
+            s.sendall(probe)
+            answers.append(_read_response(s, buf))
+        assert [a[0] for a in answers] == [200] * 3 and {a[2] for a in answers} == {b'{"status":"ok"}'}
+        assert parsed == [b"/health"] and probe in server.heads  # parsed once, answered three times
+        # other bytes are parsed: another header value, a HEAD, another path
+        s.sendall(probe.replace(b"1.31", b"1.32"))
+        assert _read_response(s, buf)[0] == 200
+        s.sendall(b"HEAD /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert _read_response(s, buf, is_head=True)[0] == 200
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: t\r\n\r\n")
+        status, _, body = _read_response(s, buf)
+        assert status == 200 and json.loads(body)["data"][0]["id"] == "toy"
+        assert len(parsed) == 4
+        # two requests in one read are parsed (and not remembered as one)
+        s.sendall(probe + probe)
+        assert [_read_response(s, buf)[0] for _ in range(2)] == [200, 200]
+        assert len(parsed) == 6 and probe + probe not in server.heads
+        # a request with a body is never remembered
+        post = _post("/route", json.dumps({"model": "toy", "prompt": [1, 2, 3, 4]}).encode())
+        for _ in range(2):
+            s.sendall(post)
+            assert _read_response(s, buf)[0] == 200
+        assert len(parsed) == 8 and post not in server.heads
+    # a remembered `connection: close` closes every time
+    closing = b"GET /health HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"
+    for _ in range(2):
+        with _connect(router) as s:
+            s.sendall(closing)
+            status, headers, _ = _read_response(s, bytearray())
+            assert status == 200 and headers["connection"] == "close" and _closed(s)
+    assert closing in server.heads and len(parsed) == 9
+
+
+_TICK = 0.01
+"""Slack for the event loop's clock (libuv keeps milliseconds, read once per loop iteration)."""
+
+
+def test_the_idle_timeout_counts_from_the_last_request(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    """The keep-alive timer is set once and moved lazily (server.py ``_arm_idle``): a connection in
+    use for several timeouts stays open, and none is closed sooner than ``keepalive_timeout_s``
+    (0.5 s here) after the request before (a request sent later than that may meet a closed
+    connection only if this thread stalled that long; then the test reconnects)."""
+    router, _ = setup
+    probe = b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n"
+    s = _connect(router)
+    try:
+        buf = bytearray()
+        answered, before = 0, time.monotonic()
+        end = before + 1.5
+        while time.monotonic() < end:
+            sent = time.monotonic()
+            try:
+                s.sendall(probe)
+                status = _read_response(s, buf)[0]
+            except (OSError, AssertionError):
+                assert time.monotonic() - before >= 0.5 - _TICK, "closed while in use"
+                s.close()
+                s, buf = _connect(router), bytearray()
+                before = time.monotonic()
+                continue
+            assert status == 200
+            answered += 1
+            before = sent
+        assert answered > 3
+        assert _closed(s)
+        assert time.monotonic() - before >= 0.5 - _TICK
+    finally:
+        s.close()
+
+
 def test_native_lookup_endpoints_answer_as_the_framework_does(
     setup: tuple[RouterRunner, FakeEngine],
 ) -> None:

@@ -68,7 +68,7 @@ class NativeEndpoints:
         task; None for every other request."""
         if method == "POST" and path == "/route" and self.routes:
             try:
-                self.app.authorize({"path": path, "headers": headers, "query_string": query})
+                self.app.authorize_request(path, headers, query)
                 answer = self.app.route_answer_now(body, query, headers)
             except ApiError as err:
                 return err.status, JSON, err.body()
@@ -77,7 +77,7 @@ class NativeEndpoints:
         if make is None:
             return None
         try:
-            self.app.authorize({"path": path, "headers": headers, "query_string": query})
+            self.app.authorize_request(path, headers, query)
             ctype, body = make()
             return 200, ctype, body
         except ApiError as err:
@@ -92,7 +92,7 @@ class NativeEndpoints:
 
     async def _route(self, headers: Headers, query: bytes, raw: bytes, writer: ResponseWriter) -> None:
         try:
-            self.app.authorize({"path": "/route", "headers": headers, "query_string": query})
+            self.app.authorize_request("/route", headers, query)
             answer = await self.app.route_answer(raw, query, headers)
         except ApiError as err:
             await send_error(writer, err)

@@ -56,6 +56,10 @@ _LINGER_S = 2.0
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 _NO_BODY = frozenset({204, 304})
 _BACKLOG = 2048
+_HEADS = 256
+"""How many distinct request heads :attr:`HttpServer.heads` keeps (then it starts again, empty)."""
+_HEAD_BYTES = 2048
+_UNCACHED = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
 # reason phrases (RFC 9110 and the registry); an enum built from http.HTTPStatus costs ~3 ms of start-up
 _REASONS = {
     100: b"Continue",
@@ -267,10 +271,13 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._lost: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None
+        self._linger: asyncio.TimerHandle | None = None
         self._reject: ApiError | None = None
         self._final: ApiError | None = None
         self._stop_reading = False
         self._in_head = False
+        self._open = False
         self._head_seen = 0
         self._reset_message()
 
@@ -294,7 +301,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
         self.server.connections.discard(self)
-        self._disarm_idle()
+        self._cancel_timers()
         if self.task is not None and not self.task.done():
             self.task.cancel()
         for fut in (self._drain, self._lost):
@@ -305,6 +312,19 @@ class _Connection(asyncio.Protocol):
         self._disarm_idle()
         if self._stop_reading:
             return
+        if not self._open:
+            known = self.server.heads.get(data)
+            if known is not None:
+                # the very bytes of a simple GET parsed before (a probe, a poller): the same parse
+                method, path, raw_path, query, headers, version, keep_alive = known
+                self.queue.append(
+                    _Request(method, path, raw_path, query, list(headers), b"", version, keep_alive)
+                )
+                self._after_read()
+                return
+            pending = len(self.queue)
+        else:
+            pending = -1
         if self._in_head:
             # a head still arriving: count it here, since httptools buffers an unfinished header
             # line without calling back (the chunk that starts a head is bounded by the read size)
@@ -329,6 +349,11 @@ class _Connection(asyncio.Protocol):
         if self._reject is not None:
             self._refuse(self._reject)
             return
+        if pending >= 0 and not self._open and len(self.queue) == pending + 1:
+            self.server.remember_head(data, self.queue[-1])
+        self._after_read()
+
+    def _after_read(self) -> None:
         if self.queue:
             if self.task is None:
                 self._next()
@@ -349,6 +374,7 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ---------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._reset_message()
+        self._open = True
         self._in_head = True
         self._head_seen = 0
 
@@ -396,6 +422,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._open = False
         if self._reject is not None:
             return
         parsed = httptools.parse_url(self._url)
@@ -532,13 +559,13 @@ class _Connection(asyncio.Protocol):
         if t is None or t.is_closing() or not t.can_write_eof():
             self.close()
             return
-        self._disarm_idle()
+        self._cancel_timers()
         self._stop_reading = True
         t.write_eof()
         if self.read_paused:
             self.read_paused = False
             t.resume_reading()
-        self._idle = self.loop.call_later(_LINGER_S, self.close)
+        self._linger = self.loop.call_later(_LINGER_S, self.close)
 
     def eof_received(self) -> bool | None:
         """The client stopped sending. Treated as the client leaving (the request in flight is
@@ -581,7 +608,7 @@ class _Connection(asyncio.Protocol):
         await asyncio.shield(self._lost)
 
     def close(self) -> None:
-        self._disarm_idle()
+        self._cancel_timers()
         t = self.transport
         if t is not None and not t.is_closing():
             t.close()
@@ -590,13 +617,33 @@ class _Connection(asyncio.Protocol):
                 self.loop.call_later(self.server.write_timeout, t.abort)
 
     def _arm_idle(self) -> None:
-        self._disarm_idle()
-        self._idle = self.loop.call_later(self.server.keepalive_timeout, self.close)
+        """The connection is idle from now: closed after ``keepalive_timeout`` unless a request
+        comes. Lazy: a request only moves ``_idle_since``, and the one timer, when it fires early,
+        sets itself again for what is left (a timer cancelled and created per request cost more
+        than the rest of answering a ``/health``)."""
+        self._idle_since = self.loop.time()
+        if self._idle is None:
+            self._idle = self.loop.call_later(self.server.keepalive_timeout, self._idle_due)
 
     def _disarm_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        self._idle_since = None
+
+    def _idle_due(self) -> None:
+        self._idle = None
+        if self._idle_since is None:
+            return  # busy: armed again once idle
+        left = self._idle_since + self.server.keepalive_timeout - self.loop.time()
+        if left > 0:
+            self._idle = self.loop.call_later(left, self._idle_due)
+        else:
+            self.close()
+
+    def _cancel_timers(self) -> None:
+        self._idle_since = None
+        for timer in (self._idle, self._linger):
+            if timer is not None:
+                timer.cancel()
+        self._idle = self._linger = None
 
 
 class HttpServer:
@@ -619,6 +666,33 @@ class HttpServer:
         self._server: asyncio.AbstractServer | None = None
         self._date = b""
         self._date_at = 0
+        self.heads: dict[bytes, tuple[str, str, bytes, bytes, Headers, str, bool]] = {}
+        """Exact bytes of a bodiless GET or HEAD -> its parse. Probes and pollers (a load balancer's
+        health check, Prometheus, an external scheduler's ``/v1/models``) send the same bytes every
+        time; a repeat skips httptools' callbacks and the URL split, about a third of answering a
+        ``/health`` (BENCHMARKS.md). Keyed by every byte, so a hit is exactly what parsing would
+        give; anything with a body or framing headers is parsed every time."""
+
+    def remember_head(self, data: bytes, req: _Request) -> None:
+        """Keep the parse of ``data``, the whole of one bodiless GET or HEAD just parsed alone."""
+        if (
+            len(data) > _HEAD_BYTES
+            or req.method not in ("GET", "HEAD")
+            or req.body
+            or any(name in _UNCACHED for name, _ in req.headers)
+        ):
+            return
+        if len(self.heads) >= _HEADS:
+            self.heads.clear()  # many distinct heads (a request id in each?): start again
+        self.heads[data] = (
+            req.method,
+            req.path,
+            req.raw_path,
+            req.query,
+            list(req.headers),
+            req.version,
+            req.keep_alive,
+        )
 
     def date_line(self) -> bytes:
         """The ``date`` header, formatted at most once per second."""
