@@ -635,6 +635,41 @@ def test_a_token_id_route_is_answered_without_a_task(setup: tuple[RouterRunner, 
         del app.route_answer
 
 
+def test_with_access_logs_a_route_is_decided_once_and_logged(
+    ctx: zmq.Context[Any], tmp_path: Path, tokdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``server.access_log``: every request takes the task path, which writes the line; the answer
+    that needs no await is then not computed first and thrown away."""
+    engine = FakeEngine("a", ctx)
+    router = RouterRunner(
+        f'block_size = 4\ntokenizer = "{tokdir}"\n[server]\naccess_log = true\n{engine.backend_toml()}\n',
+        tmp_path,
+    )
+    try:
+        app = cast(NativeServer, router.server).server.native.app
+        calls: list[str] = []
+        now, later = app.route_answer_now, app.route_answer
+
+        def counting_now(raw: bytes, query: bytes, headers: Any = ()) -> bytes | None:
+            calls.append("now")
+            return now(raw, query, headers)
+
+        async def counting(raw: bytes, query: bytes, headers: Any = ()) -> bytes:
+            calls.append("task")
+            return await later(raw, query, headers)
+
+        app.route_answer_now = counting_now  # type: ignore[method-assign]
+        app.route_answer = counting  # type: ignore[method-assign]
+        with caplog.at_level("INFO", logger="kvrouter.access"):
+            status, body = _route(router, {"model": "toy", "prompt": [5, 6, 7, 8, 9]})
+            assert status == 200 and body["backend"] == "a"
+            wait_for(lambda: any("POST /route" in r.getMessage() for r in caplog.records), "access line")
+        assert calls == ["task"]
+    finally:
+        router.stop()
+        engine.close()
+
+
 def _route(router: RouterRunner, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     r = httpx.post(f"{router.url}/route", json=body, timeout=10)
     return r.status_code, r.json()

@@ -449,8 +449,12 @@ class _Connection(asyncio.Protocol):
     def _next(self) -> None:
         while True:
             req = self.queue.popleft()
-            answer = self.server.native.answer_now(req.method, req.path, req.headers, req.query, req.body)
-            if answer is None or self.server.access_log:
+            answer = (
+                None  # (every request through the task, which writes the access log line)
+                if self.server.access_log
+                else self.server.native.answer_now(req.method, req.path, req.headers, req.query, req.body)
+            )
+            if answer is None:
                 self.task = self.loop.create_task(self._run(req))
                 return
             # a GET answered at once (/health, /ready, /v1/models, /metrics, ...): no task, one write
