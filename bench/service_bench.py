@@ -23,7 +23,8 @@ Phases, per stream (sources x events per batch):
   CPU per block and the lag from the last send to the last chain visible.
 - **lookups**: p50/p99 over HTTP of prompts of 1k/8k/32k tokens, fully cached (hit), half cached,
   and not cached (miss); ``GET /health`` p50. A keep-alive raw-socket client, so the client costs
-  little and the same for both.
+  little and the same for both. Three times: as the kernel places the processes, then with each
+  service pinned to the client's vCPU and to the other vCPU (:func:`placements` says why).
 - **start to subscribed**: from process start to the first event visible through the lookup
   endpoint, on a cold machine (page cache dropped where permitted, no bytecode caches: a fresh
   install) and a warm one.
@@ -37,6 +38,7 @@ busy engine's step: one event per request that filled blocks).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -791,7 +793,56 @@ BLOCK = 50
 """Lookups per turn of a service in the latency phase."""
 
 
+def placements() -> list[tuple[str, tuple[int, int] | None]]:
+    """Where the latency phase runs the services and the client: as the kernel places them, then
+    pinned, each service's threads on the client's vCPU ("same vCPU") and on the other one ("other
+    vCPU"), the client on the same vCPU throughout.
+
+    Why pinned too: on this VM a request is ~0.03 ms when the woken server runs on the client's vCPU
+    (a hand-over, no wake-up of an idle vCPU) and ~0.1 ms when it runs on the other one, whatever
+    the server. Unpinned, which of the two a server gets is decided by where its thread happened
+    to be: Linux wakes a thread on its previous vCPU while that one is idle, so whichever service
+    once landed beside the client stays there for the rest of the phase (``perf sched timehist``:
+    Dynamo's worker on the client's vCPU for a whole run, kvrouter's loop on the other; alone, each
+    of them, and a bare uvloop echo server, sit on the other vCPU, ~0.1 ms). The pinned rows compare
+    the servers in each case; the unpinned rows are kept to show what a client saw."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return [("as placed", None)]
+    return [("as placed", None), ("same vCPU", (cpus[1], cpus[1])), ("other vCPU", (cpus[0], cpus[1]))]
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto ``cpus`` (threads started later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that ended
+            os.sched_setaffinity(int(task.name), cpus)
+
+
 def latency(svcs: list[Service], stream: Stream, n: int) -> dict[str, dict[str, Any]]:
+    """:func:`lookups` in each of :func:`placements`: ``{service: {placement: rows}}``."""
+    out: dict[str, dict[str, Any]] = {svc.name: {} for svc in svcs}
+    everywhere = os.sched_getaffinity(0)
+    for name, cpus in placements():
+        if cpus is not None:
+            for svc in svcs:
+                assert svc.proc is not None
+                _pin(svc.proc.pid, {cpus[0]})
+            os.sched_setaffinity(0, {cpus[1]})
+        try:
+            rows = lookups(svcs, stream, n)
+        finally:
+            if cpus is not None:
+                os.sched_setaffinity(0, everywhere)
+                for svc in svcs:
+                    assert svc.proc is not None
+                    _pin(svc.proc.pid, everywhere)
+        for svc in svcs:
+            out[svc.name][name] = rows[svc.name]
+    return out
+
+
+def lookups(svcs: list[Service], stream: Stream, n: int) -> dict[str, dict[str, Any]]:
     """p50/p99 of lookups, the services taking turns in blocks of :data:`BLOCK` requests (one, then
     the other, then the other way round), so that a burst of the box's noise weighs on both alike.
     Blocks, not single requests: alternating request by request measured each service partly
