@@ -13,6 +13,8 @@ What it implements, and no more:
 
 - HTTP/1.0 and 1.1, keep-alive with an idle timeout, pipelined requests answered in order (reading
   pauses while one is in flight), content-length and chunked request bodies, ``Expect: 100-continue``;
+- a bodiless GET or HEAD whose exact bytes were parsed before (probes and pollers repeat theirs)
+  reuses that parse (:attr:`HttpServer.heads`);
 - limits: request line plus headers at most ``_MAX_HEAD`` bytes (431), body at most
   ``max_body_bytes`` (413 as soon as it is known, then the connection is closed);
 - response framing: the handler's content-length, else chunked (1.1) or close-delimited (1.0);
