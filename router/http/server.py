@@ -61,6 +61,8 @@ _BACKLOG = 2048
 _HEADS = 256
 """How many distinct request heads :attr:`HttpServer.heads` keeps (then it starts again, empty)."""
 _HEAD_BYTES = 2048
+_HEAD_FIELDS = 32
+"""Heads with more header fields are not remembered: at most 256 x 32 fields, ~1 MB of parses."""
 _UNCACHED = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
 # reason phrases (RFC 9110 and the registry); an enum built from http.HTTPStatus costs ~3 ms of start-up
 _REASONS = {
@@ -314,7 +316,8 @@ class _Connection(asyncio.Protocol):
         self._disarm_idle()
         if self._stop_reading:
             return
-        if not self._open:
+        pending = -1
+        if not self._open and len(data) <= _HEAD_BYTES:  # (a larger read is not hashed)
             known = self.server.heads.get(data)
             if known is not None:
                 # the very bytes of a simple GET parsed before (a probe, a poller): the same parse
@@ -322,11 +325,11 @@ class _Connection(asyncio.Protocol):
                 self.queue.append(
                     _Request(method, path, raw_path, query, list(headers), b"", version, keep_alive)
                 )
+                if not keep_alive:
+                    self._stop_reading = True  # as the parser would refuse what follows
                 self._after_read()
                 return
             pending = len(self.queue)
-        else:
-            pending = -1
         if self._in_head:
             # a head still arriving: count it here, since httptools buffers an unfinished header
             # line without calling back (the chunk that starts a head is bounded by the read size)
@@ -351,7 +354,7 @@ class _Connection(asyncio.Protocol):
         if self._reject is not None:
             self._refuse(self._reject)
             return
-        if pending >= 0 and not self._open and len(self.queue) == pending + 1:
+        if pending >= 0 and not self._open and not self._stop_reading and len(self.queue) == pending + 1:
             self.server.remember_head(data, self.queue[-1])
         self._after_read()
 
@@ -639,7 +642,7 @@ class _Connection(asyncio.Protocol):
         if self._idle_since is None:
             return  # busy: armed again once idle
         left = self._idle_since + self.server.keepalive_timeout - self.loop.time()
-        if left > 0:
+        if left > 1e-3:  # (the loop's clock counts milliseconds: less is due now, not a spin)
             self._idle = self.loop.call_later(left, self._idle_due)
         else:
             self.close()
@@ -677,7 +680,9 @@ class HttpServer:
         health check, Prometheus, an external scheduler's ``/v1/models``) send the same bytes every
         time; a repeat skips httptools' callbacks and the URL split, about a third of answering a
         ``/health`` (BENCHMARKS.md). Keyed by every byte, so a hit is exactly what parsing would
-        give; anything with a body or framing headers is parsed every time."""
+        give; anything with a body or framing headers is parsed every time. The heads are kept as
+        sent (an ``Authorization`` value included) until the table fills; every request, hit or
+        not, is authorized again."""
 
     def remember_head(self, data: bytes, req: _Request) -> None:
         """Keep the parse of ``data``, the whole of one bodiless GET or HEAD just parsed alone."""
@@ -685,6 +690,7 @@ class HttpServer:
             len(data) > _HEAD_BYTES
             or req.method not in ("GET", "HEAD")
             or req.body
+            or len(req.headers) > _HEAD_FIELDS
             or any(name in _UNCACHED for name, _ in req.headers)
         ):
             return
