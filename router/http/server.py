@@ -322,11 +322,18 @@ class _Connection(asyncio.Protocol):
             if known is not None:
                 # the very bytes of a simple GET parsed before (a probe, a poller): the same parse
                 method, path, raw_path, query, headers, version, keep_alive = known
+                if not keep_alive:
+                    self._stop_reading = True  # as the parser would refuse what follows
+                if self.task is None and not self.queue and not self.server.access_log:
+                    # nothing before it: answered here if it needs no await (the usual probe)
+                    answer = self.server.native.answer_now(method, path, headers, query)
+                    if answer is not None:
+                        if self._write_now(method, version, keep_alive, *answer):
+                            self._arm_idle()
+                        return
                 self.queue.append(
                     _Request(method, path, raw_path, query, list(headers), b"", version, keep_alive)
                 )
-                if not keep_alive:
-                    self._stop_reading = True  # as the parser would refuse what follows
                 self._after_read()
                 return
             pending = len(self.queue)
@@ -463,9 +470,7 @@ class _Connection(asyncio.Protocol):
                 self.task = self.loop.create_task(self._run(req))
                 return
             # a GET answered at once (/health, /ready, /v1/models, /metrics, ...): no task, one write
-            self._write_now(req, *answer)
-            if not req.keep_alive or self.server.stopping or self.gone:
-                self.close()
+            if not self._write_now(req.method, req.version, req.keep_alive, *answer):
                 return
             if not self.queue:
                 break
@@ -477,27 +482,35 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         self._arm_idle()
 
-    def _write_now(self, req: _Request, status: int, ctype: bytes, body: bytes) -> None:
-        """A complete response in one write, framed as :class:`_Writer` frames one."""
-        if self.server.stopping:
-            req.keep_alive = False
+    def _write_now(
+        self, method: str, version: str, keep_alive: bool, status: int, ctype: bytes, body: bytes
+    ) -> bool:
+        """A complete response in one write, framed as :class:`_Writer` frames one; False when the
+        connection is closed after it."""
+        server = self.server
+        if server.stopping:
+            keep_alive = False
         conn = b""
-        if not req.keep_alive:
+        if not keep_alive:
             conn = b"connection: close\r\n"
-        elif req.version == "1.0":
+        elif version == "1.0":
             conn = b"connection: keep-alive\r\n"
         self.write(
             b"HTTP/1.1 %d %s\r\n%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s"
             % (
                 status,
                 _REASONS.get(status, b""),
-                self.server.date_line(),
+                server.date_line(),
                 ctype,
                 len(body),
                 conn,
-                b"" if req.method == "HEAD" else body,
+                b"" if method == "HEAD" else body,
             )
         )
+        if not keep_alive or self.gone:
+            self.close()
+            return False
+        return True
 
     async def _run(self, req: _Request) -> None:
         writer = _Writer(self, req)
