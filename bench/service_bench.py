@@ -884,14 +884,14 @@ def lookups(svcs: list[Service], stream: Stream, n: int) -> dict[str, dict[str, 
             for svc in svcs:
                 times = sorted(res["times"][svc.name])
                 out[svc.name][f"{name} {kind}"] = {
-                    "p50_ms": round(statistics.median(times) * 1e3, 3),
-                    "p99_ms": round(times[int(len(times) * 0.99) - 1] * 1e3, 3),
+                    "p50_ms": round(statistics.median(times) * 1e3, 4),
+                    "p99_ms": round(times[int(len(times) * 0.99) - 1] * 1e3, 4),
                     "matched": svc.matched(res["last"][svc.name]).get(0, 0),
                     "expected": want,
                 }
     res = alternate({svc.name: ("GET", "/health", b"") for svc in svcs}, n * 2, 5)
     for svc in svcs:
-        out[svc.name]["health p50_ms"] = round(statistics.median(res["times"][svc.name]) * 1e3, 3)
+        out[svc.name]["health p50_ms"] = round(statistics.median(res["times"][svc.name]) * 1e3, 4)
     return out
 
 
