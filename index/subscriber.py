@@ -88,6 +88,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     """Poll timeout; bounds how late stop() and replay timeouts are noticed."""
     apply_queue: int = 4
     """Chunks received but not yet applied, at most (the ingest thread applies them in order)."""
+    open_retry_s: float = 1.0
+    """A source whose socket cannot be bound or connected is tried again this often (a port still
+    held by the socket it replaces is usually free a moment later)."""
     native_receive: bool = True
     """Receive live messages in the C core (index/_kvrecv.h) when pyzmq's libzmq can be bound;
     False keeps the Python loop (same rules, ~7 us a message slower)."""
@@ -121,6 +124,26 @@ class SourceStatus(msgspec.Struct):
     bootstrap: str = "none"
     """The first-contact replay: "pending" (waiting for the engine, or in flight), "done", "failed"
     (timed out or abandoned; live events are applied all the same), "none" (no replay endpoint)."""
+    error: str | None = None
+    """Why the stream's socket could not be opened (e.g. the address to bind is taken), retried
+    every ``open_retry_s`` meanwhile; None once it is open."""
+
+
+_STATUS_COUNTERS = (
+    "batches",
+    "gaps",
+    "replays",
+    "replayed_batches",
+    "lost_batches",
+    "restarts",
+    "duplicates",
+    "decode_errors",
+    "foreign_topic",
+    "unknown_parents",
+    "placeholders",
+    "bad_events",
+)
+"""The SourceStatus counters (all 0 for a source whose socket is not open yet)."""
 
 
 class _Replay:
@@ -184,6 +207,9 @@ class EventSubscriber:
         self._own_ctx = ctx is None
         self.ctx: zmq.Context[Any] = ctx or zmq.Context()
         self._sources: dict[SourceId, _Source] = {}
+        self._failed: dict[SourceId, tuple[SourceConfig, str, float]] = {}
+        """Sources whose socket could not be opened: (config, error, next attempt); retried by the
+        thread, shown by status() until they open."""
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -209,7 +235,7 @@ class EventSubscriber:
     def add_source(self, cfg: SourceConfig) -> None:
         """Start following a source (takes effect in the subscriber thread)."""
         if self._thread is None:
-            self._open(cfg)
+            self._try_open(cfg)
         else:
             self._commands.put(("add", cfg))
             self._wake()
@@ -217,6 +243,7 @@ class EventSubscriber:
     def remove_source(self, source: SourceId) -> None:
         """Stop following a source and forget its blocks."""
         if self._thread is None:
+            self._failed.pop(source, None)
             self._close_source(source)
         else:
             self._commands.put(("remove", source))
@@ -297,6 +324,25 @@ class EventSubscriber:
                     bootstrap=src.bootstrap,
                 )
             )
+        for cfg, error, _ in list(self._failed.values()):
+            zero = dict.fromkeys(_STATUS_COUNTERS, 0)
+            out.append(
+                SourceStatus(
+                    source=f"{cfg.instance}/dp{cfg.dp_rank}",
+                    instance=cfg.instance,
+                    dp_rank=cfg.dp_rank,
+                    endpoint=cfg.endpoint,
+                    connected=False,
+                    last_seq=-1,
+                    last_event_age_s=None,
+                    block_size=None,
+                    block_size_mismatch=False,
+                    blocks={},
+                    bootstrap="pending" if cfg.replay_endpoint is not None else "none",
+                    error=error,
+                    **zero,
+                )
+            )
         return out
 
     def source_ready(self, source: SourceId) -> bool:
@@ -310,23 +356,62 @@ class EventSubscriber:
         return None if src is None else src.sidx
 
     # --- sockets (subscriber thread, or before start) -------------------------------------------
+    def _try_open(self, cfg: SourceConfig) -> None:
+        """Open a source; when its socket cannot be bound or connected, log it, show it in status()
+        and try again later (the thread loop): one source's bad address or taken port must not
+        stop the others' streams."""
+        try:
+            self._open(cfg)
+        except zmq.ZMQError as exc:
+            known = self._failed.get(cfg.source_id)
+            if known is None or known[0] != cfg or known[1] != str(exc):
+                log.error(
+                    "source %s/dp%d: cannot %s %s: %s (retrying every %.0fs)",
+                    cfg.instance,
+                    cfg.dp_rank,
+                    "bind" if cfg.bind else "connect to",
+                    cfg.endpoint,
+                    exc,
+                    self.config.open_retry_s,
+                )
+            self._failed[cfg.source_id] = (cfg, str(exc), time.monotonic() + self.config.open_retry_s)
+
+    def _retry_failed(self) -> None:
+        now = time.monotonic()
+        for cfg, _, due in list(self._failed.values()):
+            if due <= now and self._failed.get(cfg.source_id, (None,))[0] is cfg:
+                self._try_open(cfg)
+
     def _open(self, cfg: SourceConfig) -> None:
+        """Open the source's sockets (raises ZMQError when the address cannot be bound or
+        connected, with nothing left behind), then give it a store slot."""
         if cfg.source_id in self._sources:
             return
+        sub = self.ctx.socket(zmq.SUB)
+        monitor = None
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.config.rcvhwm)
+            sub.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
+            monitor = sub.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+            )
+            if cfg.bind:
+                sub.bind(cfg.endpoint)
+                endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)  # port 0 -> the real one
+            else:
+                sub.connect(cfg.endpoint)
+                endpoint = cfg.endpoint
+        except zmq.ZMQError:
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(0)
+            sub.close(0)
+            raise
+        self._failed.pop(cfg.source_id, None)
         sidx = self.ingestor.add_source(cfg.source_id)
         src = _Source(cfg, sidx)
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self.config.rcvhwm)
-        sub.setsockopt(zmq.SUBSCRIBE, src.topic)
-        monitor = sub.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-        )
-        if cfg.bind:
-            sub.bind(cfg.endpoint)
-            src.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)  # port 0 -> the real one
-        else:
-            sub.connect(cfg.endpoint)
+        src.endpoint = endpoint
         src.sub, src.monitor = sub, monitor
         self._sources[cfg.source_id] = src
         self._poller.register(sub, zmq.POLLIN)
@@ -371,46 +456,59 @@ class EventSubscriber:
 
     # --- the loop -------------------------------------------------------------------------------
     def _run(self) -> None:
-        cfg = self.config
+        """The subscriber thread: one turn after another until stop(). A turn that fails for a
+        reason not foreseen is logged and the next one runs: every source's stream depends on this
+        thread staying alive."""
         while not self._stop.is_set():
-            self._drain_commands()
-            try:  # (the wake-up pipe is always polled: never a busy loop with no sockets)
-                ready = dict(self._poller.poll(cfg.poll_ms))
-            except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
-                log.error("poll failed: %s", exc)
-                break
-            if ready.pop(self._wake_r, None) is not None:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
-                continue  # commands first, then whatever is ready (polled again at once)
-            if not ready and self._busy:
-                # idle after a burst: the heap gives back what the messages took (glibc keeps it)
-                self._busy = False
-                _kvcore.trim()
-            chunk: list[tuple[int, Batch | bytes | None]] = []
-            for sock in ready:
-                kind, src = self._by_socket.get(sock, ("", None))
-                if src is None:
-                    continue
-                if kind == "sub":
-                    self._drain_live(src, chunk)
-                elif kind == "monitor":
-                    self._on_monitor(src, chunk)
-                elif kind == "dealer":
-                    self._on_replay_reply(src, chunk)
-            now = time.monotonic()
-            for src in list(self._sources.values()):
-                if src.replay is not None and now > src.replay.deadline:
-                    log.warning("source %s: replay timed out after %.1fs", src.name, cfg.replay_timeout_s)
-                    src.replay_failed_at = now
-                    self._finish_replay(src, chunk)
-            if chunk:
-                self._busy = True
-                self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
-            if self._after_chunk:
-                after, self._after_chunk = self._after_chunk, []
-                for work in after:
-                    self._submit(work)  # in order: after the chunk above is applied
+            try:
+                self._turn()
+            except Exception:
+                log.exception("event subscriber: a turn failed; going on")
+                self._stop.wait(self.config.poll_ms / 1000)  # (not a busy loop if it keeps failing)
+
+    def _turn(self) -> None:
+        cfg = self.config
+        self._drain_commands()
+        if self._failed:
+            self._retry_failed()
+        try:  # (the wake-up pipe is always polled: never a busy loop with no sockets)
+            ready = dict(self._poller.poll(cfg.poll_ms))
+        except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
+            log.error("poll failed: %s", exc)
+            self._stop.set()
+            return
+        if ready.pop(self._wake_r, None) is not None:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+            return  # commands first, then whatever is ready (polled again at once)
+        if not ready and self._busy:
+            # idle after a burst: the heap gives back what the messages took (glibc keeps it)
+            self._busy = False
+            _kvcore.trim()
+        chunk: list[tuple[int, Batch | bytes | None]] = []
+        for sock in ready:
+            kind, src = self._by_socket.get(sock, ("", None))
+            if src is None:
+                continue
+            if kind == "sub":
+                self._drain_live(src, chunk)
+            elif kind == "monitor":
+                self._on_monitor(src, chunk)
+            elif kind == "dealer":
+                self._on_replay_reply(src, chunk)
+        now = time.monotonic()
+        for src in list(self._sources.values()):
+            if src.replay is not None and now > src.replay.deadline:
+                log.warning("source %s: replay timed out after %.1fs", src.name, cfg.replay_timeout_s)
+                src.replay_failed_at = now
+                self._finish_replay(src, chunk)
+        if chunk:
+            self._busy = True
+            self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
+        if self._after_chunk:
+            after, self._after_chunk = self._after_chunk, []
+            for work in after:
+                self._submit(work)  # in order: after the chunk above is applied
 
     def _apply(self, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         try:
@@ -442,8 +540,9 @@ class EventSubscriber:
             except queue.Empty:
                 return
             if op == "add":
-                self._open(arg)
+                self._try_open(arg)
             elif op == "remove":
+                self._failed.pop(arg, None)
                 self._close_source(arg)
 
     def _drain_live(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
@@ -525,8 +624,10 @@ class EventSubscriber:
         batch: Batch | RawBatch,
         chunk: list[tuple[int, Batch | bytes | None]],
         allow_replay: bool,
+        gap_counted: bool = False,
     ) -> None:
-        """The per-source state machine for one batch in arrival order."""
+        """The per-source state machine for one batch in arrival order. ``gap_counted``: the batch
+        whose gap started the replay that just ended (that gap is counted once)."""
         seq = batch.seq
         last = src.last_seq
         if last >= 0 and seq <= last:
@@ -546,7 +647,7 @@ class EventSubscriber:
         expected = last + 1
         if seq > expected:
             missing = seq - expected
-            if last >= 0:
+            if last >= 0 and not gap_counted:
                 src.gaps += 1
             can_replay = (
                 allow_replay
@@ -554,7 +655,9 @@ class EventSubscriber:
                 and time.monotonic() - src.replay_failed_at > self.config.replay_retry_s
             )
             if can_replay:
-                self._start_replay(src, expected, seq)
+                # before the first contact's replay (CONNECTED not handled yet: the socket was
+                # drained first) this replay is that bootstrap, and it makes the source ready
+                self._start_replay(src, expected, seq, bootstrap=last < 0 and not src.bootstrapped)
                 src.held.append((seq, batch))
                 return
             if last >= 0:  # before first contact the engine's history is not ours to lose
@@ -628,9 +731,15 @@ class EventSubscriber:
                 continue
             src.replayed_batches += 1
             self._accept(src, batch, chunk, allow_replay=False)
+        if replay.until is not None and src.last_seq < replay.until - 1:
+            # the engine no longer buffers what the gap missed (or restarted meanwhile): asking
+            # again would bring the same answer, so that gap is lost (counted by the next _accept)
+            src.replay_failed_at = time.monotonic()
         held, src.held = src.held, []
         for i, (_, batch) in enumerate(held):
-            self._accept(src, batch, chunk, allow_replay=True)
+            self._accept(
+                src, batch, chunk, allow_replay=True, gap_counted=i == 0 and replay.until is not None
+            )
             if src.replay is not None:  # a new gap started another replay: keep holding the rest
                 src.held.extend(held[i + 1 :])
                 return

@@ -252,6 +252,13 @@ def validate_backend(b: BackendConfig, where: str) -> None:
             raise ConfigError(f"{where}.{key}: DP ranks need tcp:// or inproc:// (vLLM offsets ports)", key)
         if ep is not None and ep.startswith("tcp://") and not re.search(r":\d+$", ep):
             raise ConfigError(f"{where}.{key}: {ep!r} has no port", key)
+        if ep is not None and ep.startswith("tcp://*") and (key == "kv_replay" or not b.kv_bind):
+            # (the engine's own bind address pasted in: ZMQ refuses to connect to it)
+            raise ConfigError(
+                f"{where}.{key}: {ep!r} is the engine's bind address; give the engine's host "
+                f"(e.g. {ep.replace('*', '10.0.0.5', 1)}), or set kv_bind = true if the router binds",
+                key,
+            )
     if b.kv_replay is not None and b.kv_events is None:
         raise ConfigError(f"{where}.kv_replay: set without kv_events", "kv_replay")
     if b.models is not None and not all(m for m in b.models):

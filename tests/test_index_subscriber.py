@@ -488,3 +488,122 @@ def test_a_source_re_added_under_its_id_at_once_keeps_its_new_stream(
     assert matched(idx, c_old.tokens, ("sts", 0)) == 0  # nothing inherited
     assert [s.endpoint for s in idx.status()] == [new.endpoint]
     assert idx.source_keys(("sts", 0)) == {"GPU": set(prompt_keys(c_new.tokens, BS))}
+
+
+def test_a_deeply_nested_payload_is_a_bad_message_not_the_end_of_the_stream(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """~1 KB of nested arrays made the decoder raise RecursionError, which ended the subscriber
+    thread: every source's stream stopped, silently."""
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    c = Chain(0)
+    publish_until_seen(pub, idx, c)
+    pub.publish_raw(b"\x91" * 100_000 + b"\xc0")
+    pub.publish([c.extend(2)])
+    wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "the batch after it applied")
+    st = status(idx)
+    assert st.decode_errors == 1 and st.lost_batches == 0 and st.last_seq == pub.next_seq - 1
+
+
+def test_a_deeply_nested_payload_costs_only_itself_in_the_ingest_thread(
+    make_index: Callable[..., KVIndex],
+) -> None:
+    """The same payload inside a chunk (the C core hands it to Python decoding) used to throw away
+    the whole chunk: the other sources' batches in it were never applied, nor counted."""
+    idx = make_index()
+    ing = idx.ingestor
+    a, b = ing.add_source(("a", 0)), ing.add_source(("b", 0))
+    good = msgspec.msgpack.encode([1.0, [["BlockStored", [7], None, [1, 2, 3, 4], BS, None]]])
+    ing.apply_chunk([(a, good), (a, b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 5000 + b"\xc0"), (b, good)])
+    assert idx.store.source_blocks(b) == {"GPU": 1} and idx.store.source_blocks(a) == {"GPU": 1}
+    assert ing.stats[a].decode_errors == 1
+
+
+def test_a_source_whose_address_is_taken_is_retried_and_the_others_go_on(
+    ctx: zmq.Context[Any], make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """A bind that fails (the port held by another socket, e.g. the one a re-joining backend's old
+    source just closed) raised out of the subscriber thread and ended it for every source. Now the
+    source shows its error, is retried, and opens once the port is free."""
+    pub = make_pub()
+    idx = make_index(connect(pub), open_retry_s=0.05)
+    c = Chain(0)
+    publish_until_seen(pub, idx, c)
+    holder = ctx.socket(zmq.PULL)
+    holder.setsockopt(zmq.LINGER, 0)
+    holder.bind("tcp://127.0.0.1:0")
+    taken = holder.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        idx.add_source(SourceConfig("other", 0, taken, bind=True))
+        wait_for(lambda: any(s.source == "other/dp0" and s.error for s in idx.status()), "the failure shown")
+        st = status(idx, "other/dp0")
+        assert not st.connected and "in use" in (st.error or "")
+        pub.publish([c.extend(1)])  # the thread still serves the other source
+        wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "the healthy source still indexed")
+    finally:
+        holder.close(0)
+    wait_for(
+        lambda: any(s.source == "other/dp0" and s.error is None for s in idx.status()),
+        "opened once the port is free",
+    )
+    assert status(idx, "other/dp0").endpoint == taken
+    idx.remove_source(("other", 0))
+    wait_for(lambda: all(s.source != "other/dp0" for s in idx.status()), "removed")
+
+
+def test_a_gap_the_engine_no_longer_buffers_is_lost_once_not_replayed_forever(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """A replay that ends without the gap's batches (the engine's buffer moved past them) used to
+    start the same replay again at once, thousands of times a second, with the source frozen."""
+    pub = make_pub(buffer_steps=2)
+    idx = make_index(connect(pub))
+    c = Chain(0)
+    publish_until_seen(pub, idx, c)
+    pub.drop_next(5)
+    for _ in range(5):
+        pub.publish([c.extend(1)])  # lost live, and beyond the engine's 2-batch buffer
+    tail = Chain(10_000, seed=3)
+    for _ in range(3):
+        pub.publish([tail.extend(1)])
+    wait_for(lambda: status(idx).last_seq == pub.next_seq - 1, "the stream goes on past the gap")
+    st = status(idx)
+    assert st.lost_batches == 5 and st.gaps == 1 and st.replays <= 2  # (the bootstrap, the gap's)
+    wait_for(lambda: matched(idx, tail.tokens) == 3, "what followed the gap applied")
+
+
+def test_a_source_drained_before_its_connected_event_still_becomes_ready(
+    ctx: zmq.Context[Any], make_pub: Callable[..., KVEventPublisher]
+) -> None:
+    """When the first live message was read before the monitor's CONNECTED (both ready in one
+    poll), its gap replay from seq 0 was not taken as the bootstrap, and the source stayed
+    "pending", not ready, for good: its backend waited out join_timeout_s."""
+    pub = make_pub()
+    c = Chain(0)
+    for _ in range(5):
+        pub.publish([c.extend(1)])  # an engine that has been running: 0..4 in its buffer
+    idx = KVIndex(IndexConfig(block_size=BS), ctx=ctx)
+    try:
+        idx.add_source(connect(pub))
+        stop = threading.Event()
+
+        def engine() -> None:
+            while not stop.is_set():
+                pub.publish([c.extend(1)])
+                stop.wait(0.02)
+
+        t = threading.Thread(target=engine)
+        t.start()
+        try:
+            # the SUB socket connects and queues live messages before the thread first polls
+            wait_for(lambda: pub.next_seq > 30, "the engine published meanwhile")
+            idx.start()
+            wait_for(lambda: idx.source_ready(("e", 0)), "the source ready")
+        finally:
+            stop.set()
+            t.join()
+        assert status(idx).bootstrap == "done"
+        wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "everything indexed")
+    finally:
+        idx.stop()

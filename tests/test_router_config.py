@@ -50,6 +50,9 @@ def cfg(**top: Any) -> dict[str, Any]:
         ({"backends": [dict(BACKEND), dict(BACKEND)]}, "backends[1].name"),
         ({"backends": [dict(BACKEND, kv_events="10.0.0.5:5557")]}, "backends[0].kv_events"),
         ({"backends": [dict(BACKEND, kv_events="tcp://h")]}, "backends[0].kv_events"),
+        # the engine's own bind address pasted in: accepted, it ended the subscriber thread
+        ({"backends": [dict(BACKEND, kv_events="tcp://*:5557")]}, "backends[0].kv_events"),
+        ({"backends": [dict(BACKEND, kv_replay="tcp://*:5558")]}, "backends[0].kv_replay"),
         ({"backends": [dict(BACKEND, colour="red")]}, "backends[0].colour"),
         (cfg(policy={"name": "fastest"}), "policy.name"),
         (cfg(policy={"load_weigth": 1}), "policy.load_weigth"),
@@ -80,6 +83,10 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
     bad.write_text("backends = [")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_a_wildcard_event_address_is_fine_when_the_router_binds() -> None:
+    parse_config({"backends": [dict(BACKEND, kv_events="tcp://*:5557", kv_bind=True)]})
 
 
 def test_dp_ranks_use_port_plus_rank() -> None:
