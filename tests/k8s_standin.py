@@ -83,6 +83,10 @@ class KubeStandIn:
         self.watchers: set[asyncio.Queue[tuple[str, dict[str, Any]] | None]] = set()
         self.requests: list[str] = []
         self.refuse = False  # answer 500 to everything (an outage)
+        self.refuse_watches = False  # lists work, watches get 403 (RBAC without watch; a proxy)
+        self.silent_watches = False
+        """Watches are accepted, then nothing comes, past their timeout: a link that died without a
+        FIN or RST (a control-plane node or a load balancer gone)."""
         self.bookmarks = False
         """Send BOOKMARKs even when not asked (a client must tolerate them; kvrouter's does not ask)."""
         self.server = ThreadedServer(self._app()).start()
@@ -293,6 +297,11 @@ class KubeStandIn:
                 status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500}
                 return JSONResponse(status, status_code=500)
             selector = q.get("labelSelector", "")
+            if q.get("watch") in ("1", "true") and standin.refuse_watches:
+                status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403}
+                return JSONResponse(status, status_code=403)
+            if q.get("watch") in ("1", "true") and standin.silent_watches:
+                return StreamingResponse(standin._silent(), media_type="application/json")
             if q.get("watch") in ("1", "true"):
                 since = int(q.get("resourceVersion") or standin.version)
                 timeout = float(q.get("timeoutSeconds") or 1800)
@@ -319,6 +328,12 @@ class KubeStandIn:
             )
 
         return app
+
+    async def _silent(self) -> AsyncIterator[bytes]:
+        while self.silent_watches:
+            await asyncio.sleep(0.05)
+        return
+        yield b""  # (an async generator that sends nothing)
 
     async def _watch(
         self, namespace: str, selector: str, since: int, timeout: float, bookmarks: bool

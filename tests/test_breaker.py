@@ -53,6 +53,18 @@ def test_breaker_opens_cools_down_doubles_and_closes() -> None:
     assert Breakers(BreakerConfig(eject_after=0)).failure("x") is False  # off
 
 
+def test_a_backend_failing_every_trial_for_days_stays_ejected_between_trials() -> None:
+    """The doubling cooldown overflowed at the 1025th ejection in a row (~17 h at the defaults):
+    the failure raised, and the backend stayed half-open, taking its full share, for good."""
+    clock = Clock()
+    b = Breakers(BreakerConfig(eject_after=1, eject_s=1.0, max_eject_s=60.0), clock)
+    for _ in range(3000):
+        assert b.failure("a")
+        assert not b.available("a") and b.state("a") == "open"
+        clock.now += 60.0  # the cooldown, capped: its trial comes, and fails again
+    assert b.ejected_total == {"a": 3000}
+
+
 def test_retry_budget() -> None:
     clock = Clock()
     b = Breakers(BreakerConfig(retry_ratio=0.1, retry_min_per_s=1.0), clock)

@@ -8,7 +8,9 @@ and service-account tokens, RBAC. The stand-in serves the documented wire format
 
 from __future__ import annotations
 
+import itertools
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -303,3 +305,75 @@ def test_label_selectors() -> None:
         )
     with pytest.raises(ConfigError):
         parse_selector("app=(")
+
+
+def _watcher(standin: KubeStandIn, tmp_path: Path, **cfg: Any) -> Any:
+    from router.fleet.membership import Membership
+    from router.fleet.sources.kubernetes import PodWatcher
+
+    kubeconfig = tmp_path / "kubeconfig"
+    standin.kubeconfig(kubeconfig)
+    k8s = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig), label_selector="app=vllm", **cfg)
+    return PodWatcher(k8s, Membership())
+
+
+def test_watches_refused_while_lists_work_back_off(standin: KubeStandIn, tmp_path: Path) -> None:
+    """A successful list reset the backoff, so a watch refused at once (403 on watch, 429 under
+    API priority and fairness) meant a full list every backoff_s, for good, from every replica."""
+    import asyncio
+
+    standin.refuse_watches = True
+    watcher = _watcher(standin, tmp_path, backoff_s=0.1, max_backoff_s=10.0)
+
+    async def scenario() -> list[float]:
+        watcher.start()
+        lists: list[float] = []
+        seen = 0
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            while len(lists) < 5:
+                assert time.monotonic() < deadline, lists
+                n = sum(1 for u in standin.requests if "watch" not in u)
+                if n > seen:
+                    lists += [time.monotonic()] * (n - seen)
+                    seen = n
+                await asyncio.sleep(0.01)
+        finally:
+            await watcher.stop()
+        return [b - a for a, b in itertools.pairwise(lists)]
+
+    gaps = asyncio.run(scenario())
+    # 0.1, 0.2, 0.4, 0.8 s (a sleep is never shorter; each gap holds one list and one refusal too)
+    assert gaps[2] >= 0.35 and gaps[3] >= 0.75, gaps
+    assert watcher.failures >= 4
+
+
+def test_a_watch_that_goes_silent_is_relisted(
+    standin: KubeStandIn, engines: dict[str, FakeEngine], tmp_path: Path
+) -> None:
+    """lightkube reads a watch with no read timeout: a link that died without a FIN or RST froze
+    discovery for good (no relist, no failure, ``connected`` still true)."""
+    import asyncio
+
+    watcher = _watcher(standin, tmp_path, watch_timeout_s=1.0, backoff_s=0.05)
+    standin.silent_watches = True
+
+    async def scenario() -> None:
+        watcher.start()
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while watcher.relists < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            # a pod that starts while the watch says nothing: only a relist can bring it
+            standin.add_pod("p1", ports(engines["e1"]))
+            standin.start_pod("p1")
+            while "p1" not in watcher.membership.members:
+                assert time.monotonic() < deadline, watcher.relists
+                await asyncio.sleep(0.01)
+        finally:
+            standin.silent_watches = False
+            await watcher.stop()
+
+    asyncio.run(scenario())
+    assert watcher.silences >= 1 and watcher.failures == 0

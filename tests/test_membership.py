@@ -7,7 +7,11 @@ test_membership_e2e.py.
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
+
+from harness import TIMEOUT
 
 from router.config import BackendConfig, MembershipConfig
 from router.fleet.membership import Member, Membership
@@ -170,3 +174,41 @@ def test_counts_and_lora_and_models() -> None:
     assert BackendConfig(name="k", url="http://k:1", api_key="s").api_key == "s"
     k, _ = ms.upsert(BackendConfig(name="k", url="http://k:1", api_key="secret"), "admin")
     assert k.describe()["api_key"] == "***"  # never shown
+
+
+def test_sighup_restores_what_the_admin_api_deleted_even_when_the_file_did_not_change(
+    tmp_path: Path,
+) -> None:
+    """An operator's reload applies the file as it is; it used to be skipped as "unchanged", so a
+    backend the file lists stayed deleted until someone edited the file. A reload the file watch
+    starts still applies only a change."""
+    from router.config import load_config
+    from router.fleet.sources.configfile import ConfigWatcher
+
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        '[[backends]]\nname = "a"\nurl = "http://a:8000"\nmodels = ["m"]\n'
+        '[[backends]]\nname = "b"\nurl = "http://b:8000"\nmodels = ["m"]\n'
+    )
+    ms, _, _ = setup()
+    cfg = load_config(path)
+    ms.reconcile("config", cfg.backends)
+    watcher = ConfigWatcher(path, cfg, lambda new: ms.reconcile("config", new.backends, "reloaded"))
+
+    async def scenario() -> None:
+        watcher.start()
+        try:
+            ms.drain("a", remove=True, reason="DELETE /admin/backends/a")
+            ms.tick(lambda m: 0, lambda m: True)
+            assert sorted(ms.members) == ["b"]
+            watcher.request()  # what SIGHUP does
+            deadline = asyncio.get_running_loop().time() + TIMEOUT
+            while watcher.results["applied"] == 0:
+                assert asyncio.get_running_loop().time() < deadline, watcher.results
+                await asyncio.sleep(0.01)
+        finally:
+            await watcher.stop()
+
+    asyncio.run(scenario())
+    assert sorted(ms.members) == ["a", "b"]
+    assert watcher.reload() is False and watcher.results["unchanged"] == 1  # (the watch's kind)

@@ -108,7 +108,9 @@ class Breakers:
         on_trial = st.open_until and self.clock() >= st.open_until
         if on_trial or (not st.open_until and st.failures >= cfg.eject_after):
             st.ejections += 1
-            cooldown = min(cfg.eject_s * 2 ** (st.ejections - 1), cfg.max_eject_s)
+            # (the exponent capped: 2.0 ** 1024 overflows, after ~17 h of a backend failing every
+            # trial at the default cap, and the raise left it half-open for good)
+            cooldown = min(cfg.eject_s * 2.0 ** min(st.ejections - 1, 60), cfg.max_eject_s)
             st.open_until = self.clock() + cooldown
             self.ejected_total[name] = self.ejected_total.get(name, 0) + 1
             return True

@@ -66,8 +66,11 @@ class ConfigWatcher:
         """Reload soon (from a signal handler: only sets a flag the task waits on)."""
         self._wake.set()
 
-    def reload(self) -> bool:
-        """Read, validate and (if valid) apply the file now; True if applied."""
+    def reload(self, asked: bool = False) -> bool:
+        """Read, validate and (if valid) apply the file now; True if applied. ``asked``: an
+        operator's reload (SIGHUP, ``POST /admin/reload``) applies the file even when it has not
+        changed, so that it restores what the admin API changed meanwhile (a backend it deleted);
+        a reload the file watch starts applies only a change."""
         self._stamp = self._stat()
         try:
             new = with_overrides(load_config(self.path), **env_overrides())
@@ -84,7 +87,7 @@ class ConfigWatcher:
         ]
         if ignored:
             log.warning("config reload: changes to %s take effect at the next restart", ", ".join(ignored))
-        if all(getattr(new, f) == getattr(self.current, f) for f in _LIVE):
+        if not asked and all(getattr(new, f) == getattr(self.current, f) for f in _LIVE):
             self.results["unchanged"] += 1
             return False
         self.apply(new)
@@ -102,7 +105,7 @@ class ConfigWatcher:
             self._wake.clear()
             if asked or (self.watch and self._stat() != self._stamp):
                 try:
-                    self.reload()
+                    self.reload(asked=asked)
                 except Exception:  # a bug applying one reload must not end reloading
                     log.exception("config reload failed")
 

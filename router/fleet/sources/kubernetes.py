@@ -3,7 +3,9 @@
 Pods of one namespace matching a label selector are listed, then watched from the list's
 ``resourceVersion``; a watch that ends (its server-side timeout) resumes from the last version seen,
 an expired version (410 Gone, as a status or as an ERROR event) relists, and any other failure
-reconnects after a backoff (``backoff_s`` doubling to ``max_backoff_s``). BOOKMARK events only move
+reconnects after a backoff (``backoff_s`` doubling to ``max_backoff_s``; it starts again only after a
+watch ran, so a watch refused at once by a server that lists fine backs off too). A watch silent
+for ``watch_timeout_s`` + 30 s relists (a link that died without a FIN or RST). BOOKMARK events only move
 the version. Client: lightkube (async, typed models, on httpx), in-cluster service-account auth or a
 kubeconfig file.
 
@@ -247,6 +249,9 @@ class PodWatcher:
         """watch event type -> count."""
         self.relists = 0
         self.failures = 0
+        self.silences = 0
+        """Watches that went silent for watch_timeout_s + 30 s (then relisted; + watch_timeout_s
+        when that is shorter)."""
         self.connected = False
         self.last_error = ""
         self._bad: dict[str, str] = {}  # pod -> last skip message (logged once per change)
@@ -355,14 +360,28 @@ class PodWatcher:
         from lightkube.resources.core_v1 import Pod
         from lightkube.types import on_error_raise
 
-        async for kind, pod in client.watch(
+        stream = client.watch(
             Pod,
             namespace=self.namespace,
             labels=self.selector,
             resource_version=version or None,
             server_timeout=int(self.cfg.watch_timeout_s),
             on_error=on_error_raise,  # the loop in run() decides: resume, relist or back off
-        ):
+        ).__aiter__()
+        # lightkube reads a watch with no read timeout and resumes it after each server timeout: a
+        # connection that died without a FIN or RST (a node or a load balancer gone) would block it
+        # for good, with discovery frozen. Silence this long returns (run() relists): a quiet
+        # namespace costs a relist every few minutes, a dead link no more than that.
+        silent_s = self.cfg.watch_timeout_s + min(30.0, self.cfg.watch_timeout_s)
+        while True:
+            try:
+                kind, pod = await asyncio.wait_for(stream.__anext__(), silent_s)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                log.info("kubernetes: nothing from the watch for %.0fs: relisting", silent_s)
+                self.silences += 1
+                return
             self.connected = True
             seen = getattr(getattr(pod, "metadata", None), "resourceVersion", None)
             if seen:
@@ -385,8 +404,9 @@ class PodWatcher:
                     client, self.namespace = self._client_factory()
                 version = await self._list(client)
                 self.connected = True
-                backoff = self.cfg.backoff_s
-                await self._watch(client, version)
+                await self._watch(client, version)  # (returns when it went silent: relist)
+                backoff = self.cfg.backoff_s  # a watch that ran: the next failure backs off anew
+                continue
             except asyncio.CancelledError:
                 raise
             except (ApiError, httpx.HTTPStatusError) as exc:
