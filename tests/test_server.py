@@ -4,11 +4,13 @@ proxied response."""
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import os
 import random
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -290,6 +292,43 @@ def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
     assert asyncio.run(scenario()) == (True, True, True)
 
 
+def test_a_client_that_leaves_while_its_stream_waits_to_drain_stops_the_handler(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    """connection_lost cancels the task and completes the drain future at once: on Python 3.11
+    wait_for then returned normally, the cancellation was lost, and the proxy went on reading the
+    engine's stream into a dead socket to its end (the engine never told to abort)."""
+    import asyncio
+
+    router, _ = setup
+    assert isinstance(router.server, NativeServer)
+    server = router.server.server
+
+    class Paused:
+        def get_extra_info(self, name: str) -> Any:
+            return ("127.0.0.1", 1)
+
+    async def scenario() -> str:
+        conn = _Connection(server)
+        conn.transport = cast(asyncio.Transport, Paused())
+        conn.write_paused = True  # the client stopped reading; the handler waits to write more
+
+        async def handler() -> str:
+            await conn.drain()
+            return "went on writing"
+
+        conn.task = asyncio.get_running_loop().create_task(handler())
+        while conn._drain is None:
+            await asyncio.sleep(0)
+        conn.connection_lost(ConnectionResetError())  # the client goes
+        try:
+            return await conn.task
+        except asyncio.CancelledError:
+            return "stopped"
+
+    assert asyncio.run(scenario()) == "stopped"
+
+
 # --- regressions found in review (each failed before its fix) --------------------------------------
 
 
@@ -342,20 +381,97 @@ def test_a_refused_request_is_answered_after_the_requests_before_it(
         assert second[0] == 413 and second[1]["connection"] == "close"
 
 
-def test_an_endless_request_head_is_refused_while_it_arrives(setup: tuple[RouterRunner, FakeEngine]) -> None:
-    router, _ = setup
-    line = b"x-pad: " + b"a" * 1000 + b"\r\n"
+def _refused_while_sending(router: RouterRunner, start: bytes, line: bytes) -> None:
+    """Sends ``start``, then ``line`` over and over: the server must answer 431 and close well before
+    8 MB (without a limit it would take all of it, silently)."""
     sent = 0
     with _connect(router) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")
+        s.sendall(start)
         try:
-            while sent < 8_000_000:  # without the limit the server would take all of it, silently
+            while sent < 8_000_000:
                 s.sendall(line)
                 sent += len(line)
             got = s.recv(100)
         except OSError:
             got = b"refused"  # the server answered 431 and closed while we were still sending
     assert sent < 8_000_000 or got.startswith(b"HTTP/1.1 431"), (sent, got)
+
+
+def test_an_endless_request_head_is_refused_while_it_arrives(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    router, _ = setup
+    _refused_while_sending(router, b"GET /health HTTP/1.1\r\nhost: t\r\n", b"x-pad: " + b"a" * 1000 + b"\r\n")
+
+
+def test_endless_trailers_of_a_chunked_body_are_refused_while_they_arrive(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    """Trailers are neither head nor body: no limit saw them, the router took 148 MiB of one
+    endless trailer line (httptools buffers it whole) and its loop stalled for seconds."""
+    router, _ = setup
+    head = _post("/v1/completions", b"", "transfer-encoding: chunked\r\n").replace(
+        b"content-length: 0\r\n", b""
+    )
+    _refused_while_sending(router, head + b"3\r\nabc\r\n0\r\nx-trailer: ", b"a" * 1000)
+    assert httpx.get(f"{router.url}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_a_trailer_is_not_a_request_header(setup: tuple[RouterRunner, FakeEngine]) -> None:
+    """httptools reports trailers through on_header: they were added to the request's headers, so
+    a trailer could supply the authorization or the x-request-id sent to the engine."""
+    router, engine = setup
+    body = _completion()
+    with _connect(router) as s:
+        head = _post("/v1/completions", b"", "transfer-encoding: chunked\r\n").replace(
+            b"content-length: 0\r\n", b""
+        )
+        s.sendall(head + b"%x\r\n%s\r\n0\r\nx-request-id: from-a-trailer\r\n\r\n" % (len(body), body))
+        status, _, out = _read_response(s, bytearray())
+    assert status == 200 and json.loads(out)["object"] == "text_completion"
+    sent = {k.lower(): v for k, v in engine.requests[-1]["headers"].items()}
+    assert sent.get("x-request-id") != "from-a-trailer"
+
+
+def test_pipelined_requests_wait_while_the_client_reads_nothing(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    """Answers written at once (/health, /metrics, ...) ignored the write buffer: a client that
+    pipelined and never read grew the router's memory without bound (434 MB in 9 s)."""
+    router, _ = setup
+    assert isinstance(router.server, NativeServer)
+    conns = router.server.server.connections
+    flood = b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n" * 100_000  # 3.6 MB; ~13 MB of answers
+    peak = [0]
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    s.connect(("127.0.0.1", router.server.port))
+
+    def send() -> None:
+        with contextlib.suppress(OSError):  # (reset at the end of the test)
+            s.sendall(flood)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+
+        def settled() -> bool:
+            for c in list(conns):
+                if c.transport is not None:
+                    peak[0] = max(peak[0], c.transport.get_write_buffer_size())
+                    if c.read_paused and c.write_paused and c.queue:
+                        return True  # waiting for the client, reading nothing more
+            return peak[0] >= 1_000_000  # (before the fix: every answer buffered)
+
+        wait_for(settled, "the server waiting for the client")
+        assert peak[0] < 1_000_000, peak  # the kernel holds ~4 MB of the 13 MB of answers, not more
+        buf = bytearray()
+        for _ in range(2000):  # the answers come, in order, once the client reads
+            status, _, body = _read_response(s, buf)
+            assert status == 200 and json.loads(body) == {"status": "ok"}
+    finally:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # a reset: the sender stops
+        sender.join(TIMEOUT)
+    assert httpx.get(f"{router.url}/health", timeout=TIMEOUT).status_code == 200
 
 
 def test_asgi_requests_after_one_that_waited_for_a_disconnect(setup: tuple[RouterRunner, FakeEngine]) -> None:

@@ -283,6 +283,10 @@ class _Connection(asyncio.Protocol):
         self._in_head = False
         self._open = False
         self._head_seen = 0
+        self._maybe_trailers = False
+        """A chunk header was parsed and no body followed yet: what comes may be the trailers of
+        the last chunk, which httptools buffers whole until each line ends (counted like a head)."""
+        self._trailer_seen = 0
         self._reset_message()
 
     def _reset_message(self) -> None:
@@ -324,7 +328,12 @@ class _Connection(asyncio.Protocol):
                 method, path, raw_path, query, headers, version, keep_alive = known
                 if not keep_alive:
                     self._stop_reading = True  # as the parser would refuse what follows
-                if self.task is None and not self.queue and not self.server.access_log:
+                if (
+                    self.task is None
+                    and not self.queue
+                    and not self.write_paused
+                    and not self.server.access_log
+                ):
                     # nothing before it: answered here if it needs no await (the usual probe)
                     answer = self.server.native.answer_now(method, path, headers, query)
                     if answer is not None:
@@ -345,6 +354,8 @@ class _Connection(asyncio.Protocol):
             if self._head_seen > _MAX_HEAD:
                 self._refuse(head_too_large(_MAX_HEAD))
                 return
+        if self._maybe_trailers:
+            self._trailer_seen += len(data)  # (reset by any body that follows: it was a chunk)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -358,6 +369,10 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._refuse(bad_request(f"invalid HTTP request: {exc}"))
             return
+        if self._trailer_seen > _MAX_HEAD and self._reject is None:
+            # endless trailers: neither head nor body, so no other limit saw them (memory grew,
+            # and httptools' buffering of one endless line stalled the loop)
+            self._reject = head_too_large(_MAX_HEAD)
         if self._reject is not None:
             self._refuse(self._reject)
             return
@@ -389,14 +404,25 @@ class _Connection(asyncio.Protocol):
         self._open = True
         self._in_head = True
         self._head_seen = 0
+        self._maybe_trailers = False
+        self._trailer_seen = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a trailer of a chunked body: ignored (it must not add an authorization)
         self._headers.append((name.lower(), value))
         self._head_size += len(name) + len(value) + 4
+
+    def on_chunk_header(self) -> None:
+        self._maybe_trailers = True
+
+    def on_chunk_complete(self) -> None:
+        self._maybe_trailers = False
+        self._trailer_seen = 0
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -424,6 +450,8 @@ class _Connection(asyncio.Protocol):
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
+        self._maybe_trailers = False
+        self._trailer_seen = 0
         if self._reject is not None:
             return
         self._body_size += len(body)
@@ -460,6 +488,14 @@ class _Connection(asyncio.Protocol):
     # --- requests --------------------------------------------------------------------------------
     def _next(self) -> None:
         while True:
+            if self.write_paused:
+                # the client reads none of what was answered (pipelining, never reading): answer the
+                # rest once it reads, and read no more meanwhile, so memory stays bounded
+                if not self.read_paused and self.transport is not None:
+                    self.read_paused = True
+                    self.transport.pause_reading()
+                self.task = self.loop.create_task(self._after_drain())
+                return
             req = self.queue.popleft()
             answer = (
                 None  # (every request through the task, which writes the access log line)
@@ -481,6 +517,17 @@ class _Connection(asyncio.Protocol):
             self.read_paused = False
             self.transport.resume_reading()
         self._arm_idle()
+
+    async def _after_drain(self) -> None:
+        """The queued requests, once the client reads again (dropped by drain() after
+        ``write_timeout_s`` if it never does)."""
+        try:
+            await self.drain()
+        except asyncio.CancelledError:
+            return  # gone, or dropped by the write timeout
+        self.task = None
+        if self.queue:
+            self._next()
 
     def _write_now(
         self, method: str, version: str, keep_alive: bool, status: int, ctype: bytes, body: bytes
@@ -618,6 +665,12 @@ class _Connection(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.abort()  # close() would wait for the unread buffer to flush
                 raise asyncio.CancelledError from None
+        if self.gone:
+            # the client left while we waited: connection_lost cancelled the task and completed
+            # the future, and on Python 3.11 wait_for then returns as if nothing happened (the
+            # cancellation is lost): raised here, so the handler stops and the engine's request
+            # is aborted instead of generating into a dead socket to the end
+            raise asyncio.CancelledError
 
     async def wait_lost(self) -> None:
         """Until the client disconnects."""
