@@ -129,7 +129,7 @@ class KVRouter:
             self.authorize,
             self.health,
             self.checks,
-            pd=PDExchange(config.pd, self.pool, self.loads, self.pd_metrics, self.health),
+            pd=PDExchange(config.pd, self.pool, self.loads, self.pd_metrics, self.health, self.breakers),
         )
         # --- router replicas: session pins, shared load and predictions (router/cluster) ---
         self.replicas = Replicas(

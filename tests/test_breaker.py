@@ -3,7 +3,9 @@ real engines that fail on demand behind the real router."""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,3 +163,48 @@ def test_the_retry_budget_stops_a_retry_storm(fleet: tuple[RouterRunner, dict[st
     assert sent == n + allowed  # every retry is one more request to the fleet
     assert allowed <= 5 + 0.1 * n + 0.5 * 30  # the bucket, the per-request share, the per-second floor
     assert allowed >= 5 and refused == n - allowed  # retried while the budget lasted, then not
+
+
+def _lowest_free_fd() -> int:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+def test_the_router_running_out_of_file_descriptors_does_not_blame_the_backends(
+    fleet: tuple[RouterRunner, dict[str, FakeEngine]],
+) -> None:
+    """EMFILE on the router's own connect was a connect error to the backend: health marked it
+    failed and the breaker counted it, so a moment of fd shortage became fleet-wide 503s that
+    outlived it. Now the request gets a 503 saying the router is overloaded, and nothing else."""
+    import resource
+
+    router, _ = fleet
+    router.app.pool.max_idle_per_host = 0  # every request opens its connection to the engine
+    for stack in router.app.pool._idle.values():
+        for conn in stack:
+            conn.close()
+        stack.clear()
+    with socket.create_connection(("127.0.0.1", router.server.port), timeout=TIMEOUT) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")  # accepted: it needs no new descriptor
+        body = b'{"model": "toy", "prompt": "x y z"}'
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd(), hard))  # no new descriptor
+        try:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+            answer = b""
+            while b"}}" not in answer:
+                chunk = s.recv(4096)
+                assert chunk, answer
+                answer += chunk
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert answer.startswith(b"HTTP/1.1 503") and b"overloaded" in answer, answer
+    assert all(m.healthy for m in router.app.membership.members.values())
+    assert all(router.app.breakers.state(n) == "closed" for n in ("a", "b"))
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": "toy", "prompt": "x y z"}, timeout=TIMEOUT)
+    assert r.status_code == 200

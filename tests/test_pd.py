@@ -9,6 +9,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -449,6 +450,28 @@ def test_prefill_failures_fall_back_to_the_decode_engine(fakes: Fleet) -> None:
     assert all(b["inflight"] == 0 for b in data["backends"])
 
 
+def test_a_wedged_prefill_engine_is_ejected_not_waited_for_by_every_request(fakes: Fleet) -> None:
+    """Prefill-leg timeouts and 5xx only counted as fallbacks: an engine that accepts the leg and
+    never answers (its /health still 200) cost every request sent to it prefill_timeout_s, for
+    good. They count in its breaker now, like a proxied request's."""
+    router, p, _ = fakes(
+        pd="min_uncached_tokens = 0\nprefill_timeout_s = 0.5\n",
+        top="[health]\ninterval_s = 120\n[health.breaker]\neject_after = 2\neject_s = 60\n",
+    )
+    p.mode = "stall"
+    body = {"model": "toy", "prompt": "Is the lighthouse lit tonight?", "max_tokens": 5}
+    for _ in range(2):
+        r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.headers["x-kvrouter-backend"] == "d"
+    assert _fallback_count(router, "timeout") == 2
+    assert router.app.breakers.state("p") == "open"
+    assert route(router, body)["pd"]["prefill_status"] != "ok"
+    t0 = time.monotonic()
+    r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and time.monotonic() - t0 < 0.5  # not another prefill_timeout_s
+    assert _fallback_count(router, "timeout") == 2
+
+
 def test_a_dropped_prefill_connection_falls_back(ctx: zmq.Context[Any], tmp_path: Path, tokdir: Path) -> None:
     drop, d = DroppingEngine(), FakeEngine("d", ctx)
     router: RouterRunner | None = None
@@ -677,3 +700,18 @@ def test_pd_dashboard_figures_sum_over_workers() -> None:
     assert merged["legs_by_backend"]["p"] == {"prefill": 2.0}
     assert merged["prompt_tokens"]["prefill"] == 100.0 and merged["matched_tokens"]["prefill"] == 40.0
     assert merge_dashboards([]) == {}
+
+
+def test_the_request_id_sent_to_both_legs_is_one_header() -> None:
+    """An empty x-request-id counted as absent, but was kept and forwarded first, beside the new
+    one: the engines read the first, "", on both legs."""
+    from router.pd.exchange import with_request_id
+
+    base = [(b"host", b"t")]
+    same, rid = with_request_id([*base, (b"x-request-id", b"abc")])
+    assert rid == "abc" and same == [*base, (b"x-request-id", b"abc")]
+    for given in ([(b"x-request-id", b"")], [(b"x-request-id", b""), (b"x-request-id", b"")], []):
+        out, rid = with_request_id(base + given)
+        assert len(rid) == 32 and [v for n, v in out if n == b"x-request-id"] == [rid.encode()]
+    out, rid = with_request_id([*base, (b"x-request-id", b""), (b"x-request-id", b"mine")])
+    assert rid == "mine" and [v for n, v in out if n == b"x-request-id"] == [b"mine"]

@@ -23,7 +23,7 @@ import msgspec
 from router.config import HealthConfig
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
-from router.http.upstream import UpstreamError, UpstreamPool
+from router.http.upstream import RouterResourceError, UpstreamError, UpstreamPool
 
 log = logging.getLogger("kvrouter.backends")
 
@@ -78,6 +78,9 @@ class HealthChecker:
                 models, parents = await self._models(url, headers, timeout)
             if ok and self.health.scrape_metrics and self.loads is not None:
                 await self._scrape(member, url, headers, timeout)
+        except RouterResourceError as exc:  # the router's shortage says nothing of the backend
+            log.warning("health probe of %s skipped: %s", member.name, exc)
+            return
         except (UpstreamError, ValueError) as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
         if member.spec is not spec:

@@ -30,8 +30,9 @@ from router.decision.service import Endpoint, Route, RouterService
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.http.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
-from router.http.errors import ApiError, bad_gateway, bad_request, gateway_timeout, too_large
+from router.http.errors import ApiError, bad_gateway, bad_request, gateway_timeout, too_large, unavailable
 from router.http.upstream import (
+    RouterResourceError,
     UpstreamConnectError,
     UpstreamError,
     UpstreamPool,
@@ -330,6 +331,12 @@ class ProxyHandler:
                     await send_error(
                         writer, gateway_timeout(f"backend {backend.name} did not answer in time")
                     )
+                    return
+                except RouterResourceError as exc:
+                    # the router's own shortage (file descriptors): a 503 now, the backend kept
+                    log.warning("request to %s not sent: %s", backend.name, exc)
+                    self.metrics.error(backend.name, "router_resources")
+                    await send_error(writer, unavailable(f"the router is overloaded: {exc}"))
                     return
                 except UpstreamError as exc:
                     breakers.failure(backend.name)

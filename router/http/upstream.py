@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,14 @@ class UpstreamError(Exception):
 
 class UpstreamConnectError(UpstreamError):
     """No connection could be made (refused, unreachable, connect timeout): the backend is down."""
+
+
+class RouterResourceError(UpstreamError):
+    """The router itself could not open a connection: out of file descriptors or memory (EMFILE,
+    ENFILE, ENOBUFS, ENOMEM). Not the backend's fault: no health mark, no breaker failure."""
+
+
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class UpstreamTimeout(UpstreamError):
@@ -255,6 +264,8 @@ class UpstreamPool:
         except TimeoutError:
             raise UpstreamConnectError(f"connect to {host}:{port} timed out") from None
         except OSError as exc:
+            if exc.errno in _LOCAL_ERRNOS:
+                raise RouterResourceError(f"cannot open a connection: {exc.strerror or exc}") from None
             raise UpstreamConnectError(f"connect to {host}:{port} failed: {exc.strerror or exc}") from None
         return conn
 

@@ -41,10 +41,17 @@ from index.kvindex import PREDICTED
 from router.decision.pd import PDPlan
 from router.decision.policy import CandidateScore
 from router.decision.service import Route
+from router.fleet.breaker import Breakers
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.http.asgi import Headers, ResponseWriter
-from router.http.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
+from router.http.upstream import (
+    RouterResourceError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamTimeout,
+)
 from router.pd.config import PDConfig
 from router.pd.connector import Connector, Leg, connector
 from router.pd.metrics import PDMetrics
@@ -106,13 +113,20 @@ class LegWriter:
         await self.inner.end(chunk)
 
 
+_ENGINE_FAULTS = frozenset({"connect", "timeout", "protocol", "upstream_5xx"})
+"""Fallback reasons that are the prefill engine's failure (the breaker counts them)."""
+
+
 def with_request_id(headers: RequestHeaders) -> tuple[RequestHeaders, str]:
-    """The client's headers with an ``x-request-id`` (the client's own, or a new one)."""
-    for name, value in headers:
-        if name == b"x-request-id" and value:
-            return headers, value.decode("latin-1")
-    rid = uuid.uuid4().hex
-    return [*headers, (b"x-request-id", rid.encode())], rid
+    """The client's headers with exactly one ``x-request-id``: the client's first non-empty one,
+    or a new one. (An empty or repeated one was forwarded too, first: the engines read the first
+    and saw "" on both legs, not the id the router logged.)"""
+    ids = [value for name, value in headers if name == b"x-request-id"]
+    rid = next((v.decode("latin-1") for v in ids if v), None)
+    if rid is not None and len(ids) == 1:
+        return headers, rid  # (the usual case: the headers as they are)
+    rid = rid or uuid.uuid4().hex
+    return [h for h in headers if h[0] != b"x-request-id"] + [(b"x-request-id", rid.encode())], rid
 
 
 def _confirmed(c: CandidateScore | None) -> int:
@@ -132,6 +146,7 @@ class PDExchange:
         loads: LoadTracker,
         metrics: PDMetrics,
         health: HealthChecker,
+        breakers: Breakers | None = None,
     ) -> None:
         self.config = config
         self.connector: Connector = connector(config.connector)
@@ -139,6 +154,9 @@ class PDExchange:
         self.loads = loads
         self.metrics = metrics
         self.health = health
+        self.breakers = breakers or Breakers()
+        """Prefill legs count like proxied requests: an engine that times out or fails them is
+        ejected, instead of costing every request routed to it ``prefill_timeout_s``."""
 
     async def run(
         self,
@@ -218,6 +236,8 @@ class PDExchange:
                 raise _Fallback("timeout", f"no answer within {self.config.prefill_timeout_s:g} s") from None
             except UpstreamTimeout:
                 raise _Fallback("timeout", "the engine did not answer in time") from None
+            except RouterResourceError as exc:
+                raise _Fallback("router_resources", str(exc)) from None
             except UpstreamConnectError as exc:
                 self.health.mark_failed(member, str(exc))
                 raise _Fallback("connect", str(exc)) from None
@@ -247,6 +267,8 @@ class PDExchange:
         except _Fallback as fb:
             plan.prefill_status = f"fallback: {fb.reason}"
             self.metrics.fallback(member.name, fb.reason)
+            if fb.reason in _ENGINE_FAULTS:
+                self.breakers.failure(member.name)
             log.warning(
                 "prefill leg %s to %s failed (%s: %s); decode engine %s computes the prefill itself",
                 rid,
@@ -262,6 +284,7 @@ class PDExchange:
             self.loads.finish(reservation)
             self.metrics.leg("prefill", member.name, status, first_byte)
         plan.prefill_status = "ok"
+        self.breakers.success(member.name)
         return msgspec.json.encode(self.connector.decode_body(parsed, params, leg))
 
     @staticmethod
