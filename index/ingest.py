@@ -442,6 +442,8 @@ class Ingestor:
                 ntokens = tokens.size if type(tokens) is TokenIds else len(tokens)
                 if self._stored_fault(ev, len(ev.block_hashes), ntokens, medium, known) is not None:
                     return False
+                if self._partial(st, ev.block_size, len(ev.block_hashes)):
+                    return False  # (the Python path skips it)
                 sizes.add(ev.block_size)
             elif type(ev) is BlockRemoved:
                 medium = ev.medium or "GPU"
@@ -577,6 +579,10 @@ class Ingestor:
                     plan.append(None)
                     continue
                 if st.block_size != bs:
+                    if self._partial(st, bs, n):
+                        self._bad_event(sidx, st, f"a partial block ({bs} tokens)")
+                        plan.append(None)
+                        continue
                     self._learn_block_size(sidx, st, bs)
                 g = groups.get(bs)
                 if g is None:
@@ -791,6 +797,14 @@ class Ingestor:
         except ValueError:
             return False
         return True
+
+    def _partial(self, st: SourceStats, bs: int, n: int) -> bool:
+        """A BlockStored of vLLM's cache_partial_block (hybrid models): one hash holding fewer
+        tokens than the blocks the source published so far. Not a change of block size: learning
+        it would hash every prompt of the source at the wrong size. (Before the source's first
+        block the configured size is no guide: an engine whose size the config gets wrong would
+        have every single-block event skipped.)"""
+        return st.block_size is not None and n == 1 and bs < st.block_size
 
     def _learn_block_size(self, sidx: int, st: SourceStats, bs: int) -> None:
         if st.block_size is not None and st.block_size != bs:

@@ -607,3 +607,22 @@ def test_a_source_drained_before_its_connected_event_still_becomes_ready(
         wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "everything indexed")
     finally:
         idx.stop()
+
+
+def test_a_partial_block_does_not_change_the_sources_block_size(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """vLLM's cache_partial_block (hybrid models) publishes one hash whose block_size is the tokens
+    of a partial entry: it was learned as the source's new block size, and every prompt was then
+    hashed at that size for the source: no match at all."""
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    c = Chain(0)
+    publish_until_seen(pub, idx, c)
+    pub.publish([c.extend(3)])
+    partial = BlockStored([777], c.hashes[-1], [9, 9, 9], BS - 1, None, "GPU", None)
+    pub.publish([partial])
+    pub.publish([c.extend(1)])
+    wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "every full block indexed")
+    st = status(idx)
+    assert st.block_size == BS and not st.block_size_mismatch and st.bad_events == 1
