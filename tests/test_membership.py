@@ -212,3 +212,41 @@ def test_sighup_restores_what_the_admin_api_deleted_even_when_the_file_did_not_c
     asyncio.run(scenario())
     assert sorted(ms.members) == ["a", "b"]
     assert watcher.reload() is False and watcher.results["unchanged"] == 1  # (the watch's kind)
+
+
+def test_a_rejoin_for_new_event_endpoints_keeps_the_engines_running_requests() -> None:
+    """Only the event endpoints change (same URL, same engine): its in-flight requests used to be
+    forgotten with the old spec, so the policy saw it idle and piled requests on it, and a drain
+    right after ended at once with ten streams still running there."""
+    from index.kvindex import KVIndex
+    from router.config import HealthConfig
+    from router.fleet.load import LoadTracker
+    from router.fleet.runtime import FleetRuntime
+    from router.http.upstream import UpstreamPool
+
+    async def scenario() -> None:
+        index, loads = KVIndex(), LoadTracker()
+        fleet = FleetRuntime(index, loads, UpstreamPool(1, 1, 4, 4), HealthConfig(), MembershipConfig())
+        try:
+            ms = fleet.membership
+            m, _ = ms.upsert(spec("a", kv_events="tcp://127.0.0.1:5557"), "admin")
+            m.healthy = True
+            fleet.tick()
+            tickets = [loads.start(("a", 0), 100) for _ in range(10)]
+            ms.upsert(spec("a", kv_events="tcp://127.0.0.1:6557"), "admin")  # the event port fixed
+            assert m.state == "joining" and loads.get(("a", 0)).active == 10 and fleet.inflight(m) == 10
+            ms.drain("a", remove=True)
+            fleet.tick()
+            assert ms.get("a") is not None  # still running its ten streams
+            for t in tickets:
+                loads.finish(t)
+            fleet.tick()
+            assert ms.get("a") is None
+            ms.upsert(spec("b", url="http://b:8000"), "admin")
+            ms.upsert(spec("b", url="http://b2:8000"), "admin")  # another engine: a fresh record
+            assert loads.get(("b", 0)).active == 0
+        finally:
+            await fleet.stop()
+            index.stop()
+
+    asyncio.run(scenario())

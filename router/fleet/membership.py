@@ -82,6 +82,7 @@ class Member:
         "origin",
         "reason",
         "remove_when_drained",
+        "same_engine",
         "spec",
         "state",
         "state_since",
@@ -105,6 +106,10 @@ class Member:
         self.discovery_ready = True
         """False while the discovery source reports the backend not ready (a Kubernetes readiness
         flap): skipped like a failed health check, index kept."""
+        self.same_engine = False
+        """True while a re-join changes only the event endpoints (same URL and DP size): the
+        listeners keep what belongs to the engine itself (the load of its running requests, its
+        breaker) instead of forgetting it as they do for a backend that left."""
         self.lora_parents: dict[str, str] = {}
         """LoRA adapter name -> base model, from /v1/models."""
         self.set_spec(spec)
@@ -274,6 +279,7 @@ class Membership:
         old = m.spec
         m.origin = origin
         if any(getattr(old, f) != getattr(spec, f) for f in _REJOIN_FIELDS):
+            m.same_engine = old.url == spec.url and old.dp_size == spec.dp_size
             for listener in self.listeners:
                 listener.left(m)
             m.set_spec(spec)
@@ -288,6 +294,7 @@ class Membership:
             self._record(m, "replaced", reason or "url, event endpoints or dp_size changed")
             for listener in self.listeners:
                 listener.joined(m)
+            m.same_engine = False
             return m, False
         changed = old != spec
         m.set_spec(spec)

@@ -89,6 +89,8 @@ class FleetRuntime:
     def left(self, member: Member) -> None:
         for source in self._sources.pop(member.name, []):
             self.index.remove_source(source.source_id)
+        if member.same_engine:
+            return  # only its event endpoints change: its running requests and breaker stay
         for target in member.targets:
             self.loads.forget(target)
         self.breakers.forget(member.name)
