@@ -169,7 +169,7 @@ class KVRouter:
         self.metrics.add_collector(BreakerCollector(self.breakers, self.membership))
         if self.checks is not None:
             self.metrics.add_collector(ChecksCollector(self.checks))
-            self.membership.listeners.append(_ForgetChecks(self.checks))
+        self.membership.listeners.append(_ForgetRemoved(self))
         self._tasks: list[asyncio.Task[None]] = []
 
     # --- ASGI ----------------------------------------------------------------------------------
@@ -501,17 +501,28 @@ def _token_prompt_body(raw: bytes) -> dict[str, Any] | None:
     return body
 
 
-class _ForgetChecks:
-    """Drops a departed backend's prediction-check window (a MembershipListener)."""
+class _ForgetRemoved:
+    """Frees what a removed backend held outside the fleet runtime (a MembershipListener): its
+    prediction-check window, its metric series and ejection count, and the idle connections to its
+    address when no other member uses it. Pod churn names new backends at every rollout: kept,
+    these grew without bound. (A re-join under the same name keeps them: the name goes on.)"""
 
-    def __init__(self, checks: PredictionChecks) -> None:
-        self.checks = checks
+    def __init__(self, app: KVRouter) -> None:
+        self.app = app
 
     def joined(self, member: Member) -> None:
         pass
 
     def left(self, member: Member) -> None:
-        self.checks.forget(member.name)
+        app = self.app
+        if app.checks is not None:
+            app.checks.forget(member.name)
+        if member.state != "gone":
+            return  # a re-join: the same name goes on
+        app.metrics.forget_backend(member.name)
+        app.breakers.ejected_total.pop(member.name, None)
+        if all(m.upstream_key != member.upstream_key for m in app.membership.members.values()):
+            app.pool.close_idle(member.upstream_key)
 
 
 def _dashboard_page() -> str:

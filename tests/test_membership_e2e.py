@@ -403,3 +403,29 @@ def test_sighup_reloads_and_admin_changes_reach_every_worker(
             code = proc.wait(10)
     assert code == 0, (tmp_path / "router.log").read_text()[-3000:]
     assert "take effect" not in (tmp_path / "router.log").read_text()  # the flags are not a change
+
+
+def test_a_removed_backend_leaves_no_series(engines: dict[str, FakeEngine], tmp_path: Path) -> None:
+    """Per-backend series, ejection counts and idle connections of removed backends were kept for
+    good: with pod churn (new names at every rollout) /metrics and memory grew without bound."""
+    a, b = engines["a"], engines["b"]
+    router = start_router(tmp_path, [a, b])
+    try:
+        wait_for(lambda: all(m["state"] == "ready" for m in members(router).values()), "both ready")
+        for prompt in ("one two", "three four", "five six", "seven eight"):
+            assert post(router, "/v1/completions", {"model": "toy", "prompt": prompt}).status_code == 200
+
+        def series(name: str) -> list[str]:
+            r = admin(router, "GET", "/metrics", key=CLIENT)
+            assert r.status_code == 200, r.text
+            return [line for line in r.text.splitlines() if f'backend="{name}"' in line]
+
+        served = [n for n in ("a", "b") if any("kvrouter_requests_total" in s for s in series(n))]
+        assert served, "no request series at all"
+        gone = served[0]
+        assert admin(router, "DELETE", f"/admin/backends/{gone}").status_code == 200
+        wait_for(lambda: gone not in members(router), "removed")
+        assert series(gone) == []
+        assert gone not in router.app.metrics.per_backend
+    finally:
+        router.stop()

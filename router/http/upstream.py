@@ -367,6 +367,12 @@ class UpstreamPool:
             raise UpstreamTimeout(f"{method} {url}: no complete answer in {timeout:g}s") from None
         return resp.status, b"".join(chunks)
 
+    def close_idle(self, key: tuple[str, str, int]) -> None:
+        """Close the idle connections to one address (a backend that left the fleet: a peer gone
+        without a FIN would hold their descriptors for good)."""
+        for conn in self._idle.pop(key, []):
+            conn.close()
+
     def close(self) -> None:
         """Close every idle connection."""
         for stack in self._idle.values():

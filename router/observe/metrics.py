@@ -253,6 +253,18 @@ class RouterMetrics:
             c.errors += 1
             self.total_errors += 1
 
+    def forget_backend(self, name: str) -> None:
+        """Drop a removed backend's series: with pod churn (new names at every rollout) they would
+        grow /metrics and memory without bound. (Prometheus sees the series end; rates stop.)"""
+        self.per_backend.pop(name, None)
+        for series in self._lean:
+            if "backend" not in series.labelnames:
+                continue
+            at = series.labelnames.index("backend")
+            values = series.values if isinstance(series, LeanCounter) else series.series
+            for labels in [k for k in values if k[at] == name]:
+                del values[labels]
+
     def error(self, backend: str, kind: str) -> None:
         """Record a failure that produced no upstream status (connect error, timeout, cancel)."""
         self.errors.inc((backend, kind))
