@@ -377,3 +377,34 @@ def test_a_watch_that_goes_silent_is_relisted(
 
     asyncio.run(scenario())
     assert watcher.silences >= 1 and watcher.failures == 0
+
+
+def test_an_admin_drain_of_a_discovered_pod_holds_through_its_status_updates() -> None:
+    """Any MODIFIED event of the pod (a condition's timestamp, a restart count) readmitted a pod
+    the operator had drained, and cleared a DELETE's removal."""
+    from router.fleet.membership import Membership
+    from router.fleet.sources.kubernetes import PodWatcher
+
+    def pod(version: str, ip: str = "10.0.0.5") -> dict[str, Any]:
+        return {
+            "metadata": {"name": "vllm-0", "resourceVersion": version, "labels": {"app": "vllm"}},
+            "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
+            "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+
+    ms = Membership()
+    cfg = KubernetesConfig(enabled=True, label_selector="app=vllm", models=["m"])
+    watcher = PodWatcher(cfg, ms, client_factory=lambda: None)
+    watcher.on_event("ADDED", pod("1"))
+    m = ms.get("vllm-0")
+    assert m is not None
+    m.healthy = True
+    ms.tick(lambda m: 0, lambda m: True)
+    ms.drain("vllm-0", remove=False, reason="POST /admin/backends/vllm-0/drain")
+    watcher.on_event("MODIFIED", pod("2"))
+    assert m.state == "draining" and not m.routable
+    ms.drain("vllm-0", remove=True, reason="DELETE /admin/backends/vllm-0")
+    watcher.on_event("MODIFIED", pod("3"))
+    assert m.state == "draining" and m.remove_when_drained
+    watcher.on_event("MODIFIED", pod("4", ip="10.0.0.6"))  # the pod on new endpoints: a new engine
+    assert m.state == "joining" and not m.remove_when_drained

@@ -257,6 +257,27 @@ def test_graceful_shutdown_drains_streams(setup: tuple[RouterRunner, FakeEngine]
         httpx.get(f"{router.url}/health", timeout=2)
 
 
+def test_graceful_shutdown_answers_a_request_whose_body_is_still_arriving(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    """Shutdown took a connection with no task for an idle one and closed it, even with a request's
+    body half-sent: the client got EOF and no answer despite drain_timeout_s."""
+    router, _ = setup
+    assert isinstance(router.server, NativeServer)
+    body = _completion()
+    stopper = threading.Thread(target=router.stop)
+    with _connect(router) as s:
+        s.sendall(_post("/v1/completions", body)[: -len(body) // 2])
+        wait_for(lambda: any(c._open for c in list(router.server.server.connections)), "the head read")
+        stopper.start()
+        wait_for(lambda: router.server.server.stopping, "the shutdown begun")
+        s.sendall(body[-len(body) // 2 :])
+        status, headers, out = _read_response(s, bytearray())
+    stopper.join(TIMEOUT)
+    assert status == 200 and json.loads(out)["object"] == "text_completion"
+    assert headers["connection"] == "close"
+
+
 def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
     setup: tuple[RouterRunner, FakeEngine],
 ) -> None:

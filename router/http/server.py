@@ -864,17 +864,31 @@ class HttpServer:
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
-            if conn.task is None:
-                conn.close()
+            if conn.task is None and not conn._open and not conn.queue:
+                conn.close()  # idle; one whose request is still arriving is answered, then closed
         deadline = time.monotonic() + self.drain_timeout
-        busy = [c.task for c in self.connections if c.task is not None and not c.task.done()]
-        if busy:
-            log.info("draining %d in-flight request(s) for up to %.0f s", len(busy), self.drain_timeout)
-            _, pending = await asyncio.wait(busy, timeout=max(deadline - time.monotonic(), 0))
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=5)
+        logged = False
+        while True:
+            busy = [c.task for c in self.connections if c.task is not None and not c.task.done()]
+            arriving = any(c.task is None and (c._open or c.queue) for c in self.connections)
+            left = deadline - time.monotonic()
+            if not busy and not arriving:
+                break
+            if not logged:
+                n = len(self.connections)
+                log.info("draining %d connection(s) with requests in flight for up to %.0f s", n, left)
+                logged = True
+            if left <= 0:
+                for t in busy:
+                    t.cancel()
+                if busy:
+                    await asyncio.wait(busy, timeout=5)
+                break
+            # (a request still arriving has no task yet: looked at again every 50 ms)
+            if busy:
+                await asyncio.wait(busy, timeout=min(left, 0.05), return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(min(left, 0.05))
         for conn in list(self.connections):
             conn.close()
         await self.app.shutdown()

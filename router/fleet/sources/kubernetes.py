@@ -305,6 +305,12 @@ class PodWatcher:
         if m is not None and m.origin != "kubernetes":
             self._skip(name, SkipPod("name_taken", f"a backend named {name!r} comes from {m.origin}"))
             return
+        if m is not None and m.state == "draining" and m.spec == spec:
+            # drained by the admin API (discovery drains only pods that terminate or go): a status
+            # update of the same pod does not readmit it; a PUT, or the pod's new endpoints, do
+            if not m.discovery_ready:
+                m.discovery_ready = True
+            return
         member, _ = self.membership.upsert(spec, "kubernetes", "pod ready")
         if not member.discovery_ready:
             member.discovery_ready = True
