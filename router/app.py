@@ -38,7 +38,7 @@ from router.fleet.runtime import FleetRuntime
 from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth
 from router.fleet.sources.configfile import ConfigWatcher
 from router.http.asgi import Receive, Scope, Send
-from router.http.errors import bad_request, unauthorized, unavailable
+from router.http.errors import json_body, unauthorized, unavailable
 from router.http.openapi import openapi_spec
 from router.http.proxy import PATHS, ProxyHandler
 from router.http.upstream import UpstreamPool
@@ -364,10 +364,7 @@ class KVRouter:
         :class:`ApiError` for a bad body."""
         body = _token_prompt_body(raw)
         if body is None:
-            try:
-                body = msgspec.json.decode(raw)
-            except msgspec.DecodeError as exc:
-                raise bad_request(f"The body is not valid JSON: {exc}") from None
+            body = json_body(raw)
         endpoint, session = self._route_args(body, query, headers)
         decided = await self.service.decide(endpoint, body, dry_run=True, session=session)
         return decided.explain_json()
@@ -493,8 +490,8 @@ def _token_prompt_body(raw: bytes) -> dict[str, Any] | None:
     start, end, ids = found
     try:
         body = msgspec.json.decode(raw[:start] + b"0" + raw[end:])
-    except msgspec.DecodeError:
-        return None
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None  # (the generic path words the 400)
     if not isinstance(body, dict):
         return None
     body["prompt"] = TokenBuffer(ids)

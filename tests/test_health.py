@@ -69,3 +69,33 @@ def test_probes_models_metrics_and_one_log_line_per_reason(caplog: pytest.LogCap
                 s.close()
 
     asyncio.run(main())
+
+
+def test_a_nan_or_infinite_engine_figure_is_ignored() -> None:
+    """vLLM's /metrics may print NaN: it made every candidate's cost NaN, so the policy found no
+    cheapest one and every request was a 500."""
+    from router.decision.policy import Candidate, Policy, PolicyConfig
+
+    odd = b'vllm:num_requests_waiting{model_name="m"} NaN\nvllm:num_requests_running{model_name="m"} +Inf\n'
+
+    async def main() -> None:
+        server = await asyncio.start_server(probe_backend(MODELS, odd), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        membership = Membership(MembershipConfig())
+        membership.reconcile("config", [BackendConfig("a", f"http://127.0.0.1:{port}")])
+        loads = LoadTracker([])
+        loads.track(("a", 0))
+        pool = UpstreamPool()
+        checker = HealthChecker(membership, HealthConfig(timeout_s=2, scrape_metrics=True), pool, loads)
+        try:
+            await checker.check_all()
+            load = loads.get(("a", 0))
+            assert load.engine_waiting == 0.0 and load.engine_running == 0.0
+            policy = Policy(PolicyConfig(waiting_weight=1.0))
+            cands = [Candidate("a", 0, 0, {}, load), Candidate("b", 0, 0, {}, loads.get(("b", 0)))]
+            assert policy.choose(4, 16, cands).backend in ("a", "b")
+        finally:
+            pool.close()
+            server.close()
+
+    asyncio.run(main())

@@ -337,6 +337,12 @@ def test_error_statuses(fleet: Fleet, ctx: zmq.Context[Any], tmp_path: Path, tok
                 httpx.post(f"{router.url}/v1/completions", json={"model": "toy", "prompt": bad}, timeout=30),
                 400,
             )
+        # invalid UTF-8 and deep nesting: msgspec raises UnicodeDecodeError / RecursionError, not
+        # DecodeError; they were 500s, and a token-id /route lost its connection
+        deep = b'{"model": "toy", "prompt": [5, 6], "x": ' + b"[" * 1500 + b"]" * 1500 + b"}"
+        for raw in (b'{"model": "toy", "prompt": [5, 6], "x": "\xff"}', deep):
+            for path in ("/v1/completions", "/route"):
+                _error(httpx.post(f"{router.url}{path}", content=raw, timeout=30), 400)
         assert _error(post({"model": "nope", "messages": messages("hi")}), 404)["code"] == "model_not_found"
         _error(post({"model": "toy", "messages": messages("x" * 5000)}), 413)
         _error(post({"model": "other", "messages": messages("hi")}), 503)
@@ -348,6 +354,18 @@ def test_error_statuses(fleet: Fleet, ctx: zmq.Context[Any], tmp_path: Path, tok
         _error(httpx.get(f"{router.url}/no/such/path", timeout=30), 404)
     finally:
         dead.close()
+
+
+def test_route_leaves_a_round_robin_turn_where_it_was(fleet: Fleet) -> None:
+    """/route is a dry run: with the round-robin policy it used a turn, so its answer was not where
+    the proxy then sent the request (a scheduler calling /route first sent everything to one)."""
+    router, _ = fleet(top='[policy]\nname = "round_robin"\n')
+    body = {"model": "toy", "prompt": ids(3, 8), "max_tokens": 2}
+    for _ in range(4):
+        said = route(router, body)["backend"]
+        assert route(router, body)["backend"] == said
+        r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.headers["x-kvrouter-backend"] == said
 
 
 def test_api_keys(fleet: Fleet) -> None:

@@ -120,7 +120,9 @@ class PDPlanner:
         cfg = self.config
         queue = min((c.load.pending_prefill_tokens for c in prefill), default=None)
         if not decode:
-            decision = decode_policy.choose(prompt_blocks, block_size, prefill, have_prompt=have_prompt)
+            decision = decode_policy.choose(
+                prompt_blocks, block_size, prefill, have_prompt=have_prompt, dry_run=dry_run
+            )
             plan = self._plan(
                 "skipped",
                 "no_decode",
@@ -129,7 +131,9 @@ class PDPlanner:
                 queue,
             )
             return decision, plan
-        decision = decode_policy.choose(prompt_blocks, block_size, decode, have_prompt=have_prompt)
+        decision = decode_policy.choose(
+            prompt_blocks, block_size, decode, have_prompt=have_prompt, dry_run=dry_run
+        )
         chosen = next(c for c in decode if (c.backend, c.dp_rank) == (decision.backend, decision.dp_rank))
         # predicted blocks are a guess about a request still in flight: only confirmed residencies
         # count, or a burst of one new prompt would skip its prefill legs on a decode engine that

@@ -294,7 +294,7 @@ class RouterService:
             if unseen is not None and self.policy.config.name == "kv":
                 unseen.spread(self.policy, cands, block_size, unseen.assumed())
             decision: Decision = self.policy.choose(
-                prompt_blocks, block_size, cands, have_prompt=tokens is not None
+                prompt_blocks, block_size, cands, have_prompt=tokens is not None, dry_run=dry_run
             )
             if unseen is not None and not dry_run:
                 unseen.decided(next(c.prefill_blocks for c in decision.candidates if c.chosen))

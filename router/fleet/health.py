@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 
@@ -144,7 +145,9 @@ class HealthChecker:
         values: dict[str, float] = {}
         for name, _labels, value in _METRIC_RE.findall(body.decode("utf-8", "replace")):
             with contextlib.suppress(ValueError):
-                values[name] = values.get(name, 0.0) + float(value)
+                v = float(value)
+                if math.isfinite(v) and v >= 0:  # (a NaN made every cost NaN: no choice, a 500)
+                    values[name] = values.get(name, 0.0) + v
         ranks = member.spec.dp_size
         usage = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", 0.0))
         for target in member.targets:  # vLLM reports the engine as a whole; spread evenly across ranks

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -23,6 +25,16 @@ class ApiError(Exception):
         return msgspec.json.encode(
             {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         )
+
+
+def json_body(raw: bytes) -> Any:
+    """A request body decoded, or a 400: msgspec raises UnicodeDecodeError for invalid UTF-8 and
+    RecursionError for ~1,000 nested arrays, not DecodeError (they were 500s, and a /route answered
+    in the read callback lost its connection)."""
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+        raise bad_request(f"The body is not valid JSON: {exc}") from None
 
 
 def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> ApiError:

@@ -30,7 +30,15 @@ from router.decision.service import Endpoint, Route, RouterService
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.http.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
-from router.http.errors import ApiError, bad_gateway, bad_request, gateway_timeout, too_large, unavailable
+from router.http.errors import (
+    ApiError,
+    bad_gateway,
+    bad_request,
+    gateway_timeout,
+    json_body,
+    too_large,
+    unavailable,
+)
 from router.http.upstream import (
     RouterResourceError,
     UpstreamConnectError,
@@ -208,10 +216,7 @@ class ProxyHandler:
         try:
             if not authorized:
                 self.authorize({"path": path, "headers": headers})
-            try:
-                parsed = msgspec.json.decode(body)
-            except msgspec.DecodeError as exc:
-                raise bad_request(f"The body is not valid JSON: {exc}") from None
+            parsed = json_body(body)
             t0 = time.perf_counter()
             session = self.affinity.session_of(headers) if self.affinity is not None else None
             route = await self.service.decide(endpoint, parsed, session=session)
