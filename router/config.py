@@ -344,8 +344,8 @@ def validate(cfg: RouterConfig) -> None:
     for key in ("connect_timeout_s", "read_timeout_s", "keepalive_expiry_s"):
         if getattr(cfg.server, key) <= 0:
             raise ConfigError(f"server.{key}: must be positive")
-    if not 1 <= cfg.server.workers <= 64:
-        raise ConfigError("server.workers: must be between 1 and 64")
+    if not 1 <= cfg.server.workers <= 63:  # (a worker is one bit of a signed 64-bit board cell)
+        raise ConfigError("server.workers: must be between 1 and 63")
     if cfg.server.workers > 1:
         for i, b in enumerate(cfg.backends):
             if b.kv_bind:

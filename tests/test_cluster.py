@@ -8,6 +8,7 @@ Conditions are waited on with generous deadlines, never with fixed sleeps.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import re
@@ -23,7 +24,7 @@ import httpx
 import pytest
 import zmq
 
-from tests.harness import FakeEngine, RouterRunner, wait_for
+from tests.harness import TIMEOUT, FakeEngine, RouterRunner, wait_for
 from tests.redis_harness import RedisServer
 
 BLOCK = 16
@@ -644,3 +645,52 @@ def test_dashboard_lists_the_peers_in_a_browser(
         finally:
             browser.close()
     assert not errors, errors
+
+
+def test_a_least_privilege_acl_user_connects(redis: RedisServer) -> None:
+    """CLIENT SETNAME was required: a user granted exactly the commands the link runs got NOPERM
+    and the replica retried for good, routing alone. The name is cosmetic now."""
+    from router.cluster.resp import connect
+
+    async def main() -> None:
+        admin = await connect(redis.url, TIMEOUT)
+        try:
+            grant = "+publish +subscribe +set +get +pttl +hset +hkeys +hdel +del +scan +ping"
+            acl = ["ACL", "SETUSER", "kv", "on", ">pw", "~kvrouter:*", "&kvrouter:*", *grant.split()]
+            assert (await admin.execute([acl], TIMEOUT))[0] == b"OK"
+        finally:
+            admin.close()
+        conn = await connect(f"redis://kv:pw@127.0.0.1:{redis.port}/0", TIMEOUT, client_name="kvrouter-x")
+        try:
+            assert (await conn.execute([["PING"]], TIMEOUT))[0] == b"PONG"
+        finally:
+            conn.close()
+
+    asyncio.run(main())
+
+
+def test_a_pipeline_cut_by_a_lost_connection_logs_no_unretrieved_errors(
+    redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the awaited (last) reply's error was retrieved: one dropped page of 2,000 commands
+    logged 1,999 "Future exception was never retrieved" errors."""
+    import gc
+
+    from router.cluster.resp import connect
+
+    async def main() -> None:
+        conn = await connect(redis.url, TIMEOUT)
+        try:
+            page = [["GET", f"kvrouter:k{i}"] for i in range(2000)]
+            pending = asyncio.ensure_future(conn.execute([["BLPOP", "kvrouter:none", "5"], *page], TIMEOUT))
+            await asyncio.sleep(0.05)
+            redis.kill()  # the store dies with the whole page waiting
+            with pytest.raises(ConnectionError):
+                await pending
+        finally:
+            conn.close()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

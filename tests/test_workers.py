@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import msgspec
@@ -153,6 +153,44 @@ def test_request_series_are_summed_and_state_comes_from_the_first_worker() -> No
     assert text.count('kvrouter_worker_snapshot_age_seconds{worker="') == 2
 
 
+def test_every_workers_counters_and_gauges_merge_by_their_kind(tmp_path: Path) -> None:
+    """Retries, ejections and prediction checks came from worker 0 only (worker 1's 40 refused
+    retries showed as 0); gauges were summed and, once a worker died, kept for good (pins 10000 ->
+    15000 after one restart)."""
+    from router.workers.stats import Family, retire
+
+    def snap(worker: int, refused: float, ejected: float, pins: float) -> Snapshot:
+        fams = [
+            Family(
+                "kvrouter_retries",
+                "counter",
+                "",
+                [("kvrouter_retries_total", {"result": "refused"}, refused)],
+            ),
+            Family(
+                "kvrouter_backend_ejected",
+                "gauge",
+                "",
+                [("kvrouter_backend_ejected", {"backend": "e1"}, ejected)],
+            ),
+            Family("kvrouter_session_pins", "gauge", "", [("kvrouter_session_pins", {}, pins)]),
+        ]
+        return Snapshot(worker, 2000 + worker, time.time(), fams, {"totals": {}, "backends": []})
+
+    run_dir = str(tmp_path)
+    for s_ in (snap(0, 0, 0, 5000), snap(1, 40, 1, 5000)):
+        SnapshotWriter(run_dir, s_.worker).path.write_bytes(msgspec.msgpack.encode(s_))
+    text = render_merged(read_snapshots(run_dir)).decode()
+    assert 'kvrouter_retries_total{result="refused"} 40.0' in text
+    assert 'kvrouter_backend_ejected{backend="e1"} 1.0' in text
+    assert "kvrouter_session_pins 10000.0" in text
+    retire(run_dir, 1)  # worker 1 died; its replacement starts with nothing yet
+    SnapshotWriter(run_dir, 1).path.write_bytes(msgspec.msgpack.encode(snap(1, 0, 0, 0)))
+    text = render_merged(read_snapshots(run_dir)).decode()
+    assert 'kvrouter_retries_total{result="refused"} 40.0' in text  # a counter keeps what it counted
+    assert 'kvrouter_backend_ejected{backend="e1"} 0.0' in text and "kvrouter_session_pins 5000.0" in text
+
+
 def test_dashboard_counters_are_summed_and_decisions_interleaved() -> None:
     live = {
         "totals": {"requests": 99, "errors": 99},
@@ -229,6 +267,32 @@ def _free_port() -> int:
         return port
 
 
+def _start_supervisor(cfg: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+    """``kvrouter serve`` with several workers, its output in tmp_path/router.log."""
+    log = (tmp_path / "router.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return proc, log
+
+
+def _stop_supervisor(proc: subprocess.Popen[bytes], log: IO[bytes]) -> int:
+    """SIGTERM, then its exit code (the whole group killed if it does not stop in 60 s)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        raise
+    finally:
+        log.close()
+
+
 def _fresh(method: str, url: str, **kw: Any) -> httpx.Response:
     """One request on its own connection, so that the kernel picks a worker for it."""
     with httpx.Client(timeout=30) as c:
@@ -264,14 +328,7 @@ def test_two_workers_share_the_port_the_load_and_the_figures(engine: FakeEngine,
         f'[[backends]]\nname = "alpha"\nurl = "{engine.url}"\nkv_events = "{engine.kv_events}"\n'
         f'kv_replay = "{engine.kv_replay}"\nmodels = ["toy"]\n'
     )
-    log = (tmp_path / "router.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc, log = _start_supervisor(cfg, tmp_path)
     url = f"http://127.0.0.1:{port}"
     stalled: list[httpx.Response] = []
     try:
@@ -341,18 +398,61 @@ def test_two_workers_share_the_port_the_load_and_the_figures(engine: FakeEngine,
         wait_for(lambda: total() == 31.0, "/metrics carrying on after the restart")
     finally:
         engine.mode = "ok"
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-            raise
-        finally:
-            log.close()
+        code = _stop_supervisor(proc, log)
     assert code == 0, (tmp_path / "router.log").read_text()[-3000:]
     with pytest.raises(httpx.ConnectError):
         _fresh("GET", f"{url}/health")
+
+
+def test_a_restarted_worker_serves_the_config_as_reloaded_and_sighup_never_kills_a_starting_one(
+    engine: FakeEngine, tmp_path: Path
+) -> None:
+    """A worker restarted after a reload started from the config the supervisor first read: a
+    revoked key worked again there. And a SIGHUP while a worker was still importing killed it (the
+    default action), counted as a quick death."""
+    port = _free_port()
+    cfg = tmp_path / "fleet.toml"
+    server = f'[server]\nport = {port}\nworkers = 2\nlog_level = "info"\n'
+    backend = f'[[backends]]\nname = "alpha"\nurl = "{engine.url}"\nmodels = ["toy"]\n'
+    cfg.write_text(f'block_size = {BS}\napi_keys = ["old-key"]\n' + server + backend)
+    proc, log = _start_supervisor(cfg, tmp_path)
+    url = f"http://127.0.0.1:{port}"
+
+    def statuses(key: str, n: int = 12) -> set[int]:
+        out = set()
+        for _ in range(n):
+            try:
+                out.add(
+                    _fresh("GET", f"{url}/v1/models", headers={"authorization": f"Bearer {key}"}).status_code
+                )
+            except httpx.TransportError:
+                continue
+        return out
+
+    try:
+        # (the supervisor's own handler is set before it starts workers; before, as for any daemon,
+        # SIGHUP's default action applies)
+        wait_for(lambda: b"worker 1 started" in (tmp_path / "router.log").read_bytes(), "workers spawned")
+        deadline = time.monotonic() + 180
+        while True:  # reload requests all through the workers' start
+            proc.send_signal(signal.SIGHUP)
+            try:
+                if _fresh("GET", f"{url}/ready").status_code == 200 and len(_workers_seen(url, 8)) == 2:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "never ready"
+            time.sleep(0.05)  # (the pace of the signals, not a wait for a condition)
+        assert b"exited" not in (tmp_path / "router.log").read_bytes()  # no worker died of a SIGHUP
+        cfg.write_text(f'block_size = {BS}\napi_keys = ["new-key"]\n' + server + backend)
+        proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: statuses("old-key") == {401}, "the old key revoked by both workers")
+        pids = _workers_seen(url, 16)
+        os.kill(pids[1], signal.SIGKILL)
+        wait_for(lambda: _workers_seen(url, 8).get(1, pids[1]) != pids[1], "worker 1 restarted", timeout=180)
+        assert statuses("old-key", 16) == {401} and statuses("new-key", 16) == {200}
+    finally:
+        _stop_supervisor(proc, log)
 
 
 def test_bind_mode_events_need_one_worker(tmp_path: Path) -> None:

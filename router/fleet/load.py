@@ -97,8 +97,8 @@ class LoadBoard:
     CAPACITY = 16384
 
     def __init__(self, path: str, workers: int, capacity: int = CAPACITY) -> None:
-        if not 1 <= workers <= 64:
-            raise ValueError("1..64 workers")
+        if not 1 <= workers <= 63:  # (worker w is bit w of a signed 64-bit cell)
+            raise ValueError("1..63 workers")
         self.path = path
         self.workers = workers
         self.capacity = capacity

@@ -45,8 +45,13 @@ SUMMED = frozenset(
         "kvrouter_upstream_latency_seconds",
         "kvrouter_ttft_seconds",
         "kvrouter_tokenizer_cache_tokens",
-        "kvrouter_tokenizer_cache_bytes",
-        "kvrouter_tokenizer_cache_disabled",
+        "kvrouter_retries",
+        "kvrouter_backend_ejections",
+        "kvrouter_prediction_checks",
+        "kvrouter_prediction_error_tokens",
+        "kvrouter_prompt_tokens_mismatch",
+        "kvrouter_cluster_held_decisions",
+        "kvrouter_cluster_assumed_decisions",
         # each worker is a replica of its own (router/cluster): its traffic and pins add up
         "kvrouter_cluster_messages",
         "kvrouter_cluster_bytes",
@@ -56,11 +61,18 @@ SUMMED = frozenset(
         "kvrouter_cluster_dropped",
         "kvrouter_cluster_lag_seconds",
         "kvrouter_session_affinity",
-        "kvrouter_session_pins",
     }
 )
 SUMMED = SUMMED | PD_SUMMED  # P/D series (router/pd/metrics.py) are request-path series too
-"""Families summed over workers; the rest comes from the lowest worker."""
+"""Counters and histograms summed over workers, a dead worker's last figures kept (retired); the
+families in none of these sets come from the lowest worker."""
+LIVE_SUMMED = frozenset(
+    {"kvrouter_tokenizer_cache_bytes", "kvrouter_tokenizer_cache_disabled", "kvrouter_session_pins"}
+)
+"""Gauges summed over the live workers only: a dead worker's memory or pins are gone with it."""
+LIVE_MAX = frozenset({"kvrouter_backend_ejected"})
+"""Gauges whose merged value is the highest of the live workers' (each worker has its breakers: a
+backend is shown ejected when any worker ejected it)."""
 
 _DASH_COUNTERS = ("requests", "errors", "prompt_tokens", "matched_tokens")
 
@@ -177,17 +189,22 @@ def retire(run_dir: str, worker: int) -> None:
 
 
 def merge_families(snaps: list[Snapshot]) -> list[Family]:
-    """:data:`SUMMED` families summed over the snapshots, the others from the first one."""
+    """:data:`SUMMED` families summed over the snapshots, :data:`LIVE_SUMMED` over the live ones,
+    :data:`LIVE_MAX` their highest, the others from the first one."""
     if not snaps:
         return []
     merged: dict[str, Family] = {}
     sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, dict[str, str], float]]] = {}
     for snap in snaps:
         for fam in snap.families:
-            if fam.name not in SUMMED:
+            kind = "sum" if fam.name in SUMMED else "live" if fam.name in LIVE_SUMMED else ""
+            kind = "max" if fam.name in LIVE_MAX else kind
+            if not kind:
                 if snap is snaps[0]:
                     merged[fam.name] = fam
                 continue
+            if kind != "sum" and snap.worker < 0:
+                continue  # (the retired workers' figures hold no gauge)
             if fam.name not in merged:
                 merged[fam.name] = Family(fam.name, fam.type, fam.doc, [])
                 sums[fam.name] = {}
@@ -195,7 +212,10 @@ def merge_families(snaps: list[Snapshot]) -> list[Family]:
             for name, labels, value in fam.samples:
                 key = (name, tuple(sorted(labels.items())))
                 prev = acc.get(key)
-                acc[key] = (name, labels, value + (prev[2] if prev else 0.0))
+                if prev is None:
+                    acc[key] = (name, labels, value)
+                else:
+                    acc[key] = (name, labels, max(value, prev[2]) if kind == "max" else value + prev[2])
     for name, acc in sums.items():
         merged[name].samples = list(acc.values())
     return list(merged.values())

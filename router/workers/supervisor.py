@@ -87,8 +87,30 @@ def _die_with_parent() -> None:
         return
 
 
+def _with_current_file(config: RouterConfig, config_path: str | None) -> RouterConfig:
+    """The supervisor's config with what a reload applies (backends, API and admin keys) as the
+    file says now: a worker restarted after a reload started from the supervisor's original config,
+    so revoked keys worked again and its backends were the old ones (the file looked unchanged to
+    its watcher). An invalid file now: the config as given, as the running workers keep theirs."""
+    if config_path is None:
+        return config
+    from router.config import ConfigError, env_overrides, load_config, with_overrides
+    from router.fleet.sources.configfile import LIVE_FIELDS
+
+    try:
+        current = with_overrides(load_config(config_path), **env_overrides())
+    except ConfigError:
+        return config
+    return msgspec.structs.replace(config, **{f: getattr(current, f) for f in LIVE_FIELDS})
+
+
 def worker_main(config: RouterConfig, ctx: WorkerContext, config_path: str | None = None) -> None:
-    """Entry point of one worker process: the whole router on a SO_REUSEPORT socket."""
+    """Entry point of one worker process: the whole router on a SO_REUSEPORT socket. Started with
+    SIGHUP blocked (:meth:`Supervisor._spawn`): ignored until the server's reload handler is set."""
+    _die_with_parent()  # (first: a supervisor killed while this one starts must not leave it behind)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the server's handler (reload) is installed
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+    config = _with_current_file(config, config_path)
     level = config.server.log_level.upper()
     logging.basicConfig(
         level=level, format=f"%(asctime)s %(levelname)s worker-{ctx.index} %(name)s: %(message)s"
@@ -100,8 +122,6 @@ def worker_main(config: RouterConfig, ctx: WorkerContext, config_path: str | Non
     from router.app import KVRouter
     from router.http.server import HttpServer, loop_factory
 
-    _die_with_parent()
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the server's handler (reload) is installed
     app = KVRouter(config, worker=ctx, config_path=config_path)
     # not listening yet: the server listens once the router has started, so the kernel sends this
     # worker no connection before it can answer
@@ -131,7 +151,13 @@ class Supervisor:
             name=f"kvrouter-worker-{index}",
             daemon=False,
         )
-        proc.start()
+        # started with SIGHUP blocked (the mask survives fork and exec; the default action would
+        # kill a worker still importing): worker_main ignores, then unblocks it
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # (a pending one: delivered now)
         self._procs[index] = proc
         self._started[index] = time.monotonic()
         log.info("worker %d started (pid %s)", index, proc.pid)

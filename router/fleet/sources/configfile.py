@@ -26,7 +26,9 @@ from router.config import ConfigError, RouterConfig, env_overrides, load_config,
 
 log = logging.getLogger("kvrouter.config")
 
-_LIVE = ("backends", "api_keys", "admin_keys")
+LIVE_FIELDS = ("backends", "api_keys", "admin_keys")
+"""What a reload applies (the other settings need a restart)."""
+_LIVE = LIVE_FIELDS
 
 
 class ConfigWatcher:
