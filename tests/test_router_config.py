@@ -57,6 +57,7 @@ def cfg(**top: Any) -> dict[str, Any]:
         (cfg(policy={"name": "fastest"}), "policy.name"),
         (cfg(policy={"load_weigth": 1}), "policy.load_weigth"),
         (cfg(server={"port": 70000}), "server.port"),
+        (cfg(server={"workers": 64}), "server.workers"),  # (worker 63 could not use the load board)
         (cfg(tokenizer="/does/not/exist"), "tokenizer"),
         (cfg(unknown_key=1), "unknown_key"),
         (cfg(pd={"connector": "mooncake"}), "pd.connector"),

@@ -356,6 +356,26 @@ def test_error_statuses(fleet: Fleet, ctx: zmq.Context[Any], tmp_path: Path, tok
         dead.close()
 
 
+def test_a_tokenizer_without_a_chat_template_routes_chat_on_load(
+    ctx: zmq.Context[Any], tmp_path: Path, tokdir: Path
+) -> None:
+    """A lone tokenizer.json (a documented `tokenizer` value) has no chat template: every chat
+    request was a 400, though the engine (given its template by --chat-template) serves it."""
+    engine = FakeEngine("a", ctx)
+    router = RouterRunner(
+        f'block_size = {BS}\ntokenizer = "{tokdir / "tokenizer.json"}"\n{engine.backend_toml()}', tmp_path
+    )
+    try:
+        body = {"model": "toy", "messages": messages("Is the lighthouse lit?"), "max_tokens": 2}
+        r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        explained = route(router, body)
+        assert explained["outcome"] == "fallback" and "no chat template" in explained["tokenize_error"]
+    finally:
+        router.stop()
+        engine.close()
+
+
 def test_route_leaves_a_round_robin_turn_where_it_was(fleet: Fleet) -> None:
     """/route is a dry run: with the round-robin policy it used a turn, so its answer was not where
     the proxy then sent the request (a scheduler calling /route first sent everything to one)."""

@@ -565,9 +565,10 @@ class ChatTokenizer:
         if override is not None:
             return self._request_template(override)
         if not self._templates:
-            raise TokenizerError(
-                f"model tokenizer {self.name or '(unnamed)'} has no chat template;"
-                " use the completions endpoint"
+            # (a lone tokenizer.json, or an engine given its template by --chat-template): the
+            # engine can serve the request, the router cannot tokenize it: routed on load only
+            raise TokenizerUnavailable(
+                f"model tokenizer {self.name or '(unnamed)'} has no chat template (routed on load only)"
             )
         if tools is not None and "tool_use" in self._templates:
             return self._templates["tool_use"]
