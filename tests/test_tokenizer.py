@@ -250,9 +250,29 @@ def test_tool_use_template_selected_when_tools_given(parts: ChatTokenizer) -> No
     tools = [{"type": "function", "function": {"name": "get", "description": "a < b & c"}}]
     text = parts.render_chat([{"role": "user", "content": "hi"}], tools=tools)
     assert text.startswith(
-        'TOOLS [{"type": "function", "function": {"name": "get", "description": "a < b & c"}}]\n'
+        'TOOLS [{"type": "function", "function": {"name": "get", "description": "a < b & c", '
+        '"parameters": null}}]\n'
     )
     assert text.endswith("user: hi\n")
+
+
+def test_tools_reach_the_template_as_vllm_dumps_them(parts: ChatTokenizer) -> None:
+    """vLLM renders [tool.model_dump() for tool in request.tools]: every declared field (None when
+    absent) in declaration order, extra ones after. The raw tools rendered other text with a
+    `tojson` template: no cache match from the tools on."""
+    tools = [
+        {"function": {"strict": True, "parameters": {"type": "object"}, "name": "now"}, "x-extra": 1},
+        "not a tool",
+    ]
+    text = parts.render_chat([{"role": "user", "content": "hi"}], tools=tools)
+    assert text.startswith(
+        'TOOLS [{"type": "function", "function": {"name": "now", "description": null, '
+        '"parameters": {"type": "object"}, "strict": true}, "x-extra": 1}, "not a tool"]\n'
+    )
+    assert tools[0] == {
+        "function": {"strict": True, "parameters": {"type": "object"}, "name": "now"},
+        "x-extra": 1,
+    }
 
 
 def test_chat_template_kwargs_only_reach_referenced_variables(tmp_path: Path, toy_dir: Path) -> None:

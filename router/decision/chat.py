@@ -374,6 +374,24 @@ def _templates_from_config(config: Mapping[str, Any], source: Path) -> dict[str,
     raise TokenizerError(f"{source}: chat_template must be a string or a list of {{name, template}}")
 
 
+_FUNCTION_FIELDS = ("name", "description", "parameters")
+
+
+def _as_vllm_tool(tool: Any) -> Any:
+    """A request's tool as vLLM hands it to the template: its pydantic model dumped, so every
+    declared field is there (``type``; ``name``, ``description``, ``parameters``, None when
+    absent) in declaration order, the extra ones (``strict``, ...) after. Templates that write the
+    tools with ``tojson`` (Qwen, Hermes, Llama 3.1) otherwise rendered other text from the tools on:
+    no cache match past them. Anything not shaped like a tool is left as it is (vLLM refuses it)."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return tool
+    fn = tool["function"]
+    function = {f: fn.get(f) for f in _FUNCTION_FIELDS}
+    function |= {k: v for k, v in fn.items() if k not in function}
+    out = {"type": tool.get("type", "function"), "function": function}
+    return out | {k: v for k, v in tool.items() if k not in out}
+
+
 class ChatTokenizer:
     """A HF `tokenizer.json` plus its chat template, producing the engine's token ids. Thread-safe.
 
@@ -632,7 +650,7 @@ class ChatTokenizer:
             context.update({k: v for k, v in chat_template_kwargs.items() if k in variables})
         context.update(
             messages=conversation,
-            tools=list(tools) if tools is not None else None,
+            tools=[_as_vllm_tool(t) for t in tools] if tools is not None else None,
             documents=list(documents) if documents is not None else None,
             add_generation_prompt=add_generation_prompt,
         )
