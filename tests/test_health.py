@@ -99,3 +99,37 @@ def test_a_nan_or_infinite_engine_figure_is_ignored() -> None:
             server.close()
 
     asyncio.run(main())
+
+
+def test_lora_adapters_are_learned_for_models_given_in_the_config() -> None:
+    """With `models` in the config, /v1/models was never read, so an adapter listed there was
+    taken for a base model: its prompts were keyed without the adapter's name, crediting blocks
+    the engine cannot reuse and missing the adapter's own."""
+
+    async def main() -> None:
+        with_cards = await asyncio.start_server(probe_backend(MODELS, METRICS), "127.0.0.1", 0)
+        no_cards = await asyncio.start_server(probe_backend(b"not json", METRICS), "127.0.0.1", 0)
+        ports = [s.sockets[0].getsockname()[1] for s in (with_cards, no_cards)]
+        membership = Membership(MembershipConfig())
+        membership.reconcile(
+            "config",
+            [
+                BackendConfig("a", f"http://127.0.0.1:{ports[0]}", models=["m", "lora-a"]),
+                BackendConfig("b", f"http://127.0.0.1:{ports[1]}", models=["m"]),
+            ],
+        )
+        pool = UpstreamPool()
+        checker = HealthChecker(membership, HealthConfig(timeout_s=2), pool, LoadTracker([]))
+        try:
+            await checker.check_all()
+            a, b = membership.get("a"), membership.get("b")
+            assert a is not None and b is not None
+            assert membership.lora_name("lora-a") == "lora-a" and membership.lora_name("m") is None
+            assert a.models == {"m", "lora-a"} and a.healthy
+            assert b.healthy and b.models == {"m"}  # its unreadable /v1/models costs nothing
+        finally:
+            pool.close()
+            for s in (with_cards, no_cards):
+                s.close()
+
+    asyncio.run(main())

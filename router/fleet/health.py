@@ -77,6 +77,12 @@ class HealthChecker:
             error = "" if ok else f"/health answered {status}"
             if ok and spec.models is None:
                 models, parents = await self._models(url, headers, timeout)
+            elif ok:
+                # models given in the config: /v1/models only tells which are LoRA adapters (their
+                # blocks are salted by the adapter's name; taken for the base model they matched
+                # blocks the engine cannot reuse), and its failure is not the backend's
+                with contextlib.suppress(UpstreamError, ValueError, msgspec.DecodeError):
+                    parents = (await self._models(url, headers, timeout))[1]
             if ok and self.health.scrape_metrics and self.loads is not None:
                 await self._scrape(member, url, headers, timeout)
         except RouterResourceError as exc:  # the router's shortage says nothing of the backend
@@ -89,6 +95,8 @@ class HealthChecker:
         if models is not None:
             member.models = models
             member.lora_parents = parents
+        elif parents:
+            member.lora_parents = {a: p for a, p in parents.items() if a in member.models}
         member.checked_at = time.time()
         if ok:
             if member.models:
