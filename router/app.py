@@ -513,7 +513,7 @@ class _ForgetRemoved:
     def left(self, member: Member) -> None:
         app = self.app
         if app.checks is not None:
-            app.checks.forget(member.name)
+            app.checks.forget(member.name, removed=member.state == "gone")
         if member.state != "gone":
             return  # a re-join: the same name goes on
         app.metrics.forget_backend(member.name)

@@ -20,7 +20,7 @@ import openai
 import pytest
 from harness import TIMEOUT, MockFleet, RouterRunner, wait_for
 
-from router.observe.checks import ChecksConfig, PredictionChecks, strip_usage, usage_in_json
+from router.observe.checks import ChecksConfig, PredictionChecks, StreamStats, strip_usage, usage_in_json
 from sim.engine import EngineConfig
 
 # --- unit ---------------------------------------------------------------------------------------------
@@ -44,12 +44,16 @@ def test_classification_and_the_last_token_cap() -> None:
     assert check(100, {"GPU": 3}, 16) == "over"
     assert check(100, {"GPU": 1}, 48) == "under"
     assert check(100, {"GPU": 1}, None) == "no_usage"
-    assert c.observe("a", 0, "chat", 100, 16, {}, {"prompt_tokens": 100}).result == "no_usage"
+    # vLLM leaves prompt_tokens_details out when nothing was cached: from a backend that reported
+    # counts before, no count is 0 cached (it was "no usage", and diagnosed as a missing flag)
+    assert c.observe("a", 0, "chat", 100, 16, {}, {"prompt_tokens": 100}).result == "exact"
+    assert c.observe("a", 0, "chat", 100, 16, {"GPU": 3}, {"prompt_tokens": 100}).result == "over"
+    assert c.observe("b", 0, "chat", 100, 16, {}, {"prompt_tokens": 100}).result == "no_usage"
     c.observe(
         "a", 0, "chat", 100, 16, {}, {"prompt_tokens": 104, "prompt_tokens_details": {"cached_tokens": 0}}
     )
     assert c.mismatched_prompts == {"a": 1}
-    assert c.counts[("a", "exact")] == 4 and c.error_count == 7
+    assert c.counts[("a", "exact")] == 5 and c.error_count == 9
 
 
 def test_usage_is_found_and_stripped() -> None:
@@ -71,6 +75,49 @@ def test_usage_is_found_and_stripped() -> None:
     out = strip_usage(stream)
     assert b"usage" not in out and out.count(b"data: ") == 3 and out.endswith(b"data: [DONE]\n\n")
     assert [json.loads(e[6:])["choices"][0]["text"] for e in out.split(b"\n\n")[:2]] == ["a", "b"]
+    # CRLF-framed events (SSE allows them) and `data:` without a space: several in one read were
+    # taken for one event, and the usage the router asked for reached a client that did not
+    crlf = stream.replace(b"\n\n", b"\r\n\r\n").replace(
+        b'data: {"id":"x","choices":[],', b'data:{"id":"x","choices":[],'
+    )
+    out = strip_usage(crlf)
+    assert b"usage" not in out and out.endswith(b"data: [DONE]\r\n\r\n") and out.count(b"\r\n\r\n") == 3
+
+
+def test_the_last_usage_of_a_read_is_the_final_one() -> None:
+    """With continuous usage stats every event carries a usage; the final one (which has the cached
+    count) was missed when it shared a read with the last content event."""
+    from router.http.proxy import _sse_usage
+
+    events = (
+        b'data: {"choices":[{"text":"a"}],"usage":{"prompt_tokens":40,"completion_tokens":1}}\r\n\r\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":40,'
+        b'"prompt_tokens_details":{"cached_tokens":32}}}\r\n\r\n'
+    )
+    assert _sse_usage(events) == {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}
+
+
+def test_no_false_diagnosis_from_cold_prompts_or_bursts_ahead_of_their_events() -> None:
+    """Two false diagnoses: cold prompts (vLLM then sends no cached count) named a missing flag on
+    an engine that has it; bursts that predict-on-route got exactly right, before the engine's
+    events came, named differing block contents. Real faults are still named."""
+    cold = PredictionChecks(ChecksConfig(min_checks=10, window=20, threshold=0.5))
+    for _ in range(20):
+        cold.observe("a", 0, "completions", 100, 16, {}, {"prompt_tokens": 100})
+    assert cold.diagnosis("a") is None
+    stale = PredictionChecks(ChecksConfig(min_checks=10, window=20, threshold=0.5))
+    for _ in range(20):  # never a count, though the router predicted hits: flag or stale index
+        stale.observe("a", 0, "completions", 100, 16, {"GPU": 3}, {"prompt_tokens": 100})
+    assert "--enable-prompt-tokens-details" in (stale.diagnosis("a") or "")
+    burst = PredictionChecks(ChecksConfig(min_checks=10, window=20, threshold=0.5))
+    burst.streams = lambda name: StreamStats(batches=100, connected=True)
+    hit = {"prompt_tokens": 176, "prompt_tokens_details": {"cached_tokens": 160}}
+    for _ in range(20):
+        assert burst.observe("a", 0, "completions", 176, 16, {"PREDICTED": 10}, hit).result == "exact"
+    assert burst.diagnosis("a") is None
+    for _ in range(20):  # the engine hits what nothing foresaw, though events arrive: a fault
+        burst.observe("a", 0, "completions", 176, 16, {}, hit)
+    assert "block contents differ" in (burst.diagnosis("a") or "")
 
 
 def test_a_diagnosis_needs_a_systematic_problem() -> None:

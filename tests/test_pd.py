@@ -153,6 +153,10 @@ def test_one_request_uses_both_engines_and_indexes_the_prompt_on_both(
     again = route(router, body)
     assert again["pd"]["mode"] == "skipped" and again["pd"]["skip"] == "cached"
     assert "min_uncached_tokens" in again["pd"]["reason"]
+    # the decode engine's cached count includes the pulled blocks, which no prediction of its own
+    # covers: that leg is not checked (it was, as "under", and every decode engine got a diagnosis)
+    checks = httpx.get(f"{router.url}/debug/index", timeout=10).json()["predictions"]["backends"]
+    assert sum(checks.get("d", {}).get("checks", {}).values()) == 0, checks
     metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
     assert 'kvrouter_pd_requests_total{mode="disaggregated"} 1.0' in metrics
     assert 'kvrouter_pd_legs_total{backend="p",leg="prefill",status="2xx"} 1.0' in metrics

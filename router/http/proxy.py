@@ -47,7 +47,7 @@ from router.http.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from router.observe.checks import PredictionChecks, strip_usage, usage_event, usage_in_json
+from router.observe.checks import PredictionChecks, sse_events, strip_usage, usage_event, usage_in_json
 from router.observe.metrics import RouterMetrics
 from router.pd.exchange import PDExchange
 
@@ -122,12 +122,14 @@ def _whole_events(data: bytes) -> tuple[bytes, bytes]:
 
 
 def _sse_usage(events: bytes) -> dict[str, Any] | None:
-    """The usage carried by one of these whole SSE events, if any."""
-    for event in events.split(b"\n\n"):
+    """The last usage carried by these whole SSE events, if any (with continuous usage stats every
+    event has one: the final one has the cached tokens)."""
+    found = None
+    for event in sse_events(events):
         usage = usage_event(event)
         if usage is not None:
-            return usage
-    return None
+            found = usage
+    return found
 
 
 def _stream_error_event(message: str) -> bytes:
@@ -367,7 +369,10 @@ class ProxyHandler:
                     usage = await self._stream(writer, resp, ticket, backend.name, target[1], started, strip)
                 finally:
                     await resp.aclose()
-                if self.checks is not None and status == 200 and route.prompt_tokens:
+                # (not after a P/D prefill leg: the engine's cached count then includes the blocks it
+                # pulled from the prefill engine, which no prediction of its own index covers)
+                transferred = route.pd is not None and route.pd.prefill_status == "ok"
+                if self.checks is not None and status == 200 and route.prompt_tokens and not transferred:
                     asyncio.get_running_loop().call_soon(self._check, route, target, usage)
                 self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
                 return

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -112,6 +113,9 @@ class PredictionChecks:
         self.recent: collections.deque[Check] = collections.deque(maxlen=self.config.recent)
         self._diagnoses: dict[str, str | None] = {}
         self._seen: dict[str, int] = {}
+        self._details_seen: set[str] = set()
+        """Backends that reported a cached-token count once: they run with the flag, and a usage
+        without one means nothing was cached (vLLM writes the field only when some was)."""
 
     # --- one check ---------------------------------------------------------------------------------
     def observe(
@@ -133,6 +137,10 @@ class PredictionChecks:
         engine_prompt = _int(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        if cached is not None:
+            self._details_seen.add(backend)
+        elif details is None and engine_prompt is not None and backend in self._details_seen:
+            cached = 0  # vLLM leaves prompt_tokens_details out when nothing was cached
         if cached is None:
             result = "no_usage"
         else:
@@ -242,11 +250,15 @@ class PredictionChecks:
                 f"prompt token counts differ from the engine's ({sample}): the router's tokenizer (or "
                 "chat template) is not the engine's, so its block keys cannot match"
             )
-        no_usage = [c for c in window if c.result == "no_usage"]  # usage without the cached count
+        # usage without the cached count although the router predicted cached blocks (vLLM leaves the
+        # count out when nothing was cached: with nothing predicted, both agree)
+        no_usage = [c for c in window if c.result == "no_usage" and c.predicted_tokens]
         if len(no_usage) >= need:
             return (
-                "the engine reports no cached-token counts: start vLLM with --enable-prompt-tokens-details "
-                "so the router can check its predictions"
+                "the engine reports no cached-token counts where the router predicted cached blocks: "
+                "it runs without --enable-prompt-tokens-details (start vLLM with it so the router can "
+                "check its predictions), or the router's index is stale (vLLM omits the count when "
+                "nothing was cached)"
             )
         # hits the engine's events never told us of (predict-on-route may have guessed them right)
         blind = [
@@ -263,10 +275,12 @@ class PredictionChecks:
                     f"the engine hits blocks whose events were lost ({streams.lost} batches lost so far): "
                     "configure kv_replay (vLLM's replay_endpoint) so gaps are recovered"
                 )
-            return size_note or (
-                "the engine hits blocks its events never announced although they arrive: the block "
-                "size or the block contents differ (block_size, LoRA adapters, cache_salt, tokenizer)"
-            )
+            # events arrive: a hit predict-on-route foresaw is a burst ahead of its events, not a fault
+            if len([c for c in blind if c.result == "under"]) >= need:
+                return size_note or (
+                    "the engine hits blocks its events never announced although they arrive: the block "
+                    "size or the block contents differ (block_size, LoRA adapters, cache_salt, tokenizer)"
+                )
         under = [c for c in window if c.result == "under"]
         if len(under) >= need:
             return (
@@ -298,11 +312,17 @@ class PredictionChecks:
         """Backends with a diagnosis."""
         return {b: d for b, d in self._diagnoses.items() if d}
 
-    def forget(self, backend: str) -> None:
-        """The backend left the fleet (its counters stay: they are cumulative)."""
+    def forget(self, backend: str, removed: bool = False) -> None:
+        """The backend left the fleet or re-joined; ``removed``: it left for good, and its counters
+        go too (pod churn names new backends at every rollout: kept, their series grew for good)."""
         self._windows.pop(backend, None)
         self._diagnoses.pop(backend, None)
         self._seen.pop(backend, None)
+        self._details_seen.discard(backend)
+        if removed:
+            for key in [k for k in self.counts if k[0] == backend]:
+                del self.counts[key]
+            self.mismatched_prompts.pop(backend, None)
 
 
 def _int(v: Any) -> int | None:
@@ -357,11 +377,33 @@ def _object_after(data: bytes, i: int) -> bytes | None:
     return None
 
 
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n")
+
+
+def sse_events(events: bytes) -> list[bytes]:
+    """Whole SSE events split into events each with its own end (``\\n\\n`` or ``\\r\\n\\r\\n``: both
+    are SSE; splitting on the first only read a CRLF stream's events as one)."""
+    parts = _EVENT_END.split(events)
+    ends = _EVENT_END.findall(events)
+    return [p + e for p, e in zip(parts, ends, strict=False)] + ([parts[-1]] if parts[-1] else [])
+
+
+def _data_json(event: bytes) -> bytes | None:
+    """The JSON object of an event that is one ``data:`` line (``data: {`` or ``data:{``)."""
+    body = event.rstrip(b"\r\n")
+    if body.startswith(b"data: {"):
+        return body[6:]
+    if body.startswith(b"data:{"):
+        return body[5:]
+    return None
+
+
 def usage_event(event: bytes) -> dict[str, Any] | None:
     """The usage of an SSE event that carries one (``data: {..., "usage": {...}}``)."""
-    if b'"usage"' not in event or not event.startswith(b"data: {"):
+    if b'"usage"' not in event:
         return None
-    return usage_in_json(event)
+    data = _data_json(event)
+    return usage_in_json(data) if data is not None else None
 
 
 def strip_usage(events: bytes) -> bytes:
@@ -371,10 +413,11 @@ def strip_usage(events: bytes) -> bytes:
     if b'"usage"' not in events:
         return events
     out = []
-    for event in events.split(b"\n\n"):
-        if b'"usage"' in event and event.startswith(b"data: {"):
+    for event in sse_events(events):
+        data = _data_json(event) if b'"usage"' in event else None
+        if data is not None:
             try:
-                obj = msgspec.json.decode(event[6:])
+                obj = msgspec.json.decode(data)
             except msgspec.DecodeError:
                 out.append(event)
                 continue
@@ -382,9 +425,10 @@ def strip_usage(events: bytes) -> bytes:
                 if obj.get("usage") is not None and not obj.get("choices"):
                     continue  # the usage event itself
                 del obj["usage"]
-                event = b"data: " + msgspec.json.encode(obj)
+                end = event[len(event.rstrip(b"\r\n")) :]
+                event = b"data: " + msgspec.json.encode(obj) + end
         out.append(event)
-    return b"\n\n".join(out)
+    return b"".join(out)
 
 
 __all__ = [
@@ -392,6 +436,7 @@ __all__ = [
     "ChecksConfig",
     "PredictionChecks",
     "StreamStats",
+    "sse_events",
     "strip_usage",
     "usage_event",
     "usage_in_json",

@@ -196,6 +196,8 @@ class RouterMetrics:
         r.register(_StateCollector(index, membership, loads))
         r.register(_TokenizerCollector(segment_caches))
         self.per_backend: dict[str, BackendCounters] = {}
+        self.departed = BackendCounters()
+        """What removed backends served (their own entries are dropped with them)."""
         self.total_requests = 0
         self.total_errors = 0
         self.started = time.time()
@@ -256,7 +258,13 @@ class RouterMetrics:
     def forget_backend(self, name: str) -> None:
         """Drop a removed backend's series: with pod churn (new names at every rollout) they would
         grow /metrics and memory without bound. (Prometheus sees the series end; rates stop.)"""
-        self.per_backend.pop(name, None)
+        gone = self.per_backend.pop(name, None)
+        if gone is not None:  # (the dashboard's totals since start keep what it served)
+            d = self.departed
+            d.requests += gone.requests
+            d.errors += gone.errors
+            d.prompt_tokens += gone.prompt_tokens
+            d.matched_tokens += gone.matched_tokens
         for series in self._lean:
             if "backend" not in series.labelnames:
                 continue
@@ -536,8 +544,9 @@ def dashboard_data(
     """The JSON the built-in dashboard polls (cumulative counters; the page derives rates)."""
     backends = []
     # totals over every backend ever routed to, so that a backend leaving does not lower them
-    total_prompt = sum(c.prompt_tokens for c in metrics.per_backend.values())
-    total_matched = sum(c.matched_tokens for c in metrics.per_backend.values())
+    counters = [*metrics.per_backend.values(), metrics.departed]
+    total_prompt = sum(c.prompt_tokens for c in counters)
+    total_matched = sum(c.matched_tokens for c in counters)
     all_loads = loads.all()
     for b in list(membership.members.values()):
         c = metrics.backend(b.name)
