@@ -377,6 +377,21 @@ def test_grafana_promql_parses(tmp_path: Path) -> None:
 # ---- container image -----------------------------------------------------------------------------
 
 
+def test_the_image_has_what_the_kubernetes_manifest_turns_on() -> None:
+    """The manifest enables pod discovery, which needs the `kubernetes` extra (lightkube): the image
+    installed the package without it, so every router pod stopped at start with a config error."""
+    manifest = (DEPLOY / "k8s" / "kvrouter.yaml").read_text()
+    assert "[membership.kubernetes]" in manifest and "enabled = true" in manifest
+    runs = " ".join(rest for w, rest in _dockerfile_instructions() if w == "RUN")
+    assert "pip install '.[kubernetes]'" in runs, runs
+
+
+def test_the_engine_manifests_report_cached_tokens() -> None:
+    """Without --enable-prompt-tokens-details the router's prediction checks see no usage at all."""
+    for path in (DEPLOY / "k8s" / "vllm.yaml", DEPLOY / "compose" / "docker-compose.yaml"):
+        assert "--enable-prompt-tokens-details" in path.read_text(), path
+
+
 def test_dockerfile_runs_unprivileged_with_a_healthcheck() -> None:
     instr = _dockerfile_instructions()
     words = [w for w, _ in instr]
