@@ -84,6 +84,7 @@ class KubeStandIn:
         self.requests: list[str] = []
         self.refuse = False  # answer 500 to everything (an outage)
         self.refuse_watches = False  # lists work, watches get 403 (RBAC without watch; a proxy)
+        self.fail_watches = 0  # the next this many watch requests get 500 (a blip of the API server)
         self.silent_watches = False
         """Watches are accepted, then nothing comes, past their timeout: a link that died without a
         FIN or RST (a control-plane node or a load balancer gone)."""
@@ -297,6 +298,10 @@ class KubeStandIn:
                 status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500}
                 return JSONResponse(status, status_code=500)
             selector = q.get("labelSelector", "")
+            if q.get("watch") in ("1", "true") and standin.fail_watches > 0:
+                standin.fail_watches -= 1
+                status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500}
+                return JSONResponse(status, status_code=500)
             if q.get("watch") in ("1", "true") and standin.refuse_watches:
                 status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403}
                 return JSONResponse(status, status_code=403)

@@ -348,6 +348,53 @@ def test_watches_refused_while_lists_work_back_off(standin: KubeStandIn, tmp_pat
     assert watcher.failures >= 4
 
 
+def test_a_watch_that_worked_backs_off_anew_when_it_fails(
+    standin: KubeStandIn, engines: dict[str, FakeEngine], tmp_path: Path
+) -> None:
+    """A failure after a watch that delivered events starts the backoff at backoff_s again; it
+    doubled over the router's whole life, so a few blips made every later one cost max_backoff_s."""
+    import asyncio
+
+    watcher = _watcher(standin, tmp_path, backoff_s=0.2, max_backoff_s=30.0)
+
+    async def scenario() -> list[float]:
+        watcher.start()
+        delays = []
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            for i in range(6):  # doubling would reach 0.2 * 2**5 = 6.4 s
+
+                def watching() -> bool:  # every list followed by its watch (the failed ones aside)
+                    w = sum("watch" in u for u in standin.requests)
+                    return w - watcher.failures >= len(standin.requests) - w >= 1
+
+                while not watching():
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                standin.add_pod(f"p{i}", ports(engines["e1"]))  # an event: the watch works
+                while watcher.events.get("ADDED", 0) <= i:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                lists = watcher.relists
+                failures = watcher.failures
+                standin.fail_watches = 1
+                standin.drop_watches()  # the stream ends; its resumption gets a 500
+                while watcher.failures == failures:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.005)
+                failed_at = time.monotonic()
+                while watcher.relists == lists:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.005)
+                delays.append(time.monotonic() - failed_at)
+        finally:
+            await watcher.stop()
+        return delays
+
+    delays = asyncio.run(scenario())
+    assert max(delays) < 3.0, delays  # each about backoff_s (plus a list), not 0.2 * 2**i
+
+
 def test_a_watch_that_goes_silent_is_relisted(
     standin: KubeStandIn, engines: dict[str, FakeEngine], tmp_path: Path
 ) -> None:

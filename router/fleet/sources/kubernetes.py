@@ -250,6 +250,8 @@ class PodWatcher:
         self.relists = 0
         self.failures = 0
         self.silences = 0
+        self._delivered = False
+        """The current watch delivered an event (then its failure starts the backoff anew)."""
         """Watches that went silent for watch_timeout_s + 30 s (then relisted; + watch_timeout_s
         when that is shorter)."""
         self.connected = False
@@ -389,6 +391,7 @@ class PodWatcher:
                 self.silences += 1
                 return
             self.connected = True
+            self._delivered = True
             seen = getattr(getattr(pod, "metadata", None), "resourceVersion", None)
             if seen:
                 self.resource_version = str(seen)
@@ -410,8 +413,9 @@ class PodWatcher:
                     client, self.namespace = self._client_factory()
                 version = await self._list(client)
                 self.connected = True
+                self._delivered = False
                 await self._watch(client, version)  # (returns when it went silent: relist)
-                backoff = self.cfg.backoff_s  # a watch that ran: the next failure backs off anew
+                backoff = self.cfg.backoff_s
                 continue
             except asyncio.CancelledError:
                 raise
@@ -430,6 +434,9 @@ class PodWatcher:
             except Exception as exc:  # connection refused, reset, bad kubeconfig, ...
                 self.connected = False
                 self._failed(f"{type(exc).__name__}: {exc}")
+            if self._delivered:  # the watch worked before it failed: this failure backs off anew
+                backoff = self.cfg.backoff_s
+                self._delivered = False
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.max_backoff_s)
 
