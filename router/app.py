@@ -159,6 +159,7 @@ class KVRouter:
                 self._apply_config,
                 watch=config.membership.watch_config,
                 interval_s=config.membership.watch_interval_s,
+                restore=self._restore_config_backends,
             )
         self.pods: PodWatcher | None = None
         if config.membership.kubernetes.enabled:
@@ -229,6 +230,14 @@ class KVRouter:
         self.config = msgspec.structs.replace(
             self.config, backends=new.backends, api_keys=new.api_keys, admin_keys=new.admin_keys
         )
+
+    def _restore_config_backends(self, cfg: RouterConfig) -> int:
+        """SIGHUP with the file unchanged: the backends it lists that the fleet lacks come back (an
+        admin DELETE undone); the others stay as they are (a drained one stays drained)."""
+        missing = [b for b in cfg.backends if self.membership.get(b.name) is None]
+        for b in missing:
+            self.membership.upsert(b, "config", "restored by a reload of the config file")
+        return len(missing)
 
     def request_reload(self) -> None:
         """SIGHUP: re-read the config file (soon, on the event loop)."""

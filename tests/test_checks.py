@@ -112,12 +112,18 @@ def test_no_false_diagnosis_from_cold_prompts_or_bursts_ahead_of_their_events() 
     burst = PredictionChecks(ChecksConfig(min_checks=10, window=20, threshold=0.5))
     burst.streams = lambda name: StreamStats(batches=100, connected=True)
     hit = {"prompt_tokens": 176, "prompt_tokens_details": {"cached_tokens": 160}}
-    for _ in range(20):
-        assert burst.observe("a", 0, "completions", 176, 16, {"PREDICTED": 10}, hit).result == "exact"
+    for i in range(20):  # bursts ahead of their events; events confirm the earlier prefixes
+        blocks = {"GPU": 10} if i % 4 == 0 else {"PREDICTED": 10}
+        assert burst.observe("a", 0, "completions", 176, 16, blocks, hit).result == "exact"
     assert burst.diagnosis("a") is None
     for _ in range(20):  # the engine hits what nothing foresaw, though events arrive: a fault
         burst.observe("a", 0, "completions", 176, 16, {}, hit)
     assert "block contents differ" in (burst.diagnosis("a") or "")
+    masked = PredictionChecks(ChecksConfig(min_checks=10, window=20, threshold=0.5))
+    masked.streams = lambda name: StreamStats(batches=100, connected=True)
+    for _ in range(20):  # steady traffic: fresh predictions always right, events never confirm one
+        masked.observe("a", 0, "completions", 176, 16, {"PREDICTED": 10}, hit)
+    assert "block contents differ" in (masked.diagnosis("a") or "")
 
 
 def test_a_diagnosis_needs_a_systematic_problem() -> None:

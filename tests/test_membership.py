@@ -179,9 +179,10 @@ def test_counts_and_lora_and_models() -> None:
 def test_sighup_restores_what_the_admin_api_deleted_even_when_the_file_did_not_change(
     tmp_path: Path,
 ) -> None:
-    """An operator's reload applies the file as it is; it used to be skipped as "unchanged", so a
-    backend the file lists stayed deleted until someone edited the file. A reload the file watch
-    starts still applies only a change."""
+    """An operator's reload of an unchanged file restores the backends it lists that the fleet
+    lacks; it used to be skipped as "unchanged", so a backend the file lists stayed deleted until
+    someone edited the file. It readmits nothing else (a backend drained for maintenance stays
+    drained), and a reload the file watch starts applies only a change."""
     from router.config import load_config
     from router.fleet.sources.configfile import ConfigWatcher
 
@@ -193,12 +194,22 @@ def test_sighup_restores_what_the_admin_api_deleted_even_when_the_file_did_not_c
     ms, _, _ = setup()
     cfg = load_config(path)
     ms.reconcile("config", cfg.backends)
-    watcher = ConfigWatcher(path, cfg, lambda new: ms.reconcile("config", new.backends, "reloaded"))
+
+    def restore(new: Any) -> int:  # (what KVRouter._restore_config_backends does)
+        missing = [b for b in new.backends if ms.get(b.name) is None]
+        for b in missing:
+            ms.upsert(b, "config", "restored")
+        return len(missing)
+
+    watcher = ConfigWatcher(
+        path, cfg, lambda new: ms.reconcile("config", new.backends, "reloaded"), restore=restore
+    )
 
     async def scenario() -> None:
         watcher.start()
         try:
             ms.drain("a", remove=True, reason="DELETE /admin/backends/a")
+            ms.drain("b", remove=False, reason="POST /admin/backends/b/drain")  # maintenance
             ms.tick(lambda m: 0, lambda m: True)
             assert sorted(ms.members) == ["b"]
             watcher.request()  # what SIGHUP does
@@ -211,7 +222,10 @@ def test_sighup_restores_what_the_admin_api_deleted_even_when_the_file_did_not_c
 
     asyncio.run(scenario())
     assert sorted(ms.members) == ["a", "b"]
+    b = ms.get("b")
+    assert b is not None and b.state == "draining"  # the drain for maintenance holds
     assert watcher.reload() is False and watcher.results["unchanged"] == 1  # (the watch's kind)
+    assert watcher.reload(asked=True) is False and watcher.results["unchanged"] == 2  # nothing missing
 
 
 def test_a_rejoin_for_new_event_endpoints_keeps_the_engines_running_requests() -> None:

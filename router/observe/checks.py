@@ -275,8 +275,11 @@ class PredictionChecks:
                     f"the engine hits blocks whose events were lost ({streams.lost} batches lost so far): "
                     "configure kv_replay (vLLM's replay_endpoint) so gaps are recovered"
                 )
-            # events arrive: a hit predict-on-route foresaw is a burst ahead of its events, not a fault
-            if len([c for c in blind if c.result == "under"]) >= need:
+            # events arrive: a hit predict-on-route foresaw is a burst ahead of its events, not a
+            # fault, while some of the window's checks are confirmed by events; none ever is when
+            # the keys differ (steady traffic keeps predictions fresh enough to hide that otherwise)
+            unforeseen = [c for c in blind if c.result == "under"]
+            if len(unforeseen) >= need or not any(c.confirmed_tokens for c in window):
                 return size_note or (
                     "the engine hits blocks its events never announced although they arrive: the block "
                     "size or the block contents differ (block_size, LoRA adapters, cache_salt, tokenizer)"

@@ -41,13 +41,17 @@ class ConfigWatcher:
         apply: Callable[[RouterConfig], None],
         watch: bool = True,
         interval_s: float = 2.0,
+        restore: Callable[[RouterConfig], int] | None = None,
     ) -> None:
+        """``restore``: what an operator's reload of an unchanged file does (re-add the backends it
+        lists that the fleet lacks: an admin DELETE undone; how many); None re-applies it whole."""
         self.path = Path(path)
         try:  # what a reload compares with: the file and environment, without command-line flags
             self.current = with_overrides(load_config(self.path), **env_overrides())
         except ConfigError:
             self.current = current
         self.apply = apply
+        self.restore = restore
         self.watch = watch
         self.interval_s = interval_s
         self.results: dict[str, int] = {"applied": 0, "rejected": 0, "unchanged": 0}
@@ -89,9 +93,17 @@ class ConfigWatcher:
         ]
         if ignored:
             log.warning("config reload: changes to %s take effect at the next restart", ", ".join(ignored))
-        if not asked and all(getattr(new, f) == getattr(self.current, f) for f in _LIVE):
-            self.results["unchanged"] += 1
-            return False
+        if all(getattr(new, f) == getattr(self.current, f) for f in _LIVE):
+            # unchanged: an operator's reload restores what the admin API deleted, and nothing else
+            # (re-applied whole, it also readmitted a backend drained for maintenance)
+            restored = self.restore(new) if asked and self.restore is not None else 0
+            if not restored and not (asked and self.restore is None):
+                self.results["unchanged"] += 1
+                return False
+            if restored:
+                self.results["applied"] += 1
+                log.info("config reload: %d backend(s) the file lists restored", restored)
+                return True
         self.apply(new)
         self.current = new
         self.results["applied"] += 1
