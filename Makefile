@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck unit bench fuzz fuzz-http fuzz-kv soak clean
 
-$(STAMP): pyproject.toml
+# (the C core is built by the install: a changed source is rebuilt by the next make)
+$(STAMP): pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrecv.h
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

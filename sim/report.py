@@ -155,6 +155,9 @@ def _cells(row: Row) -> list[str]:
     name = row.label or row.policy
     if row.errors:
         name += f" ({row.errors} errors)"
+    skipped = row.extra.get("skipped", 0) if isinstance(row.extra, dict) else 0
+    if skipped:  # (past the run's deadline: its ratios are over fewer requests than the bound's)
+        name += f" ({skipped} skipped at the deadline)"
     return [
         name,
         f"{row.hit_ratio:.3f}",

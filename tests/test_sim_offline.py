@@ -162,3 +162,12 @@ def test_chat_workload_through_the_toy_tokenizer(tmp_path: Path) -> None:
     assert len({len(line) for line in lines[1:4]}) == 1  # aligned columns
     assert markdown(rows).count("\n") == 3
     assert b'"ratio_to_bound"' in to_json(rows, {"x": 1})
+
+
+def test_the_table_says_when_requests_were_skipped_at_the_deadline() -> None:
+    """Past the run's deadline a policy's ratios are over fewer requests than the bound's: the
+    count was in the JSON only, and the table read as if every request had run."""
+    from sim.report import Row
+
+    text = table([Row(policy="kv", requests=10, extra={"skipped": 3}), Row(policy="random", requests=10)])
+    assert "kv (3 skipped at the deadline)" in text and "random (" not in text
