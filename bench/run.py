@@ -12,6 +12,7 @@ needs ``wrk`` (skipped with a message when it is missing).
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,12 @@ def main() -> int:
         help="the service benchmark also times new containers of the image this command runs "
         "({config} for the fleet file; see bench/service_bench.py)",
     )
+    ap.add_argument(
+        "--service-args",
+        default="",
+        help="more arguments for bench/service_bench.py, as one string given with '=' (the published "
+        "runs: --service-args='--lookups 300 --startup-rounds 9 --kvrouter VENV/bin/kvrouter --json F')",
+    )
     args = ap.parse_args()
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
     py = sys.executable
@@ -44,6 +51,7 @@ def main() -> int:
         cmd = [py, "bench/service_bench.py", *(["--quick"] if args.quick else [])]
         cmd += ["--dynamo", args.dynamo] if args.dynamo else []
         cmd += ["--container", args.container] if args.container else []
+        cmd += shlex.split(args.service_args)
         plan.append(("service", cmd))
         quick = ["--blocks", "200000"] if args.quick else []
         plan.append(("remove", [py, "bench/remove_bench.py", *quick]))
