@@ -28,7 +28,6 @@ log = logging.getLogger("kvrouter.config")
 
 LIVE_FIELDS = ("backends", "api_keys", "admin_keys")
 """What a reload applies (the other settings need a restart)."""
-_LIVE = LIVE_FIELDS
 
 
 class ConfigWatcher:
@@ -44,7 +43,7 @@ class ConfigWatcher:
         restore: Callable[[RouterConfig], int] | None = None,
     ) -> None:
         """``restore``: what an operator's reload of an unchanged file does (re-add the backends it
-        lists that the fleet lacks: an admin DELETE undone; how many); None re-applies it whole."""
+        lists that the fleet lacks: an admin DELETE undone; how many); None: such a reload changes nothing."""
         self.path = Path(path)
         try:  # what a reload compares with: the file and environment, without command-line flags
             self.current = with_overrides(load_config(self.path), **env_overrides())
@@ -89,21 +88,20 @@ class ConfigWatcher:
         ignored = [
             f
             for f in RouterConfig.__struct_fields__
-            if f not in _LIVE and getattr(new, f) != getattr(self.current, f)
+            if f not in LIVE_FIELDS and getattr(new, f) != getattr(self.current, f)
         ]
         if ignored:
             log.warning("config reload: changes to %s take effect at the next restart", ", ".join(ignored))
-        if all(getattr(new, f) == getattr(self.current, f) for f in _LIVE):
+        if all(getattr(new, f) == getattr(self.current, f) for f in LIVE_FIELDS):
             # unchanged: an operator's reload restores what the admin API deleted, and nothing else
             # (re-applied whole, it also readmitted a backend drained for maintenance)
             restored = self.restore(new) if asked and self.restore is not None else 0
-            if not restored and not (asked and self.restore is None):
+            if not restored:
                 self.results["unchanged"] += 1
                 return False
-            if restored:
-                self.results["applied"] += 1
-                log.info("config reload: %d backend(s) the file lists restored", restored)
-                return True
+            self.results["applied"] += 1
+            log.info("config reload: %d backend(s) the file lists restored", restored)
+            return True
         self.apply(new)
         self.current = new
         self.results["applied"] += 1
