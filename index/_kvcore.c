@@ -1695,12 +1695,33 @@ static const uint8_t *parse_ids(const uint8_t *p, const uint8_t *end, u64 **out,
         if (p >= end || *p < '0' || *p > '9') goto none;
         if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') goto none; /* leading zero */
         u64 x = 0;
-        const uint8_t *first = p;
-        while (p < end && (unsigned)(*p - '0') < 10 && p - first < 19) x = x * 10 + (u64)(*p++ - '0');
-        if (p < end && (unsigned)(*p - '0') < 10) { /* a 20th digit: may overflow */
-            u64 d = (u64)(*p++ - '0');
-            if (__builtin_mul_overflow(x, 10, &x) || __builtin_add_overflow(x, d, &x)) goto none;
-            if (p < end && (unsigned)(*p - '0') < 10) goto none;
+        int nd = 0;
+        if (end - p >= 8) {
+            /* up to 7 digits (every token id of a real vocabulary) in a few word operations, no
+             * branch per digit: the digit bytes are those whose high nibble is 3 before and after
+             * adding 6; the first other byte ends the number (little-endian: the lowest byte is
+             * the first character) */
+            u64 w;
+            memcpy(&w, p, 8);
+            u64 hi = 0xF0F0F0F0F0F0F0F0ULL, threes = 0x3030303030303030ULL;
+            u64 other = ((w & hi) ^ threes) | (((w + 0x0606060606060606ULL) & hi) ^ threes);
+            nd = other ? __builtin_ctzll(other) >> 3 : 8;
+            if (nd < 8) { /* (8 or more digits: the loop below) */
+                u64 v = (w & 0x0F0F0F0F0F0F0F0FULL) << (8 * (8 - nd)); /* zero digits in front */
+                v = (v * 2561) >> 8;
+                v = ((v & 0x00FF00FF00FF00FFULL) * 6553601) >> 16;
+                x = ((v & 0x0000FFFF0000FFFFULL) * 42949672960001ULL) >> 32;
+                p += nd;
+            }
+        }
+        if (nd == 0 || nd == 8) {
+            const uint8_t *first = p;
+            while (p < end && (unsigned)(*p - '0') < 10 && p - first < 19) x = x * 10 + (u64)(*p++ - '0');
+            if (p < end && (unsigned)(*p - '0') < 10) { /* a 20th digit: may overflow */
+                u64 d = (u64)(*p++ - '0');
+                if (__builtin_mul_overflow(x, 10, &x) || __builtin_add_overflow(x, d, &x)) goto none;
+                if (p < end && (unsigned)(*p - '0') < 10) goto none;
+            }
         }
         if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) goto none;
         if (n == cap) {

@@ -111,3 +111,38 @@ def test_remapped_engine_hashes_settle_in_order() -> None:
     assert store.key_of(s, 2) == 41 and 40 not in store._media[0]
     assert store.refcount(s, 41) == 1 and store.total == 4
     assert list(store._emaps[s]) == [1, 2, 3, 4]  # insertion order (the eviction order) kept
+
+
+def test_token_id_arrays_parse_as_msgspec_decodes_them() -> None:
+    """``_kvcore.json_ids`` (``/route``'s token-id prompts: index/_kvcore.c ``parse_ids``, up to 7
+    digits per word operation) gives msgspec's ids whenever it answers, and answers every plain
+    array; for anything else (a sign, a fraction, a leading zero, an id past 2^64 - 1, broken JSON)
+    it says None and the request takes msgspec's path."""
+    import random
+
+    from index._kvcore import json_ids
+
+    rng = random.Random(11)
+    for _ in range(20_000):
+        ids = [
+            rng.choice([0, 9, 31_999, 10**7 - 1, 10**8, 10**9 + 7, 2**64 - 1, rng.randrange(2**64)])
+            for _ in range(rng.randrange(1, 40))
+        ]
+        text = "[" + ",".join(rng.choice(["", " ", "\n"]) + str(i) + rng.choice(["", " "]) for i in ids) + "]"
+        mutated = rng.random() < 0.3
+        if mutated:
+            at = rng.randrange(len(text))
+            bit = rng.choice(["0", "-", ".", "e", "a", " ", ",", "]", "00", "1.5", "9", "99999999999"])
+            text = text[:at] + bit + text[at:]
+        raw = text.encode()
+        try:
+            want = msgspec.json.decode(raw)
+            plain = isinstance(want, list) and bool(want)
+            plain = plain and all(type(x) is int and 0 <= x < 2**64 for x in want)
+        except msgspec.DecodeError:
+            plain = False
+        got = json_ids(raw)
+        if got is not None:
+            assert plain and memoryview(got).cast("Q").tolist() == want, raw
+        else:
+            assert mutated, raw
