@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: demo test lint typecheck unit bench fuzz fuzz-http fuzz-kv soak clean
 
 # (the C core is built by the install: a changed source is rebuilt by the next make)
-$(STAMP): pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrecv.h
+$(STAMP): pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrecv.h router/decision/_explain.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

@@ -1,4 +1,5 @@
-"""The compiled index core (index/_kvcore.c), built with the machine's C compiler at install time;
+"""The compiled index core (index/_kvcore.c) and the /route decision kernel
+(router/decision/_explain.c), built with the machine's C compiler at install time;
 everything else is declared in pyproject.toml."""
 
 from setuptools import Extension, setup
@@ -17,6 +18,12 @@ setup(
                 "-Wextra",
                 "-Wno-unused-parameter",
             ],
-        )
+        ),
+        Extension(
+            "router.decision._explain",
+            sources=["router/decision/_explain.c"],
+            # no fused multiply-add: the scores round exactly as Python's arithmetic does
+            extra_compile_args=["-O2", "-std=gnu11", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        ),
     ]
 )

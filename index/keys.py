@@ -254,16 +254,17 @@ def prompt_keys_both(
 ) -> tuple[list[int], bytes]:
     """:func:`prompt_keys` as a list and as the raw uint64 buffer the store's lookup takes (one C
     pass over the token list: no numpy on the request path)."""
-    raw = _prompt_keys_raw(tokens, block_size, lora_name, extra_keys)
+    raw = prompt_keys_raw(tokens, block_size, lora_name, extra_keys)
     return memoryview(raw).cast("Q").tolist(), raw
 
 
-def _prompt_keys_raw(
+def prompt_keys_raw(
     tokens: Sequence[int],
     block_size: int,
     lora_name: str | None,
     extra_keys: dict[int, Sequence[Any]] | None,
 ) -> bytes:
+    """:func:`prompt_keys` as the raw uint64 buffer the store's lookup takes (no Python ints)."""
     extras = None
     if extra_keys:
         extras = [(i, extra_hash(items)) for i, items in extra_keys.items() if items]
@@ -289,7 +290,7 @@ def prompt_keys(
     ``extra_keys`` maps a block index to that block's extra key items (e.g. ``{0: [cache_salt]}``).
     Raises ValueError for token ids outside 0..2^64-1.
     """
-    return memoryview(_prompt_keys_raw(tokens, block_size, lora_name, extra_keys)).cast("Q").tolist()
+    return memoryview(prompt_keys_raw(tokens, block_size, lora_name, extra_keys)).cast("Q").tolist()
 
 
 def unknown_root(sidx: int, parent: int) -> int:

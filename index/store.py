@@ -232,19 +232,40 @@ class PrefixStore:
                 for sidx, b in zip(candidates, blocks, strict=True)
                 if sidx < nsrc and (source := sources[sidx]) is not None
             ]
-        names = self._media_names
         out = []
         for sidx, b, off in zip(candidates, blocks, offs, strict=True):
             source = sources[sidx] if sidx < nsrc else None
             if source is None:
                 continue
-            by_medium = {"GPU": b}
-            for midx, c in enumerate(off):
-                if c:
-                    by_medium[names[midx]] = c
-                    by_medium["GPU"] -= c
-            out.append(SourceMatch(source, b, by_medium))
+            out.append(SourceMatch(source, b, self._by_medium(b, off)))
         return out
+
+    def _by_medium(self, blocks: int, off: Sequence[int]) -> dict[str, int]:
+        """A match's blocks by medium from the lookup's per-medium counts (GPU keeps the rest)."""
+        names = self._media_names
+        by_medium = {"GPU": blocks}
+        for midx, c in enumerate(off):
+            if c:
+                by_medium[names[midx]] = c
+                by_medium["GPU"] -= c
+        return by_medium
+
+    def lookup_counts(
+        self, keys: Sequence[int] | Any, candidates: Sequence[int]
+    ) -> tuple[list[int], list[dict[str, int] | None] | None]:
+        """:meth:`lookup` as lists aligned with ``candidates``: blocks (-1 for a source removed
+        meanwhile) and, when some block is on another medium than GPU, each one's blocks by medium
+        (None where all are on GPU). No :class:`SourceMatch` objects (``/route``'s fast path)."""
+        blocks, offs = self._core.lookup(keys, candidates)
+        sources = self._sources
+        nsrc = len(sources)
+        for j, sidx in enumerate(candidates):
+            if sidx >= nsrc or sources[sidx] is None:
+                blocks[j] = -1
+        if offs is None:
+            return blocks, None
+        media = [self._by_medium(b, off) if any(off) else None for b, off in zip(blocks, offs, strict=True)]
+        return blocks, media
 
     def holders(self, key: int) -> dict[SourceId, list[str]]:
         """Which sources hold one key, on which media (debugging and tests)."""

@@ -386,6 +386,9 @@ class KVRouter:
         if body is None:
             return None
         endpoint, session = self._route_args(body, query, headers)
+        answer = self.service.explain_json_now(endpoint, body, session=session)
+        if answer is not None:
+            return answer
         decided = self.service.explain_now(endpoint, body, session=session)
         return decided.explain_json() if decided is not None else None
 

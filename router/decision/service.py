@@ -18,8 +18,9 @@ import msgspec
 from index.keys import TokenBuffer
 from index.kvindex import KVIndex, MatchReport
 from index.store import SourceMatch
+from router.decision._explain import explain_kv
 from router.decision.pd import PDPlan, PDPlanner
-from router.decision.policy import Candidate, CandidateScore, Decision, Policy, explain
+from router.decision.policy import Candidate, CandidateScore, Decision, Policy, PolicyConfig, explain
 from router.decision.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
 from router.fleet.breaker import Breakers
 from router.fleet.load import LoadTracker
@@ -94,6 +95,21 @@ class Route(RouteView):
         """Targets from best to worst score, the chosen one first (for failover)."""
         rest = sorted((c for c in self.candidates if not c.chosen), key=lambda c: c.score)
         return [(self.backend, self.dp_rank)] + [(c.backend, c.dp_rank) for c in rest]
+
+
+def kernel_weights(cfg: PolicyConfig) -> tuple[float | int, ...]:
+    """The policy's weights in the order router/decision/_explain.c reads them."""
+    return (
+        cfg.gpu_credit,
+        cfg.cpu_credit,
+        cfg.storage_credit,
+        cfg.predicted_credit,
+        cfg.min_match_blocks,
+        cfg.min_match_ratio,
+        cfg.load_weight,
+        cfg.decode_weight,
+        cfg.waiting_weight,
+    )
 
 
 def validate_body(endpoint: Endpoint, body: Any) -> str:
@@ -173,6 +189,11 @@ class RouterService:
         """Session pins (``[cluster] session_header``), applied after the policy (router/cluster)."""
         self.unseen: UnseenPeers | None = None
         """Other replicas' concurrent decisions, assumed as load (router/cluster/unseen.py)."""
+        self._view: tuple[int, list[Member], list[tuple[str, int]], list[bytes], list[int]] | None = None
+        """:meth:`explain_json_now`'s targets, their names in JSON and their ranks, for the candidates
+        it last saw (membership version, members): the same list of members while nothing changes."""
+        self._params_for: PolicyConfig | None = None
+        self._params: tuple[float | int, ...] = ()
 
     def candidates_for(self, model: str) -> list[Member]:
         """Members that may take a request for a model now (ready, healthy, not ejected by their
@@ -234,6 +255,91 @@ class RouterService:
         if tokens is None:
             return None
         return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session, backends)
+
+    def explain_json_now(
+        self, endpoint: Endpoint, body: dict[str, Any], *, session: int | None = None
+    ) -> bytes | None:
+        """:meth:`explain_now`'s answer as ``/route`` writes it, scored and written by compiled code
+        (router/decision/_explain.c) when the decision is the plain kv policy's: one router alone
+        (no assumed load from other replicas), no session pin, no P/D pools, temperature 0, no
+        debug log of every route. None otherwise, and for any
+        body :meth:`explain_now` would not answer now: the caller then takes that (Python) path.
+        The answer is the same bytes (tests/test_explain_kernel.py); building the candidates'
+        Python objects cost most of a lookup in the running service (BENCHMARKS.md, issue 11)."""
+        policy = self.policy
+        cfg = policy.config
+        if (
+            cfg.name != "kv"
+            or cfg.temperature > 0
+            or self.unseen is not None
+            or (session is not None and self.affinity is not None)
+            or log.isEnabledFor(logging.DEBUG)
+        ):
+            return None
+        t0 = time.perf_counter()
+        model = validate_body(endpoint, body)
+        backends = self.candidates_for(model)  # (the same checks, in the same order, as explain_now)
+        try:
+            tokens = self.tokenizer.tokenize_now(endpoint, body, model)
+        except TokenizerError as exc:
+            raise bad_request(str(exc)) from None
+        if tokens is None or self._disaggregated(model):
+            return None
+        t1 = time.perf_counter()
+        view = self._view
+        version = self.membership.version
+        if (
+            view is None
+            or view[0] != version
+            or len(view[1]) != len(backends)
+            or any(a is not b for a, b in zip(view[1], backends, strict=True))
+        ):
+            targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
+            view = self._view = (
+                version,
+                backends,
+                targets,
+                [msgspec.json.encode(t[0]) for t in targets],
+                [t[1] for t in targets],
+            )
+        _, _, targets, tnames, ranks = view
+        cache_salt = body.get("cache_salt")
+        lora_name = self.membership.lora_name(model)
+        try:
+            counts = self.index.match_counts(tokens, targets, lora_name=lora_name, cache_salt=cache_salt)
+            if counts is None:  # predictions, several block sizes: the report's path
+                report = self.index.match(tokens, targets, lora_name=lora_name, cache_salt=cache_salt)
+                block_size = report.block_size
+                matched = [(m.blocks if (m := report.matches.get(t)) else 0) for t in targets]
+                media: list[dict[str, int] | None] = [
+                    (m.by_medium if (m := report.matches.get(t)) else {}) for t in targets
+                ]
+            else:
+                block_size, matched, media = counts
+        except ValueError as exc:
+            raise bad_request(f"invalid prompt token ids: {exc}") from None
+        t2 = time.perf_counter()
+        get_load = self.loads.get
+        loads = [get_load(t) for t in targets]
+        if self._params_for is not cfg:
+            self._params_for = cfg
+            self._params = kernel_weights(cfg)
+        head = b'{"model":%s,"endpoint":"%s",' % (msgspec.json.encode(model), endpoint.encode())
+        answer: bytes = explain_kv(
+            head,
+            tnames,
+            ranks,
+            matched,
+            media,
+            loads,
+            (len(tokens), len(tokens) // block_size, block_size, *self._params),
+            policy.rng,
+            msgspec.json.encode,
+            t0,
+            t1,
+            t2,
+        )
+        return answer
 
     def _servable_model(self, endpoint: Endpoint, body: dict[str, Any]) -> str:
         """The body's model, validated; 404 / 503 when no backend may take it, before any tokenizing
@@ -358,15 +464,21 @@ class RouterService:
         """(prefill pool, decode pool) candidates when the model has prefill-role engines (in any
         state: with all of them down it is still disaggregated, its prefill legs skipped), else None.
         A fleet without prefill engines pays one version check."""
-        if self._prefill_version != self.membership.version:
-            self._prefill_version = self.membership.version
-            self._prefill_members = [m for m in self.membership.members.values() if m.spec.role == "prefill"]
-        if not any(m.serves(model) for m in self._prefill_members):
+        if not self._disaggregated(model):
             return None
         roles = {b.name: b.spec.role for b in backends}
         prefill = [c for c in cands if roles[c.backend] == "prefill"]
         decode = [c for c in cands if roles[c.backend] != "prefill"]
         return prefill, decode
+
+    def _disaggregated(self, model: str) -> bool:
+        """The model has prefill-role engines (P/D pools); one version check for a fleet without."""
+        if self.pd is None:
+            return False
+        if self._prefill_version != self.membership.version:
+            self._prefill_version = self.membership.version
+            self._prefill_members = [m for m in self.membership.members.values() if m.spec.role == "prefill"]
+        return any(m.serves(model) for m in self._prefill_members)
 
     def uncached_tokens(self, route: Route, target: tuple[str, int]) -> int:
         """Prompt tokens the target still has to compute (for the load tracker)."""
