@@ -92,6 +92,7 @@ def _kernel(
         params,
         rng,
         msgspec.json.encode,
+        lambda: times[2],
         *times,
     )
     return answer, rng.getstate()
@@ -140,7 +141,7 @@ def _fleet(rng: random.Random) -> tuple[PolicyConfig, dict[str, Any]]:
         waiting: float = rng.choice([0.0, 0.0, 1.0, 2.5, 3.0, rng.uniform(0, 50), 1e-6, 3e17])
         if rng.random() < 0.1:
             waiting = int(waiting)  # (scraped gauges are floats; tests and peers may give ints)
-        pending = rng.choice([0, 0, 16, 100, 1000, rng.randrange(0, 200_000), 10**17])
+        pending = rng.choice([0, 0, 16, 100, 1000, rng.randrange(0, 200_000), 10**17, 2**53 + 1, 10**17 + 3])
         loads.append(TargetLoad(active=active, pending_prefill_tokens=pending, engine_waiting=waiting))
     if rng.random() < 0.3:  # everything level: ties for the random tie-break
         loads = [TargetLoad() for _ in range(n)]
@@ -192,6 +193,73 @@ def test_the_timings_are_written_as_python_rounds_them() -> None:
         assert found is not None
         assert found.group(1).decode() == repr(round((t1 - t0) * 1e6, 1)), (a, found.group(1))
         assert found.group(2).decode() == "0.0"
+
+
+def test_an_int_load_past_2_53_divides_as_python_divides_it() -> None:
+    """``pending / block_size`` with an int a double cannot hold: Python rounds the quotient once;
+    converting the int first would round twice (a different queue, score and choice)."""
+    cfg = PolicyConfig(load_weight=0.25)
+    for pending in (2**53 + 1, 10**17 + 3, 3 * 10**18 + 7, 2**70 + 1):
+        fleet = {
+            "names": ["a", "b"],
+            "ranks": [0, 0],
+            "matched": [0, 0],
+            "media": [None, None],
+            "loads": [
+                TargetLoad(pending_prefill_tokens=pending),
+                TargetLoad(pending_prefill_tokens=pending - 1),
+            ],
+            "prompt_tokens": 30,
+            "block_size": 3,
+        }
+        want, _ = _python(cfg, 1, **fleet)
+        got, _ = _kernel(cfg, 1, **fleet)
+        assert _VOLATILE.sub(b"", got) == _VOLATILE.sub(b"", want), pending
+
+
+def test_callbacks_that_change_the_inputs_do_not_crash_the_kernel() -> None:
+    """rng.choice and encode are Python calls: the kernel holds its own references across them."""
+    names = [msgspec.json.encode(f"e{i}") for i in range(4)]
+    ranks, matched, media = [0] * 4, [0] * 4, [None] * 4
+    loads = [TargetLoad() for _ in range(4)]
+
+    class Clearing(random.Random):
+        def choice(self, seq: Any) -> Any:
+            names.clear()
+            ranks.clear()
+            matched.clear()
+            loads.clear()
+            return seq[-1]
+
+    params = (32, 2, 16, *kernel_weights(PolicyConfig()))
+    args = (names, ranks, matched, media, loads, params, Clearing(1), msgspec.json.encode, lambda: 0.0)
+    answer = explain_kv(b"{", *args, 0.0, 0.0, 0.0)
+    assert msgspec.json.decode(b'{"model":"m",' + answer[1:])["backend"] == "e3"
+    by = {"x\u00e9": 1, "GPU": 1}
+
+    def clearing_encode(obj: Any) -> bytes:
+        by.clear()
+        for _ in range(100):
+            [object() for _ in range(10)]
+        return msgspec.json.encode(obj)
+
+    params = (32, 2, 16, *kernel_weights(PolicyConfig()))
+    answer = explain_kv(
+        b"{",
+        [b'"a"'],
+        [0],
+        [2],
+        [by],
+        [TargetLoad()],
+        params,
+        random.Random(1),
+        clearing_encode,
+        lambda: 0.0,
+        0.0,
+        0.0,
+        0.0,
+    )
+    assert b'"blocks_by_medium":{"x\xc3\xa9":1}' in answer  # (the rest of the dict went meanwhile)
 
 
 def test_the_kernel_refuses_inconsistent_inputs() -> None:

@@ -183,13 +183,13 @@ static int round_to(double x, int digits, double *out) {
     return 0;
 }
 
-/* round(x, digits) written as repr() writes it (the timings): k / 10^digits for the nearest k,
- * computed directly when x * 10^digits is far from a tie (then its rounding error, below 1e-6 for
- * |x| < 1e9, cannot change k; the double nearest k / 10^digits reads as exactly those digits);
- * CPython's conversions otherwise */
+/* round(x, digits) written as repr() writes it (the timings): for one digit and 0 <= x < 1e9, k / 10
+ * for the nearest k, computed directly when x * 10 is far from a tie (its rounding error, below
+ * 1e-6 there, cannot change k; the double nearest k / 10 reads as exactly those digits); CPython's
+ * conversions otherwise (-0.0 keeps its sign there) */
 static int put_rounded(Buf *b, double x, int digits, PyObject *encode) {
     static const double p10[] = {1, 10, 100, 1000};
-    if (digits >= 1 && digits <= 3 && x >= 0 && x < 1e9) {
+    if (digits == 1 && !signbit(x) && x < 1e9) {
         double y = x * p10[digits], f = y - floor(y);
         if (fabs(f - 0.5) > 1e-6) {
             long long k = (long long)floor(y + 0.5), ip = k / (long long)p10[digits];
@@ -266,7 +266,7 @@ static int put_key(Buf *b, PyObject *k, PyObject *encode) {
     return put_encoded(b, encode, k);
 }
 
-static double now_s(clockid_t clock) {
+static double now_s(clockid_t clock) { /* (the timestamp: time.time()'s clock) */
     struct timespec ts;
     clock_gettime(clock, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
@@ -303,7 +303,7 @@ typedef struct {
     PyObject *waiting_obj;
 } Score;
 
-/* explain_kv(head, names, ranks, matched, media, loads, params, rng, encode, t0, t1, t2) -> bytes
+/* explain_kv(head, names, ranks, matched, media, loads, params, rng, encode, clock, t0, t1, t2) -> bytes
  *
  * head: the JSON of '{"model":...,"endpoint":...,' (the caller encodes the request's strings);
  * names[i]: the JSON string of target i's backend; ranks, matched: its DP rank and matched blocks;
@@ -312,34 +312,39 @@ typedef struct {
  * loads[i]: its TargetLoad; params: (prompt_tokens, prompt_blocks, block_size, gpu_credit,
  * cpu_credit, storage_credit, predicted_credit, min_match_blocks, min_match_ratio, load_weight,
  * decode_weight, waiting_weight); rng: the policy's random.Random (its choice() breaks ties, as
- * Policy._pick calls it); t0, t1, t2: perf_counter() at the decision's start, after tokenizing,
- * after matching. */
+ * Policy._pick calls it); clock: time.perf_counter; t0, t1, t2: its readings at the decision's
+ * start, after tokenizing, after matching. */
 static PyObject *explain_kv(PyObject *self, PyObject *args) {
-    PyObject *head, *names, *ranks, *matchedl, *media, *loads, *rng, *encode;
+    PyObject *head, *lists[5], *rng, *encode, *clock;
     long long prompt_tokens, prompt_blocks, block_size, min_blocks_cfg;
     double gpu, cpu, storage, predicted, min_ratio_cfg, load_weight, decode_weight, waiting_weight;
     double t0, t1, t2;
-    if (!PyArg_ParseTuple(args, "SO!O!O!O!O!(LLLddddLdddd)OOddd", &head, &PyList_Type, &names, &PyList_Type,
-                          &ranks, &PyList_Type, &matchedl, &PyList_Type, &media, &PyList_Type, &loads,
+    if (!PyArg_ParseTuple(args, "SO!O!O!O!O!(LLLddddLdddd)OOOddd", &head, &PyList_Type, &lists[0], &PyList_Type,
+                          &lists[1], &PyList_Type, &lists[2], &PyList_Type, &lists[3], &PyList_Type, &lists[4],
                           &prompt_tokens, &prompt_blocks, &block_size, &gpu, &cpu, &storage, &predicted,
                           &min_blocks_cfg, &min_ratio_cfg, &load_weight, &decode_weight, &waiting_weight, &rng,
-                          &encode, &t0, &t1, &t2))
+                          &encode, &clock, &t0, &t1, &t2))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(names);
+    Py_ssize_t n = PyList_GET_SIZE(lists[0]);
     if (n == 0) {
         PyErr_SetString(PyExc_ValueError, "no candidates");
         return NULL;
     }
-    if (PyList_GET_SIZE(ranks) != n || PyList_GET_SIZE(matchedl) != n || PyList_GET_SIZE(media) != n ||
-        PyList_GET_SIZE(loads) != n) {
-        PyErr_SetString(PyExc_ValueError, "every per-target list must have one entry per target");
-        return NULL;
-    }
+    for (int l = 1; l < 5; l++)
+        if (PyList_GET_SIZE(lists[l]) != n) {
+            PyErr_SetString(PyExc_ValueError, "every per-target list must have one entry per target");
+            return NULL;
+        }
+    /* tuples of the lists: rng.choice and encode are Python calls, which could change a list */
+    PyObject *names = PyList_AsTuple(lists[0]), *ranks = PyList_AsTuple(lists[1]);
+    PyObject *matchedl = PyList_AsTuple(lists[2]), *media = PyList_AsTuple(lists[3]);
+    PyObject *loads = PyList_AsTuple(lists[4]);
     Score *sc = PyMem_Calloc((size_t)n, sizeof(Score));
     Buf b = {0};
     PyObject *loadrefs = PyList_New(0); /* the load attributes read, kept alive until written */
-    PyObject *out = NULL, *ties = NULL, *pick = NULL;
-    if (!sc || !loadrefs) {
+    PyObject *out = NULL, *ties = NULL, *pick = NULL, *bsobj = NULL;
+    if (!names || !ranks || !matchedl || !media || !loads || !loadrefs) goto done;
+    if (!sc) {
         PyErr_NoMemory();
         goto done;
     }
@@ -348,14 +353,14 @@ static PyObject *explain_kv(PyObject *self, PyObject *args) {
     double min_ratio = prompt_blocks ? min_ratio_cfg * (double)prompt_blocks : 0.0;
     /* --- Policy.choose: every candidate's terms and cost */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *by = PyList_GET_ITEM(media, i);
-        PyObject *load = PyList_GET_ITEM(loads, i);
+        PyObject *by = PyTuple_GET_ITEM(media, i);
+        PyObject *load = PyTuple_GET_ITEM(loads, i);
         int all_gpu = by == Py_None;
         if (!all_gpu && !PyDict_Check(by)) {
             PyErr_SetString(PyExc_TypeError, "media entries must be dicts or None");
             goto done;
         }
-        long long matched = PyLong_AsLongLong(PyList_GET_ITEM(matchedl, i));
+        long long matched = PyLong_AsLongLong(PyTuple_GET_ITEM(matchedl, i));
         if (matched == -1 && PyErr_Occurred()) goto done;
         Score *s = &sc[i];
         double credit = 0.0, g = (double)matched, c = 0.0, st = 0.0, pr = 0.0;
@@ -375,10 +380,32 @@ static PyObject *explain_kv(PyObject *self, PyObject *args) {
         Py_XDECREF(active_o);
         Py_XDECREF(waiting_o);
         if (bad) goto done;
-        double pending, active, waiting;
-        if (as_double(pending_o, &pending) || as_double(active_o, &active) || as_double(waiting_o, &waiting))
-            goto done;
-        double queued = pending != 0.0 ? pending / bs : 0.0;
+        double active, waiting, queued = 0.0;
+        if (as_double(active_o, &active) || as_double(waiting_o, &waiting)) goto done;
+        if (PyFloat_CheckExact(pending_o)) {
+            double pending = PyFloat_AS_DOUBLE(pending_o);
+            if (pending != 0.0) queued = pending / bs;
+        } else {
+            /* pending / bs: exact for an int that a double holds exactly, else Python's own true
+             * division (an int quotient is rounded once, not after the int's own rounding) */
+            int overflow = 0, is_int = PyLong_CheckExact(pending_o);
+            long long p = is_int ? PyLong_AsLongLongAndOverflow(pending_o, &overflow) : 0;
+            if (p == -1 && PyErr_Occurred()) goto done;
+            if (is_int && !overflow && p >= -(1LL << 53) && p <= (1LL << 53)) {
+                if (p) queued = (double)p / bs;
+            } else {
+                int truth = PyObject_IsTrue(pending_o);
+                if (truth < 0) goto done;
+                if (truth) {
+                    if (!bsobj && !(bsobj = PyLong_FromLongLong(block_size > 1 ? block_size : 1))) goto done;
+                    PyObject *q = PyNumber_TrueDivide(pending_o, bsobj);
+                    if (!q) goto done;
+                    int bad_q = as_double(q, &queued);
+                    Py_DECREF(q);
+                    if (bad_q) goto done;
+                }
+            }
+        }
         if (credit != 0.0) {
             double q = queued - pr;
             queued = 0.0 > q ? 0.0 : q;
@@ -422,7 +449,10 @@ static PyObject *explain_kv(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 1; i < n; i++)
         if (sc[i].credit < min_credit) min_credit = sc[i].credit;
     int prefix = sc[best].credit > 0 && sc[best].credit > min_credit;
-    double t3 = now_s(CLOCK_MONOTONIC);
+    PyObject *t3o = PyObject_CallNoArgs(clock); /* time.perf_counter(), the clock of t0..t2 */
+    double t3 = t3o ? PyFloat_AsDouble(t3o) : -1.0;
+    Py_XDECREF(t3o);
+    if (t3 == -1.0 && PyErr_Occurred()) goto done;
     /* --- explain(): the shown terms rounded, then the reasons from them */
     for (Py_ssize_t i = 0; i < n; i++) {
         Score *s = &sc[i];
@@ -431,15 +461,16 @@ static PyObject *explain_kv(PyObject *self, PyObject *args) {
         if (fractional(s->queued) && round_to(s->queued, 3, &s->queued)) goto done;
     }
     /* --- RouteView as msgspec encodes it */
-    long long best_matched = PyLong_AsLongLong(PyList_GET_ITEM(matchedl, best));
+    long long best_matched = PyLong_AsLongLong(PyTuple_GET_ITEM(matchedl, best));
+    if (best_matched == -1 && PyErr_Occurred()) goto done;
     if (put(&b, PyBytes_AS_STRING(head), (size_t)PyBytes_GET_SIZE(head)) || PUTS(&b, "\"backend\":")) goto done;
-    PyObject *bname = PyList_GET_ITEM(names, best);
+    PyObject *bname = PyTuple_GET_ITEM(names, best);
     if (!PyBytes_Check(bname)) {
         PyErr_SetString(PyExc_TypeError, "names must be bytes");
         goto done;
     }
     if (put(&b, PyBytes_AS_STRING(bname), (size_t)PyBytes_GET_SIZE(bname)) || PUTS(&b, ",\"dp_rank\":") ||
-        put_number(&b, PyList_GET_ITEM(ranks, best), encode) || PUTS(&b, ",\"outcome\":") ||
+        put_number(&b, PyTuple_GET_ITEM(ranks, best), encode) || PUTS(&b, ",\"outcome\":") ||
         (prefix ? PUTS(&b, "\"prefix\"") : PUTS(&b, "\"load\"")) || PUTS(&b, ",\"prompt_tokens\":") ||
         put_ll(&b, prompt_tokens) || PUTS(&b, ",\"prompt_blocks\":") || put_ll(&b, prompt_blocks) ||
         PUTS(&b, ",\"block_size\":") || put_ll(&b, block_size) || PUTS(&b, ",\"matched_blocks\":") ||
@@ -448,16 +479,16 @@ static PyObject *explain_kv(PyObject *self, PyObject *args) {
     Score *bs_ = &sc[best];
     for (Py_ssize_t i = 0; i < n; i++) {
         Score *s = &sc[i];
-        PyObject *name = PyList_GET_ITEM(names, i);
-        PyObject *by = PyList_GET_ITEM(media, i);
-        PyObject *mo = PyList_GET_ITEM(matchedl, i);
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        PyObject *by = PyTuple_GET_ITEM(media, i);
+        PyObject *mo = PyTuple_GET_ITEM(matchedl, i);
         if (!PyBytes_Check(name)) {
             PyErr_SetString(PyExc_TypeError, "names must be bytes");
             goto done;
         }
         if ((i && PUTS(&b, ",")) || PUTS(&b, "{\"backend\":") ||
             put(&b, PyBytes_AS_STRING(name), (size_t)PyBytes_GET_SIZE(name)) || PUTS(&b, ",\"dp_rank\":") ||
-            put_number(&b, PyList_GET_ITEM(ranks, i), encode) || PUTS(&b, ",\"matched_blocks\":") ||
+            put_number(&b, PyTuple_GET_ITEM(ranks, i), encode) || PUTS(&b, ",\"matched_blocks\":") ||
             put_number(&b, mo, encode) || PUTS(&b, ",\"blocks_by_medium\":{"))
             goto done;
         if (by == Py_None) {
@@ -466,9 +497,13 @@ static PyObject *explain_kv(PyObject *self, PyObject *args) {
             Py_ssize_t pos = 0, k = 0;
             PyObject *key, *val;
             while (PyDict_Next(by, &pos, &key, &val)) {
-                if ((k++ && PUTS(&b, ",")) || put_key(&b, key, encode) || PUTS(&b, ":") ||
-                    put_number(&b, val, encode))
-                    goto done;
+                Py_INCREF(key); /* (encode may run Python code that changes the dict) */
+                Py_INCREF(val);
+                int bad = (k++ && PUTS(&b, ",")) || put_key(&b, key, encode) || PUTS(&b, ":") ||
+                          put_number(&b, val, encode);
+                Py_DECREF(key);
+                Py_DECREF(val);
+                if (bad) goto done;
             }
         }
         if (PUTS(&b, "},\"credit_blocks\":") || put_double(&b, s->credit, encode) ||
@@ -511,6 +546,12 @@ static PyObject *explain_kv(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(sc);
     PyMem_Free(b.p);
+    Py_XDECREF(names);
+    Py_XDECREF(ranks);
+    Py_XDECREF(matchedl);
+    Py_XDECREF(media);
+    Py_XDECREF(loads);
+    Py_XDECREF(bsobj);
     Py_XDECREF(loadrefs);
     Py_XDECREF(ties);
     Py_XDECREF(pick);

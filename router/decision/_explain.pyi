@@ -13,6 +13,7 @@ def explain_kv(
     params: tuple[float | int, ...],
     rng: Any,
     encode: Callable[[Any], bytes],
+    clock: Callable[[], float],
     t0: float,
     t1: float,
     t2: float,

@@ -335,6 +335,7 @@ class RouterService:
             (len(tokens), len(tokens) // block_size, block_size, *self._params),
             policy.rng,
             msgspec.json.encode,
+            time.perf_counter,
             t0,
             t1,
             t2,
