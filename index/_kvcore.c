@@ -1911,6 +1911,7 @@ static PyMethodDef mod_methods[] = {
     {"trim", mod_trim, METH_NOARGS, "trim() -> whether the heap gave memory back to the OS"},
     {"check_ids", mod_check_ids, METH_VARARGS, "check_ids(ids, max_id) -> first bad index or -1"},
     {"recv_bind", mod_recv_bind, METH_VARARGS, "recv_bind(libzmq entry points): enables recv_live"},
+    {"loaded_symbols", mod_loaded_symbols, METH_VARARGS, "loaded_symbols(path, names): addresses in a loaded library"},
     {"recv_live", mod_recv_live, METH_VARARGS, "recv_live(socket, chunk, sidx, last_seq, topic, max)"},
     {NULL, NULL, 0, NULL},
 };

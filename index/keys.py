@@ -23,7 +23,7 @@ same arithmetic. Collisions only mis-route (the engine computes its own hashes),
 from __future__ import annotations
 
 import functools
-import hashlib
+from _blake2 import blake2b  # (hashlib's blake2b, without loading OpenSSL's hashes at start-up)
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
@@ -98,7 +98,7 @@ def _fmix64_vec(x: U64) -> U64:
 def stable_hash(value: Any) -> int:
     """A process-independent 64-bit hash of a msgpack-encodable value (salts, extra keys)."""
     raw = msgspec.msgpack.encode(value)
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    return int.from_bytes(blake2b(raw, digest_size=8).digest(), "little")
 
 
 BASE_ROOT = stable_hash(["base-model"]) | 1

@@ -10,11 +10,10 @@ loop, which does the same job about 7 us a message slower (bench/recv_bench.py);
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
+import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -47,18 +46,14 @@ def _candidates() -> list[str]:
             mapped = list(dict.fromkeys(p for p in paths if p.startswith("/")))
     except OSError:
         return []
-    libs = [p for p in mapped if Path(p).name.startswith("libzmq")]
+    libs = [p for p in mapped if os.path.basename(p).startswith("libzmq")]
     backend = [p for p in mapped if "/zmq/backend/" in p]
     return libs + backend
 
 
 def _bind(path: str) -> bool:
-    try:
-        lib = ctypes.CDLL(path)
-        addrs = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0 for name in _ENTRY_POINTS)
-    except (OSError, AttributeError):
-        return False
-    if not all(addrs):
+    addrs = _kvcore.loaded_symbols(path, _ENTRY_POINTS)
+    if not addrs or not all(addrs):
         return False
     _kvcore.recv_bind(addrs)
     return _self_test()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import os
 import socket
@@ -35,7 +34,7 @@ from router.decision.tokenizer import RequestTokenizer
 from router.fleet.load import BoardView, LoadTracker
 from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
-from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth
+from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, compare_digest
 from router.fleet.sources.configfile import ConfigWatcher
 from router.http.asgi import Receive, Scope, Send
 from router.http.errors import json_body, unauthorized, unavailable
@@ -208,7 +207,7 @@ class KVRouter:
             keys = parse_qs(query.decode("latin-1")).get("key")
             if keys:
                 token = keys[0].encode()
-        if not token or not any(hmac.compare_digest(token, k) for k in self._keys):
+        if not token or not any(compare_digest(token, k) for k in self._keys):
             raise unauthorized()
 
     def _stream_stats(self, backend: str) -> StreamStats:

@@ -9,8 +9,8 @@ durations (``ttl_ms``), never timestamps: receivers never compare another host's
 from __future__ import annotations
 
 import array
-import hashlib
 import sys
+from _blake2 import blake2b  # (hashlib's blake2b, without loading OpenSSL's hashes at start-up)
 from collections.abc import Sequence
 
 import msgspec
@@ -108,7 +108,7 @@ def unpack_keys(data: bytes) -> list[int]:
 def session_id(value: bytes) -> int:
     """A fixed-size id of a session header's value: the same on every replica, and the value itself
     (which may identify a user) never reaches the store."""
-    return int.from_bytes(hashlib.blake2b(value, digest_size=8).digest(), "little")
+    return int.from_bytes(blake2b(value, digest_size=8).digest(), "little")
 
 
 __all__ = [

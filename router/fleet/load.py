@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import mmap
 import os
+from _blake2 import blake2b  # (hashlib's blake2b, without loading OpenSSL's hashes at start-up)
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -75,7 +75,7 @@ _HEADER = 8  # int64 cells: magic, capacity, workers, reserved...
 
 def target_key(target: Target) -> int:
     """A stable non-zero 64-bit id of a target, the same in every process."""
-    digest = hashlib.blake2b(f"{target[0]}\0{target[1]}".encode(), digest_size=8).digest()
+    digest = blake2b(f"{target[0]}\0{target[1]}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") | 1
 
 
