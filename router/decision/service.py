@@ -203,6 +203,8 @@ class RouterService:
             if not self.membership.known(model):
                 raise not_found_model(model)
             raise unavailable(f"No healthy backend serves `{model}`")
+        if not self.breakers.any_open():
+            return backends  # (the common case: no breaker to ask, one check per decision)
         available = self.breakers.available
         ok = [b for b in backends if available(b.name)]
         return ok or backends

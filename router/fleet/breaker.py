@@ -79,6 +79,10 @@ class Breakers:
         st = self._states.get(name)
         return st is None or st.open_until == 0.0 or self.clock() >= st.open_until
 
+    def any_open(self) -> bool:
+        """Some breaker is open or half-open (else every backend is :meth:`available`)."""
+        return any(st.open_until for st in self._states.values())
+
     def state(self, name: str) -> str:
         """closed | open | half_open, for /debug/index and the dashboard."""
         st = self._states.get(name)

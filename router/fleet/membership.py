@@ -210,8 +210,13 @@ class Membership:
         return iter(list(self.members.values()))
 
     def routable_for(self, model: str) -> list[Member]:
-        """Members that may take a new request for ``model`` now."""
-        return [m for m in self.members.values() if m.routable and m.serves(model)]
+        """Members that may take a new request for ``model`` now (:attr:`Member.routable` and
+        :meth:`Member.serves`, inlined: every decision asks, two calls per member cost ~1 us)."""
+        return [
+            m
+            for m in self.members.values()
+            if m.state == "ready" and m.healthy and m.discovery_ready and model in m.models
+        ]
 
     def can_serve(self, model: str) -> bool:
         """Some member may take a request for ``model`` now (a cheap check before tokenizing)."""
