@@ -10,6 +10,7 @@ setup(
             "index._kvcore",
             sources=["index/_kvcore.c"],
             depends=["index/_kvingest.h", "index/_kvrecv.h"],
+            libraries=["dl"],  # dlopen/dlsym (index/_kvrecv.h): in libc from glibc 2.34, libdl before
             extra_compile_args=[
                 "-O2",
                 "-std=gnu11",

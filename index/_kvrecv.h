@@ -63,8 +63,10 @@ static PyObject *mod_loaded_symbols(PyObject *self, PyObject *args) {
     PyObject *out = PyTuple_New(n);
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(names, i));
-        if (!name) {
+        Py_ssize_t len;
+        const char *name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(names, i), &len);
+        if (!name || (Py_ssize_t)strlen(name) != len) {
+            if (name) PyErr_SetString(PyExc_ValueError, "a symbol name with a NUL character");
             Py_DECREF(out);
             return NULL;
         }
@@ -75,6 +77,7 @@ static PyObject *mod_loaded_symbols(PyObject *self, PyObject *args) {
         }
         PyTuple_SET_ITEM(out, i, a);
     }
+    (void)dlerror(); /* (a missing symbol's message is not left for the next caller, as ctypes clears it) */
     return out;
 }
 

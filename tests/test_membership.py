@@ -264,3 +264,25 @@ def test_a_rejoin_for_new_event_endpoints_keeps_the_engines_running_requests() -
             index.stop()
 
     asyncio.run(scenario())
+
+
+def test_routable_for_is_routable_and_serves_over_every_member_state() -> None:
+    """``routable_for`` inlines ``Member.routable`` and ``Member.serves`` (every decision asks): it
+    must keep answering as they do, whatever the states, flags and models."""
+    import random
+
+    rng = random.Random(5)
+    ms, _, _ = setup()
+    for i in range(40):
+        ms.upsert(spec(f"b{i}"), "config")
+    models = ["m", "lora-a", "other"]
+    for _ in range(300):
+        for m in ms.members.values():
+            m.state = rng.choice(["joining", "ready", "draining", "gone"])
+            m.healthy = rng.random() < 0.7
+            m.discovery_ready = rng.random() < 0.8
+            m.models = set(rng.sample(models, rng.randrange(len(models) + 1)))
+        for model in models:
+            want = [m for m in ms.members.values() if m.routable and m.serves(model)]
+            assert ms.routable_for(model) == want
+            assert ms.can_serve(model) == bool(want)

@@ -66,6 +66,8 @@ async def main():
         # nor what only Kubernetes discovery, several workers or the dashboard page need
         print(*(name in sys.modules for name in (
             "router.fleet.sources.kubernetes", "router.workers.supervisor", "importlib.resources")))
+        # nor OpenSSL's hashes (hashlib, hmac), ctypes or pyzmq's monitor helpers (~4 ms of a start)
+        print(*(name in sys.modules for name in ("hashlib", "hmac", "ctypes", "zmq.utils.monitor")))
     finally:
         await router.shutdown()
         server.close()
@@ -98,6 +100,7 @@ def test_a_token_id_router_starts_and_indexes_without_httpx_fastapi_numpy_or_cha
     assert lines[2] == "False False False False False", stdout
     assert lines[3] == "False False", stdout
     assert lines[4] == "False False False", stdout
+    assert lines[5] == "False False False False", stdout
 
 
 CLI_SCRIPT = r"""
