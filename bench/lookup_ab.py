@@ -3,7 +3,9 @@ bench/service_bench.py (its stream, placements and client) with a third service.
 
 Why: the service benchmark compares kvrouter with Dynamo, and the box's noise moves both between runs
 by more than a change to kvrouter's request path; measured in the same run, against the same
-stream, an old and a new build differ by the change alone (BENCHMARKS.md, issue 11).
+stream, an old and a new build differ by the change alone (BENCHMARKS.md, issue 11). The services
+take turns as in the service benchmark (A, B, Dynamo, then Dynamo, B, A), so B always runs between
+the other two: swap --a and --b to see that the order does not decide a difference.
 
     .venv/bin/python bench/lookup_ab.py --a OLD_VENV/bin/kvrouter --b NEW_VENV/bin/kvrouter \\
         --dynamo /work/bench-venvs/dynamo/bin/python [--lookups 300] [--json F]
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +75,8 @@ def main() -> int:
     args = ap.parse_args()
     lat = run(args.a, args.b, args.dynamo, args.lookups)
     if args.json:
-        Path(args.json).write_text(json.dumps(lat, indent=1))
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": shlex.join(sys.argv)}
+        Path(args.json).write_text(json.dumps({**meta, "latency": lat}, indent=1))
     for placement in lat["a"]:
         print(placement)
         for row in ROWS:

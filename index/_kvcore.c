@@ -1696,6 +1696,7 @@ static const uint8_t *parse_ids(const uint8_t *p, const uint8_t *end, u64 **out,
         if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') goto none; /* leading zero */
         u64 x = 0;
         int nd = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
         if (end - p >= 8) {
             /* up to 7 digits (every token id of a real vocabulary) in a few word operations, no
              * branch per digit: the digit bytes are those whose high nibble is 3 before and after
@@ -1714,6 +1715,7 @@ static const uint8_t *parse_ids(const uint8_t *p, const uint8_t *end, u64 **out,
                 p += nd;
             }
         }
+#endif /* (elsewhere every id takes the loop below) */
         if (nd == 0 || nd == 8) {
             const uint8_t *first = p;
             while (p < end && (unsigned)(*p - '0') < 10 && p - first < 19) x = x * 10 + (u64)(*p++ - '0');

@@ -284,7 +284,9 @@ def test_a_running_router_answers_token_id_routes_through_the_kernel_as_through_
     the timings."""
     a = FakeEngine("a", ctx, dp_size=2)
     b = FakeEngine("b", ctx)
-    toml = f'block_size = 4\ntokenizer = "{tokdir}"\n{a.backend_toml()}\n{b.backend_toml()}\n'
+    # (predictions that outlive both phases of the comparison, however slow the box)
+    toml = f'block_size = 4\ntokenizer = "{tokdir}"\n[index]\npredict_ttl_s = 600.0\n'
+    toml += f"{a.backend_toml()}\n{b.backend_toml()}\n"
     router = RouterRunner(toml, tmp_path)
     try:
         app = router.app

@@ -3,9 +3,10 @@
  * What it computes is router/decision/policy.py's kv policy (Policy.choose with temperature 0,
  * then explain()) and the JSON is what msgspec writes for router/decision/service.py's RouteView,
  * byte for byte: tests/test_explain_kernel.py compares the two over many random fleets. The
- * Python policy stays the reference and serves every other case (router/decision/explained.py says
- * which); this exists because the per-candidate Python objects of an explained decision were most
- * of a /route's cost in the running service (BENCHMARKS.md, issue 11).
+ * Python policy stays the reference and serves every other case (RouterService.explain_json_now
+ * in router/decision/service.py says which); this exists because the per-candidate Python objects
+ * of an explained decision were most of a /route's cost in the running service (BENCHMARKS.md,
+ * issue 11).
  *
  * Floating point follows Python's order of operations (compiled with -ffp-contract=off, so no
  * fused multiply-add changes a rounding); round(x, 3) and format(x, "g") use CPython's own
