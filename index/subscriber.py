@@ -495,29 +495,33 @@ class EventSubscriber:
             self._busy = False
             _kvcore.trim()
         chunk: list[tuple[int, Batch | bytes | None]] = []
-        for sock in ready:
-            kind, src = self._by_socket.get(sock, ("", None))
-            if src is None:
-                continue
-            if kind == "sub":
-                self._drain_live(src, chunk)
-            elif kind == "monitor":
-                self._on_monitor(src, chunk)
-            elif kind == "dealer":
-                self._on_replay_reply(src, chunk)
-        now = time.monotonic()
-        for src in list(self._sources.values()):
-            if src.replay is not None and now > src.replay.deadline:
-                log.warning("source %s: replay timed out after %.1fs", src.name, cfg.replay_timeout_s)
-                src.replay_failed_at = now
-                self._finish_replay(src, chunk)
-        if chunk:
-            self._busy = True
-            self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
-        if self._after_chunk:
-            after, self._after_chunk = self._after_chunk, []
-            for work in after:
-                self._submit(work)  # in order: after the chunk above is applied
+        try:
+            for sock in ready:
+                kind, src = self._by_socket.get(sock, ("", None))
+                if src is None:
+                    continue
+                if kind == "sub":
+                    self._drain_live(src, chunk)
+                elif kind == "monitor":
+                    self._on_monitor(src, chunk)
+                elif kind == "dealer":
+                    self._on_replay_reply(src, chunk)
+            now = time.monotonic()
+            for src in list(self._sources.values()):
+                if src.replay is not None and now > src.replay.deadline:
+                    log.warning("source %s: replay timed out after %.1fs", src.name, cfg.replay_timeout_s)
+                    src.replay_failed_at = now
+                    self._finish_replay(src, chunk)
+        finally:
+            # what was accepted before a failure is applied all the same: its sequence numbers are
+            # taken, so nothing would ever replay it (the failure itself goes on to _run's log)
+            if chunk:
+                self._busy = True
+                self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
+            if self._after_chunk:
+                after, self._after_chunk = self._after_chunk, []
+                for work in after:
+                    self._submit(work)  # in order: after the chunk above is applied
 
     def _apply(self, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         try:

@@ -626,3 +626,37 @@ def test_a_partial_block_does_not_change_the_sources_block_size(
     wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "every full block indexed")
     st = status(idx)
     assert st.block_size == BS and not st.block_size_mismatch and st.bad_events == 1
+
+
+def test_batches_accepted_before_a_turn_fails_are_indexed_all_the_same(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """A subscriber turn that raises for a reason nobody foresaw is logged and the next one runs;
+    the batches it had accepted before failing (their sequence numbers taken: no gap, no replay
+    would bring them back) are applied, not dropped."""
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    c = Chain(700)
+    wait_for(lambda: status(idx).connected, "connection")
+    wait_for(lambda: status(idx).replays >= 1, "bootstrap replay")
+    sub = idx.subscriber
+    real = sub._drain_live
+    failures: list[int] = []
+
+    def drain_then_fail(src: Any, chunk: list[Any]) -> None:
+        real(src, chunk)
+        if chunk and not failures:
+            failures.append(len(chunk))
+            raise RuntimeError("an unforeseen failure after accepting batches")
+
+    sub._drain_live = drain_then_fail  # type: ignore[method-assign]
+    try:
+        pub.publish([c.extend(3)])
+        wait_for(lambda: failures, "a turn that accepted the batch, then failed")
+        wait_for(lambda: matched(idx, c.tokens) == 3, "the accepted batch indexed")
+        pub.publish([c.extend(2)])  # and the stream goes on
+        wait_for(lambda: matched(idx, c.tokens) == 5, "the next batch indexed")
+    finally:
+        del sub._drain_live
+    st = status(idx)
+    assert st.gaps == 0 and st.lost_batches == 0
