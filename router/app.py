@@ -169,7 +169,8 @@ class KVRouter:
         self.metrics.add_collector(BreakerCollector(self.breakers, self.membership))
         if self.checks is not None:
             self.metrics.add_collector(ChecksCollector(self.checks))
-        self.membership.listeners.append(_ForgetRemoved(self))
+        self._forget = _ForgetRemoved(self)
+        self.membership.listeners.append(self._forget)
         self._tasks: list[asyncio.Task[None]] = []
 
     # --- ASGI ----------------------------------------------------------------------------------
@@ -330,6 +331,7 @@ class KVRouter:
         while True:
             await asyncio.sleep(5.0)
             self.index.purge_predictions()
+            self._forget.sweep()
 
     # --- the FastAPI part ----------------------------------------------------------------------
     @functools.cached_property
@@ -531,6 +533,22 @@ class _ForgetRemoved:
         app.breakers.ejected_total.pop(member.name, None)
         if all(m.upstream_key != member.upstream_key for m in app.membership.members.values()):
             app.pool.close_idle(member.upstream_key)
+
+    def sweep(self) -> None:
+        """What requests still in flight at a removal wrote after it (a drain that timed out, a
+        stream that outlived it): their backend's series and counters, and the connections they
+        gave back to the idle pool, are forgotten here, every housekeeping turn, so the leftovers
+        of a removal live a few seconds, not for good. The dashboard's totals keep what they
+        served (the departed counters)."""
+        app = self.app
+        members = app.membership.members
+        for name in app.metrics.backends_seen() - set(members):
+            app.metrics.forget_backend(name)
+        for name in [n for n in app.breakers.ejected_total if n not in members]:
+            del app.breakers.ejected_total[name]
+        keys = {m.upstream_key for m in members.values()}
+        for key in app.pool.idle_keys() - keys:
+            app.pool.close_idle(key)
 
 
 def _dashboard_page() -> str:

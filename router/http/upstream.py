@@ -367,6 +367,10 @@ class UpstreamPool:
             raise UpstreamTimeout(f"{method} {url}: no complete answer in {timeout:g}s") from None
         return resp.status, b"".join(chunks)
 
+    def idle_keys(self) -> set[tuple[str, str, int]]:
+        """The addresses the idle pool has a place for (with idle connections or without)."""
+        return set(self._idle)
+
     def close_idle(self, key: tuple[str, str, int]) -> None:
         """Close the idle connections to one address (a backend that left the fleet: a peer gone
         without a FIN would hold their descriptors for good)."""

@@ -273,6 +273,16 @@ class RouterMetrics:
             for labels in [k for k in values if k[at] == name]:
                 del values[labels]
 
+    def backends_seen(self) -> set[str]:
+        """Every backend name some series or counter holds (see :meth:`forget_backend`)."""
+        names = set(self.per_backend)
+        for series in self._lean:
+            if "backend" in series.labelnames:
+                at = series.labelnames.index("backend")
+                values = series.values if isinstance(series, LeanCounter) else series.series
+                names.update(labels[at] for labels in list(values))
+        return names
+
     def error(self, backend: str, kind: str) -> None:
         """Record a failure that produced no upstream status (connect error, timeout, cancel)."""
         self.errors.inc((backend, kind))
