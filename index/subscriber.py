@@ -566,9 +566,16 @@ class EventSubscriber:
             # the common message in C; the first other one comes back whole for the rules below
             addr = sub.underlying
             while budget > 0 and src.replay is None:
-                taken, last_seq, last_ts, odd = _kvcore.recv_live(
-                    addr, chunk, src.sidx, src.last_seq, src.topic, budget
-                )
+                before = len(chunk)
+                try:
+                    taken, last_seq, last_ts, odd = _kvcore.recv_live(
+                        addr, chunk, src.sidx, src.last_seq, src.topic, budget
+                    )
+                except BaseException:
+                    # (out of memory midway): what it appended is not in last_seq, so the gap
+                    # that follows replays it; kept here too it would be applied twice
+                    del chunk[before:]
+                    raise
                 if taken:
                     src.last_seq, src.last_ts = last_seq, last_ts
                     budget -= taken

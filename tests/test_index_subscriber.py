@@ -663,3 +663,44 @@ def test_batches_accepted_before_a_turn_fails_are_indexed_all_the_same(
         del sub._drain_live
     st = status(idx)
     assert st.gaps == 0 and st.lost_batches == 0
+
+
+def test_messages_the_c_loop_took_before_failing_are_replayed_once_not_applied_twice(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex], monkeypatch: Any
+) -> None:
+    """The C receive loop can take messages and then fail (memory ran out midway): their sequence
+    numbers never reached the source, so the next batch is a gap and its replay brings them. Kept in
+    the chunk too, they were applied twice, and a block the engine then evicted stayed indexed."""
+    import index.subscriber as subscriber_module
+
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    if not idx.subscriber._native:
+        pytest.skip("no C receive loop on this platform")
+    c = Chain(800)
+    publish_until_seen(pub, idx, c)
+    wait_for(lambda: status(idx).bootstrap == "done", "bootstrap replay over")
+    seen = len(c.hashes)
+    real = subscriber_module._kvcore
+    armed = [True]
+
+    class FailingCore:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def recv_live(self, *args: Any) -> Any:
+            out = real.recv_live(*args)
+            if armed[0] and out[0] > 0:
+                armed[0] = False
+                raise MemoryError("simulated: an allocation failed after messages were taken")
+            return out
+
+    monkeypatch.setattr(subscriber_module, "_kvcore", FailingCore())
+    pub.publish([c.extend(3)])  # taken by the C loop, then the turn fails
+    wait_for(lambda: not armed[0], "the failing turn")
+    pub.publish([])  # the next batch: a gap, replayed
+    wait_for(lambda: matched(idx, c.tokens) == seen + 3, "the taken batch indexed by the replay")
+    pub.publish([BlockRemoved(c.hashes[-3:], "GPU")])  # the engine evicts those 3 blocks
+    wait_for(lambda: matched(idx, c.tokens) == seen, "the evicted blocks gone (one reference each)")
+    st = status(idx)
+    assert st.gaps == 1 and st.lost_batches == 0
