@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -331,7 +332,7 @@ class KVRouter:
         while True:
             await asyncio.sleep(5.0)
             self.index.purge_predictions()
-            self._forget.sweep()
+            self._forget.sweep(every=30.0)
 
     # --- the FastAPI part ----------------------------------------------------------------------
     @functools.cached_property
@@ -519,9 +520,15 @@ class _ForgetRemoved:
 
     def __init__(self, app: KVRouter) -> None:
         self.app = app
+        self.recent: dict[str, tuple[float, tuple[str, str, int]]] = {}
+        """Backends removed lately: name -> (when, address), for :meth:`sweep`."""
+        self._swept = 0.0
 
     def joined(self, member: Member) -> None:
-        pass
+        if self.recent.pop(member.name, None) is not None:
+            # removed lately, here again: what its old requests wrote since (an open breaker from
+            # a failure after the removal) is not the new member's
+            self.app.breakers.forget(member.name)
 
     def left(self, member: Member) -> None:
         app = self.app
@@ -529,26 +536,45 @@ class _ForgetRemoved:
             app.checks.forget(member.name, removed=member.state == "gone")
         if member.state != "gone":
             return  # a re-join: the same name goes on
+        if len(self.recent) >= 10_000:
+            self.recent.pop(next(iter(self.recent)))  # (bounded: the oldest removal first)
+        self.recent[member.name] = (time.monotonic(), member.upstream_key)
         app.metrics.forget_backend(member.name)
         app.breakers.ejected_total.pop(member.name, None)
         if all(m.upstream_key != member.upstream_key for m in app.membership.members.values()):
             app.pool.close_idle(member.upstream_key)
 
-    def sweep(self) -> None:
+    def sweep(self, every: float = 0.0) -> None:
         """What requests still in flight at a removal wrote after it (a drain that timed out, a
-        stream that outlived it): their backend's series and counters, and the connections they
-        gave back to the idle pool, are forgotten here, every housekeeping turn, so the leftovers
-        of a removal live a few seconds, not for good. The dashboard's totals keep what they
-        served (the departed counters)."""
+        stream that outlived it): the series, counters, prediction checks, breaker state and idle
+        connections of backends removed in the last :data:`_STRAGGLERS_S`, forgotten again (at
+        most once per ``every`` seconds: one pass over the series), so the leftovers of a removal
+        live seconds, not for good. The dashboard's totals keep what they served."""
+        now = time.monotonic()
+        if not self.recent or now - self._swept < every:
+            return
+        self._swept = now
         app = self.app
         members = app.membership.members
-        for name in app.metrics.backends_seen() - set(members):
-            app.metrics.forget_backend(name)
-        for name in [n for n in app.breakers.ejected_total if n not in members]:
-            del app.breakers.ejected_total[name]
+        for name in [n for n, (t, _) in self.recent.items() if now - t > _STRAGGLERS_S or n in members]:
+            del self.recent[name]  # (a name that joined again keeps what it writes from now on)
+        if not self.recent:
+            return
+        names = set(self.recent)
+        app.metrics.forget_backends(names)
+        for name in names:
+            app.breakers.forget(name)
+            app.breakers.ejected_total.pop(name, None)
+            if app.checks is not None:
+                app.checks.forget(name, removed=True)
         keys = {m.upstream_key for m in members.values()}
-        for key in app.pool.idle_keys() - keys:
+        for key in {k for _, k in self.recent.values()} & app.pool.idle_keys() - keys:
             app.pool.close_idle(key)
+
+
+_STRAGGLERS_S = 3600.0
+"""How long after a removal what its last requests write is swept up (a stream longer than this,
+after a drain that timed out, leaves its last counts until the name joins and leaves again)."""
 
 
 def _dashboard_page() -> str:

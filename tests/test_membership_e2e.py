@@ -428,21 +428,40 @@ def test_a_removed_backend_leaves_no_series(engines: dict[str, FakeEngine], tmp_
         assert series(gone) == []
         assert gone not in router.app.metrics.per_backend
         # what a request still in flight at the removal writes when it ends (a drain that timed
-        # out, a long stream): gone again at the next housekeeping turn, its counts kept as departed
+        # out, a long stream): gone again at the next sweep, its counts kept as departed
         app = router.app
         departed = app.metrics.departed.requests
         app.metrics.finished(gone, "toy", 200, 0.01)
         app.metrics.observe_ttft(gone, 0.01)
+        app.breakers.failure(gone)
         app.breakers.ejected_total[gone] = 1
-        key = ("http", "127.0.0.1", 1)  # (an address no member has: an idle place left behind)
-        app.pool._idle[key] = []
+        assert app.checks is not None
+        app.checks.counts[(gone, "match")] = 1
+        key = app._forget.recent[gone][1]  # (its address: an idle place a late request gave back)
+        app.pool._idle.setdefault(key, [])
         assert series(gone) != []
         app._forget.sweep()
         assert series(gone) == []
         assert gone not in app.metrics.per_backend and app.metrics.departed.requests == departed + 1
-        assert gone not in app.breakers.ejected_total and key not in app.pool.idle_keys()
-        assert app.metrics.backends_seen() <= set(app.membership.members)  # (members keep theirs)
-        if len(served) > 1:
+        assert gone not in app.breakers.ejected_total and gone not in app.breakers._states
+        assert all(k[0] != gone for k in app.checks.counts)
+        assert key not in app.pool.idle_keys()
+        if len(served) > 1:  # the members keep theirs
             assert any("kvrouter_requests_total" in s for s in series(served[1]))
+        # late failures that eject it, then the name joins again before a sweep: the new member
+        # starts with a closed breaker
+        for _ in range(100):
+            if app.breakers.failure(gone):
+                break
+        assert app.breakers.state(gone) == "open"
+        engine = a if gone == "a" else b
+        spec = {
+            "url": engine.url,
+            "kv_events": engine.kv_events,
+            "kv_replay": engine.kv_replay,
+            "models": ["toy"],
+        }
+        assert admin(router, "PUT", f"/admin/backends/{gone}", json=spec).status_code == 201
+        assert app.breakers.state(gone) == "closed" and gone not in app._forget.recent
     finally:
         router.stop()
