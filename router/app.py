@@ -331,8 +331,11 @@ class KVRouter:
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(5.0)
-            self.index.purge_predictions()
-            self._forget.sweep(every=30.0)
+            try:
+                self.index.purge_predictions()
+                self._forget.sweep(every=30.0)
+            except Exception:  # (logged; the next turn runs: a dead task would stop both for good)
+                log.exception("housekeeping failed; going on")
 
     # --- the FastAPI part ----------------------------------------------------------------------
     @functools.cached_property
