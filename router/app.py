@@ -330,7 +330,7 @@ class KVRouter:
 
     async def _housekeeping(self) -> None:
         while True:
-            await asyncio.sleep(5.0)
+            await asyncio.sleep(_HOUSEKEEPING_S)
             try:
                 self.index.purge_predictions()
                 self._forget.sweep(every=30.0)
@@ -574,6 +574,9 @@ class _ForgetRemoved:
         for key in {k for _, k in self.recent.values()} & app.pool.idle_keys() - keys:
             app.pool.close_idle(key)
 
+
+_HOUSEKEEPING_S = 5.0
+"""Seconds between housekeeping turns (expired predictions, the removal sweep)."""
 
 _STRAGGLERS_S = 3600.0
 """How long after a removal what its last requests write is swept up (a stream longer than this,

@@ -465,3 +465,29 @@ def test_a_removed_backend_leaves_no_series(engines: dict[str, FakeEngine], tmp_
         assert app.breakers.state(gone) == "closed" and gone not in app._forget.recent
     finally:
         router.stop()
+
+
+def test_a_failing_housekeeping_turn_does_not_stop_housekeeping(
+    engines: dict[str, FakeEngine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The housekeeping task (expired predictions, the removal sweep) logs a turn that raises and
+    runs the next: a dead task would have stopped both for good, silently."""
+    import router.app as app_module
+
+    monkeypatch.setattr(app_module, "_HOUSEKEEPING_S", 0.05)
+    router = start_router(tmp_path, [engines["a"]])
+    try:
+        index = router.app.index
+        real = index.purge_predictions
+        calls: list[int] = []
+
+        def purge() -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("an unforeseen failure in a housekeeping turn")
+            real()
+
+        monkeypatch.setattr(index, "purge_predictions", purge)
+        wait_for(lambda: len(calls) >= 3, "housekeeping turns after the one that failed")
+    finally:
+        router.stop()
