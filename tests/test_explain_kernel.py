@@ -10,6 +10,7 @@ fractions, ties, thresholds and magnitudes msgspec lays out differently from rep
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from pathlib import Path
@@ -29,26 +30,29 @@ from router.fleet.load import TargetLoad
 _VOLATILE = re.compile(rb'"timings_us":\{[^}]*\},"time":[^,]+,')
 
 
-def _python(
-    cfg: PolicyConfig,
-    seed: int,
-    names: list[str],
-    ranks: list[int],
-    matched: list[int],
-    media: list[dict[str, int] | None],
-    loads: list[TargetLoad],
-    prompt_tokens: int,
-    block_size: int,
-) -> tuple[bytes, Any]:
+@dataclasses.dataclass
+class Fleet:
+    """The targets of one decision, as the kernel takes them (one entry per target in each list)."""
+
+    names: list[str]
+    ranks: list[int]
+    matched: list[int]
+    media: list[dict[str, int] | None]
+    loads: list[TargetLoad]
+    prompt_tokens: int
+    block_size: int
+
+
+def _python(cfg: PolicyConfig, seed: int, f: Fleet) -> tuple[bytes, Any]:
     """The answer ``RouterService.explain_now`` + ``Route.explain_json`` give for these inputs."""
     rng = random.Random(seed)
     policy = Policy(cfg, rng)
     cands = [
         Candidate(n, r, m, md if md is not None else {"GPU": m}, load)
-        for n, r, m, md, load in zip(names, ranks, matched, media, loads, strict=True)
+        for n, r, m, md, load in zip(f.names, f.ranks, f.matched, f.media, f.loads, strict=True)
     ]
-    prompt_blocks = prompt_tokens // block_size
-    decision = policy.choose(prompt_blocks, block_size, cands, have_prompt=True, dry_run=True)
+    prompt_blocks = f.prompt_tokens // f.block_size
+    decision = policy.choose(prompt_blocks, f.block_size, cands, have_prompt=True, dry_run=True)
     target = (decision.backend, decision.dp_rank)
     chosen = next(i for i, c in enumerate(cands) if (c.backend, c.dp_rank) == target)
     route = Route(
@@ -57,10 +61,10 @@ def _python(
         backend=decision.backend,
         dp_rank=decision.dp_rank,
         outcome=decision.outcome,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=f.prompt_tokens,
         prompt_blocks=prompt_blocks,
-        block_size=block_size,
-        matched_blocks=matched[chosen],
+        block_size=f.block_size,
+        matched_blocks=f.matched[chosen],
         candidates=decision.candidates,
         timings_us={"tokenize": 0.0, "match": 0.0, "policy": 0.0, "total": 0.0, "held": 0.0},
         policy="kv",
@@ -69,26 +73,17 @@ def _python(
 
 
 def _kernel(
-    cfg: PolicyConfig,
-    seed: int,
-    names: list[str],
-    ranks: list[int],
-    matched: list[int],
-    media: list[dict[str, int] | None],
-    loads: list[TargetLoad],
-    prompt_tokens: int,
-    block_size: int,
-    times: tuple[float, float, float] = (1.0, 1.5, 2.0),
+    cfg: PolicyConfig, seed: int, f: Fleet, times: tuple[float, float, float] = (1.0, 1.5, 2.0)
 ) -> tuple[bytes, Any]:
     rng = random.Random(seed)
-    params = (prompt_tokens, prompt_tokens // block_size, block_size, *kernel_weights(cfg))
+    params = (f.prompt_tokens, f.prompt_tokens // f.block_size, f.block_size, *kernel_weights(cfg))
     answer = explain_kv(
         b'{"model":"m","endpoint":"completions",',
-        [msgspec.json.encode(n) for n in names],
-        ranks,
-        matched,
-        media,
-        loads,
+        [msgspec.json.encode(n) for n in f.names],
+        f.ranks,
+        f.matched,
+        f.media,
+        f.loads,
         params,
         rng,
         msgspec.json.encode,
@@ -98,7 +93,7 @@ def _kernel(
     return answer, rng.getstate()
 
 
-def _fleet(rng: random.Random) -> tuple[PolicyConfig, dict[str, Any]]:
+def _fleet(rng: random.Random) -> tuple[PolicyConfig, Fleet]:
     weights = [0.0, 0.25, 0.5, 1.0, 2.0, 0.1, 0.3, 1 / 3, 0.75, 1.7]
     cfg = PolicyConfig(
         gpu_credit=rng.choice([1.0, 1.0, 0.9, 1.25]),
@@ -147,15 +142,7 @@ def _fleet(rng: random.Random) -> tuple[PolicyConfig, dict[str, Any]]:
         loads = [TargetLoad() for _ in range(n)]
         matched = [0] * n
         media = [None] * n
-    return cfg, {
-        "names": names,
-        "ranks": ranks,
-        "matched": matched,
-        "media": media,
-        "loads": loads,
-        "prompt_tokens": prompt_tokens,
-        "block_size": block_size,
-    }
+    return cfg, Fleet(names, ranks, matched, media, loads, prompt_tokens, block_size)
 
 
 def test_the_kernel_answers_as_the_python_policy_over_random_fleets() -> None:
@@ -164,8 +151,8 @@ def test_the_kernel_answers_as_the_python_policy_over_random_fleets() -> None:
     for case in range(3000):
         cfg, fleet = _fleet(rng)
         seed = rng.randrange(2**32)
-        want, want_state = _python(cfg, seed, **fleet)
-        got, got_state = _kernel(cfg, seed, **fleet)
+        want, want_state = _python(cfg, seed, fleet)
+        got, got_state = _kernel(cfg, seed, fleet)
         assert _VOLATILE.sub(b"", got) == _VOLATILE.sub(b"", want), (case, cfg, fleet)
         assert got_state == want_state, case  # the same draws from the generator
         answer = msgspec.json.decode(got)
@@ -188,7 +175,7 @@ def test_the_timings_are_written_as_python_rounds_them() -> None:
     for a in spans:
         t0 = rng.choice([0.0, rng.uniform(0, 1e5)])
         t1 = t0 + a
-        got, _ = _kernel(cfg, 1, **fleet, times=(t0, t1, t1))
+        got, _ = _kernel(cfg, 1, fleet, times=(t0, t1, t1))
         found = re.search(rb'"timings_us":\{"tokenize":([^,]+),"match":([^,]+),', got)
         assert found is not None
         assert found.group(1).decode() == repr(round((t1 - t0) * 1e6, 1)), (a, found.group(1))
@@ -200,20 +187,10 @@ def test_an_int_load_past_2_53_divides_as_python_divides_it() -> None:
     converting the int first would round twice (a different queue, score and choice)."""
     cfg = PolicyConfig(load_weight=0.25)
     for pending in (2**53 + 1, 10**17 + 3, 3 * 10**18 + 7, 2**70 + 1):
-        fleet = {
-            "names": ["a", "b"],
-            "ranks": [0, 0],
-            "matched": [0, 0],
-            "media": [None, None],
-            "loads": [
-                TargetLoad(pending_prefill_tokens=pending),
-                TargetLoad(pending_prefill_tokens=pending - 1),
-            ],
-            "prompt_tokens": 30,
-            "block_size": 3,
-        }
-        want, _ = _python(cfg, 1, **fleet)
-        got, _ = _kernel(cfg, 1, **fleet)
+        loads = [TargetLoad(pending_prefill_tokens=pending), TargetLoad(pending_prefill_tokens=pending - 1)]
+        fleet = Fleet(["a", "b"], [0, 0], [0, 0], [None, None], loads, prompt_tokens=30, block_size=3)
+        want, _ = _python(cfg, 1, fleet)
+        got, _ = _kernel(cfg, 1, fleet)
         assert _VOLATILE.sub(b"", got) == _VOLATILE.sub(b"", want), pending
 
 
@@ -264,15 +241,15 @@ def test_callbacks_that_change_the_inputs_do_not_crash_the_kernel() -> None:
 
 def test_the_kernel_refuses_inconsistent_inputs() -> None:
     cfg, fleet = _fleet(random.Random(1))
-    fleet["ranks"] = [*fleet["ranks"][:-1], 0, 0]
+    fleet.ranks = [*fleet.ranks[:-1], 0, 0]
     with pytest.raises(ValueError, match="one entry per target"):
-        _kernel(cfg, 1, **fleet)
+        _kernel(cfg, 1, fleet)
     cfg, fleet = _fleet(random.Random(1))
-    fleet["media"] = [[1]] * len(fleet["names"])
+    fleet.media = [[1]] * len(fleet.names)  # type: ignore[list-item]
     with pytest.raises(TypeError, match="dicts or None"):
-        _kernel(cfg, 1, **fleet)
+        _kernel(cfg, 1, fleet)
     with pytest.raises(ValueError, match="no candidates"):
-        _kernel(cfg, 1, [], [], [], [], [], 16, 16)
+        _kernel(cfg, 1, Fleet([], [], [], [], [], prompt_tokens=16, block_size=16))
 
 
 def test_a_running_router_answers_token_id_routes_through_the_kernel_as_through_python(
