@@ -264,10 +264,11 @@ class RouterService:
         """:meth:`explain_now`'s answer as ``/route`` writes it, scored and written by compiled code
         (router/decision/_explain.c) when the decision is the plain kv policy's: no load assumed
         from other replicas' concurrent decisions (``cluster.assume_concurrent_decisions``), no
-        session pin, no P/D pools, temperature 0, no debug log of every route. None otherwise, and for any
-        body :meth:`explain_now` would not answer now: the caller then takes that (Python) path.
-        The answer is the same bytes (tests/test_explain_kernel.py); building the candidates'
-        Python objects cost most of a lookup in the running service (BENCHMARKS.md, issue 11)."""
+        session pin, no P/D pools, temperature 0, no debug log of every route. None otherwise,
+        and for any body :meth:`explain_now` would not answer now: the caller then takes that
+        (Python) path. The answer is the same bytes (tests/test_explain_kernel.py); building the
+        candidates' Python objects cost most of a lookup in the running service (BENCHMARKS.md,
+        issue 11)."""
         policy = self.policy
         cfg = policy.config
         if (
