@@ -534,18 +534,14 @@ class _ForgetRemoved:
             self.app.breakers.forget(member.name)
 
     def left(self, member: Member) -> None:
-        app = self.app
-        if app.checks is not None:
-            app.checks.forget(member.name, removed=member.state == "gone")
-        if member.state != "gone":
-            return  # a re-join: the same name goes on
+        if member.state != "gone":  # a re-join: the same name goes on, its check window anew
+            if self.app.checks is not None:
+                self.app.checks.forget(member.name)
+            return
         if len(self.recent) >= 10_000:
             self.recent.pop(next(iter(self.recent)))  # (bounded: the oldest removal first)
         self.recent[member.name] = (time.monotonic(), member.upstream_key)
-        app.metrics.forget_backend(member.name)
-        app.breakers.ejected_total.pop(member.name, None)
-        if all(m.upstream_key != member.upstream_key for m in app.membership.members.values()):
-            app.pool.close_idle(member.upstream_key)
+        self._clear({member.name}, {member.upstream_key})
 
     def sweep(self, every: float = 0.0) -> None:
         """What requests still in flight at a removal wrote after it (a drain that timed out, a
@@ -563,15 +559,20 @@ class _ForgetRemoved:
             del self.recent[name]  # (a name that joined again keeps what it writes from now on)
         if not self.recent:
             return
-        names = set(self.recent)
+        self._clear(set(self.recent), {key for _, key in self.recent.values()})
+
+    def _clear(self, names: set[str], keys: set[tuple[str, str, int]]) -> None:
+        """Forget removed backends: their series and counters, prediction checks, breaker state and
+        ejection counts, and the idle connections to addresses no member uses."""
+        app = self.app
         app.metrics.forget_backends(names)
         for name in names:
             app.breakers.forget(name)
             app.breakers.ejected_total.pop(name, None)
             if app.checks is not None:
                 app.checks.forget(name, removed=True)
-        keys = {m.upstream_key for m in members.values()}
-        for key in {k for _, k in self.recent.values()} & app.pool.idle_keys() - keys:
+        used = {m.upstream_key for m in app.membership.members.values()}
+        for key in keys & app.pool.idle_keys() - used:
             app.pool.close_idle(key)
 
 

@@ -247,6 +247,18 @@ class RouterService:
         needed: a completions prompt already in token ids (``TokenBuffer``). None otherwise (the
         caller then awaits :meth:`decide`). The server answers such a ``/route`` in the callback
         that read it, without a task (~50 us less per lookup); the answer is the same."""
+        front = self._token_prompt(endpoint, body)
+        if front is None:
+            return None
+        t0, model, backends, tokens = front
+        return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session, backends)
+
+    def _token_prompt(
+        self, endpoint: Endpoint, body: dict[str, Any]
+    ) -> tuple[float, str, list[Member], Sequence[int]] | None:
+        """What both token-id paths (:meth:`explain_now`, :meth:`explain_json_now`) take first, with
+        the same checks in the same order: (start, model, candidates, tokens), or None when the
+        prompt is not token ids."""
         t0 = time.perf_counter()
         model = validate_body(endpoint, body)
         backends = self.candidates_for(model)  # 404 / 503 before tokenizing; no await follows
@@ -254,9 +266,7 @@ class RouterService:
             tokens = self.tokenizer.tokenize_now(endpoint, body, model)
         except TokenizerError as exc:
             raise bad_request(str(exc)) from None
-        if tokens is None:
-            return None
-        return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session, backends)
+        return None if tokens is None else (t0, model, backends, tokens)
 
     def explain_json_now(
         self, endpoint: Endpoint, body: dict[str, Any], *, session: int | None = None
@@ -279,14 +289,11 @@ class RouterService:
             or log.isEnabledFor(logging.DEBUG)
         ):
             return None
-        t0 = time.perf_counter()
-        model = validate_body(endpoint, body)
-        backends = self.candidates_for(model)  # (the same checks, in the same order, as explain_now)
-        try:
-            tokens = self.tokenizer.tokenize_now(endpoint, body, model)
-        except TokenizerError as exc:
-            raise bad_request(str(exc)) from None
-        if tokens is None or self._disaggregated(model):
+        front = self._token_prompt(endpoint, body)
+        if front is None:
+            return None
+        t0, model, backends, tokens = front
+        if self._disaggregated(model):
             return None
         t1 = time.perf_counter()
         view = self._view
