@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -145,6 +145,8 @@ class KVRouter:
         self.replicas.register(self.metrics.registry)
         self._keys = [k.encode() for k in config.api_keys]
         self._admin_keys = [k.encode() for k in config.admin_keys]
+        self.on_keys_changed: list[Callable[[], None]] = []
+        """Called when a reload changes the keys (a server's remembered answers depend on them)."""
         journal = None
         if worker is not None:
             journal = AdminJournal(Path(worker.run_dir) / "admin.journal", f"{worker.index}:{os.getpid()}")
@@ -228,6 +230,8 @@ class KVRouter:
         self.membership.reconcile("config", new.backends, "config file reloaded")
         self._keys = [k.encode() for k in new.api_keys]
         self._admin_keys = [k.encode() for k in new.admin_keys]
+        for hook in self.on_keys_changed:
+            hook()
         self.config = msgspec.structs.replace(
             self.config, backends=new.backends, api_keys=new.api_keys, admin_keys=new.admin_keys
         )

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -349,6 +349,46 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def test_a_probe_answer_kept_by_the_server_is_forgotten_when_the_keys_change(
+    engines: dict[str, FakeEngine], tmp_path: Path
+) -> None:
+    """The server gives a repeated ``/health`` probe its kept answer (router/http/server.py,
+    ``HttpServer.canned``); with probes authorized, a reload that rotates the keys forgets those
+    answers at once, so the old key's probe is refused from then on."""
+    import socket
+
+    from harness import NativeServer
+
+    a = engines["a"]
+    toml = f'block_size = {BS}\nauth_exempt_probes = false\napi_keys = ["{CLIENT}"]\n' + a.backend_toml()
+    router = RouterRunner(toml, tmp_path, config_file=True)
+    server = cast(NativeServer, router.server).server
+    probe = f"GET /health HTTP/1.1\r\nhost: t\r\nauthorization: Bearer {CLIENT}\r\n\r\n".encode()
+
+    def ask() -> int:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as s:
+            s.sendall(probe)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = s.recv(65536)
+                assert chunk, data
+                data += chunk
+            return int(data.split(b" ", 2)[1])
+
+    try:
+        wait_for(lambda: ask() == 200 and probe in server.canned, "the probe's answer kept")
+        router.path.write_text(toml.replace(CLIENT, "rotated", 1))
+        rotated = {"authorization": "Bearer rotated"}
+        wait_for(
+            lambda: httpx.get(f"{router.url}/v1/models", headers=rotated).status_code == 200,
+            "the rotated key accepted",
+        )
+        assert probe not in server.canned  # (expired or not: forgotten with the keys)
+        assert ask() == 401
+    finally:
+        router.stop()
 
 
 @pytest.mark.parametrize("workers", [1, 2])

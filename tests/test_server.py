@@ -614,6 +614,7 @@ def test_a_repeated_request_head_is_answered_from_its_remembered_parse(
             status, headers, _ = _read_response(s, bytearray())
             assert status == 200 and headers["connection"] == "close" and _closed(s)
     assert closing in server.heads and len(parsed) == 9
+    assert closing not in server.canned  # (its answer is never given again: it closes)
     # and so does a remembered HTTP/1.0 request, with nothing read after it
     old = b"GET /health HTTP/1.0\r\n\r\n"
     for _ in range(2):
@@ -623,6 +624,62 @@ def test_a_repeated_request_head_is_answered_from_its_remembered_parse(
             assert status == 200 and headers["connection"] == "close" and body == b'{"status":"ok"}'
             assert _closed(s)
     assert old in server.heads and len(parsed) == 10
+
+
+def test_a_repeated_probe_gets_its_answer_again_for_the_rest_of_the_second(
+    setup: tuple[RouterRunner, FakeEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``/health`` probe repeated on a keep-alive connection is given the very bytes answered
+    before, without answering again, until the second of its date header ends: every answer still
+    carries the right date, and equals what answering gives."""
+    from router.http.native import NativeEndpoints
+
+    router, _ = setup
+    server = cast(NativeServer, router.server).server
+    answered: list[str] = []
+    real = NativeEndpoints.answer_now
+
+    def counting(self: NativeEndpoints, method: str, path: str, *a: Any) -> Any:
+        answered.append(path)
+        return real(self, method, path, *a)
+
+    monkeypatch.setattr(NativeEndpoints, "answer_now", counting)
+    probe = b"GET /health HTTP/1.1\r\nhost: t\r\nuser-agent: kube-probe/1.31\r\n\r\n"
+    seen: list[tuple[int, dict[str, str], bytes]] = []
+    dates: set[int] = set()
+    hits = 0
+    deadline = time.monotonic() + TIMEOUT
+    with _connect(router) as s:
+        buf = bytearray()
+        # until five answers in a row came from the kept answer, and the date moved on at least once
+        while hits < 5 or len(dates) < 2:
+            assert time.monotonic() < deadline, (hits, dates, answered)
+            calls = len(answered)
+            t_sent = time.time()
+            s.sendall(probe)
+            status, headers, body = _read_response(s, buf)
+            t_read = time.time()
+            date = int(email.utils.parsedate_to_datetime(headers.pop("date")).timestamp())
+            assert int(t_sent) <= date <= int(t_read)  # never the date of a second gone by
+            dates.add(date)
+            seen.append((status, headers, body))
+            hits = hits + 1 if len(answered) == calls and len(seen) > 1 else 0
+        assert {(st, tuple(sorted(h.items())), b) for st, h, b in seen} == {
+            (200, (("content-length", "15"), ("content-type", "application/json")), b'{"status":"ok"}')
+        }
+        assert probe in server.canned and len(answered) < len(seen)
+        # HEAD too, without a body; other paths are answered every time
+        head = b"HEAD /health HTTP/1.1\r\nhost: t\r\n\r\n"
+        models = b"GET /v1/models HTTP/1.1\r\nhost: t\r\n\r\n"
+        for _ in range(3):
+            s.sendall(head)
+            assert _read_response(s, buf, is_head=True)[0] == 200
+            s.sendall(models)
+            assert _read_response(s, buf)[0] == 200
+        assert models not in server.canned and answered.count("/v1/models") == 3
+        # a probe behind a request in flight waits its turn, in order
+        s.sendall(_post("/v1/completions", _completion()) + probe)
+        assert _read_response(s, buf)[0] == 200 and _read_response(s, buf)[2] == b'{"status":"ok"}'
 
 
 _TICK = 0.01
