@@ -133,3 +133,56 @@ def test_lora_adapters_are_learned_for_models_given_in_the_config() -> None:
                 s.close()
 
     asyncio.run(main())
+
+
+def test_a_round_awaits_the_probe_a_join_started_instead_of_probing_twice() -> None:
+    """A member that just joined is probed at once (probe_soon); a round that starts meanwhile (the
+    first round at start-up, right after the config file's members joined) waits for that probe
+    rather than sending a second one, unless the member's spec changed since it started."""
+
+    async def main() -> None:
+        requests = 0
+        gate = asyncio.Event()
+
+        async def hold() -> None:
+            nonlocal requests
+            requests += 1
+            await gate.wait()
+
+        async def until(n: int) -> None:
+            while requests < n:
+                await asyncio.sleep(0.001)
+
+        server = await asyncio.start_server(probe_backend(MODELS, METRICS, hold=hold), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        membership = Membership(MembershipConfig())
+        membership.reconcile("config", [BackendConfig("a", url)])
+        pool = UpstreamPool()
+        checker = HealthChecker(membership, HealthConfig(timeout_s=30), pool, None)
+        try:
+            member = membership.get("a")
+            assert member is not None
+            checker.probe_soon(member)
+            round_ = asyncio.ensure_future(checker.check_all())
+            await asyncio.wait_for(until(1), 30)  # the join's probe waits for its /health answer
+            gate.set()
+            await asyncio.wait_for(round_, 30)
+            assert member.healthy and member.models == {"m", "lora-a"}
+            assert requests == 2  # /health and /v1/models, once
+            # a spec replaced while its probe runs: the round probes the new one itself
+            gate.clear()
+            checker.probe_soon(member)
+            member.set_spec(BackendConfig("a", url + "/"))
+            round_ = asyncio.ensure_future(checker.check_all())
+            await asyncio.wait_for(until(4), 30)  # both probes wait for their /health answers
+            gate.set()
+            await asyncio.wait_for(round_, 30)
+            assert requests == 6
+        finally:
+            gate.set()
+            await checker.stop()
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())

@@ -21,7 +21,7 @@ import time
 
 import msgspec
 
-from router.config import HealthConfig
+from router.config import BackendConfig, HealthConfig
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
 from router.http.upstream import RouterResourceError, UpstreamError, UpstreamPool
@@ -50,7 +50,8 @@ class HealthChecker:
         self.client = client
         self.loads = loads
         self._task: asyncio.Task[None] | None = None
-        self._probes: set[asyncio.Task[None]] = set()
+        self._probes: dict[asyncio.Task[None], tuple[Member, BackendConfig]] = {}
+        """Probes started by :meth:`probe_soon`, still running -> whom they probe, and its spec."""
         self.checks = 0
         self._reported: dict[str, str] = {}
         """member -> the probe error last logged while it was not healthy (each reason logged once)."""
@@ -173,8 +174,8 @@ class HealthChecker:
         except RuntimeError:
             return  # not started yet: the first round probes it
         task = loop.create_task(self._probe_logged(member), name=f"kvrouter-probe-{member.name}")
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._probes[task] = (member, member.spec)
+        task.add_done_callback(self._probes.pop)
 
     async def _probe_logged(self, member: Member) -> None:
         try:
@@ -183,11 +184,14 @@ class HealthChecker:
             log.exception("probing %s failed", member.name)
 
     async def check_all(self) -> None:
-        """Probe every member concurrently."""
+        """Probe every member concurrently. A member whose probe :meth:`probe_soon` started is
+        still in flight for the same spec is not probed twice: that probe is awaited instead (at
+        start-up, every member of the config file just joined, and was probed twice)."""
         members = self.membership.members
         for name in [n for n in self._reported if n not in members]:  # (bounded by the fleet)
             del self._reported[name]
-        await asyncio.gather(*(self.check(m) for m in list(members.values())))
+        running = {id(m): t for t, (m, spec) in self._probes.items() if m.spec is spec}
+        await asyncio.gather(*(running.get(id(m)) or self.check(m) for m in list(members.values())))
         self.checks += 1
 
     async def _loop(self) -> None:
