@@ -36,7 +36,7 @@ from router.fleet.load import BoardView, LoadTracker
 from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
 from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, compare_digest
-from router.fleet.sources.configfile import ConfigWatcher
+from router.fleet.sources.configfile import ConfigWatcher, Stamp
 from router.http.asgi import Receive, Scope, Send
 from router.http.errors import json_body, unauthorized, unavailable
 from router.http.openapi import openapi_spec
@@ -69,7 +69,10 @@ class KVRouter:
         zmq_context: zmq.Context[Any] | None = None,
         worker: WorkerContext | None = None,
         config_path: str | Path | None = None,
+        config_file: tuple[RouterConfig, Stamp] | None = None,
     ) -> None:
+        """``config_path``: the config file, reloaded on change; ``config_file``: what was read from
+        it (:func:`router.fleet.sources.configfile.read_config_file`), else it is read again here."""
         self.config = config
         self.worker = worker
         """Set when this router is one of several worker processes (:mod:`router.workers.supervisor`)."""
@@ -162,6 +165,7 @@ class KVRouter:
                 watch=config.membership.watch_config,
                 interval_s=config.membership.watch_interval_s,
                 restore=self._restore_config_backends,
+                loaded=config_file,
             )
         self.pods: PodWatcher | None = None
         if config.membership.kubernetes.enabled:

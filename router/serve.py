@@ -10,8 +10,9 @@ import signal
 import sys
 from typing import Any
 
-from router.config import ConfigError, RouterConfig, env_overrides, load_config, with_overrides
+from router.config import ConfigError, RouterConfig, with_overrides
 from router.decision.policy import POLICIES
+from router.fleet.sources.configfile import read_config_file
 
 
 def register(sub: Any) -> None:
@@ -49,10 +50,9 @@ def config_tokenizers(cfg: RouterConfig) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Load, validate, serve; a config error exits with status 2 and names the key."""
     try:
-        cfg = load_config(args.config)
-        cfg = with_overrides(cfg, **env_overrides())
+        loaded = read_config_file(args.config)  # (read once: the watcher starts from the same read)
         cfg = with_overrides(
-            cfg,
+            loaded[0],
             host=args.host,
             port=args.port,
             policy=args.policy,
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from router.http.server import HttpServer, loop_factory
 
     try:
-        app = KVRouter(cfg, config_path=args.config)
+        app = KVRouter(cfg, config_path=args.config, config_file=loaded)
     except (OSError, ValueError) as exc:  # e.g. an unreadable tokenizer
         print(f"kvrouter: cannot start: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ test_membership_e2e.py.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -205,27 +206,59 @@ def test_sighup_restores_what_the_admin_api_deleted_even_when_the_file_did_not_c
         path, cfg, lambda new: ms.reconcile("config", new.backends, "reloaded"), restore=restore
     )
 
-    async def scenario() -> None:
-        watcher.start()
-        try:
-            ms.drain("a", remove=True, reason="DELETE /admin/backends/a")
-            ms.drain("b", remove=False, reason="POST /admin/backends/b/drain")  # maintenance
-            ms.tick(lambda m: 0, lambda m: True)
-            assert sorted(ms.members) == ["b"]
-            watcher.request()  # what SIGHUP does
-            deadline = asyncio.get_running_loop().time() + TIMEOUT
-            while watcher.results["applied"] == 0:
-                assert asyncio.get_running_loop().time() < deadline, watcher.results
-                await asyncio.sleep(0.01)
-        finally:
-            await watcher.stop()
+    def before() -> None:
+        ms.drain("a", remove=True, reason="DELETE /admin/backends/a")
+        ms.drain("b", remove=False, reason="POST /admin/backends/b/drain")  # maintenance
+        ms.tick(lambda m: 0, lambda m: True)
+        assert sorted(ms.members) == ["b"]
+        watcher.request()  # what SIGHUP does
 
-    asyncio.run(scenario())
+    asyncio.run(_until_applied(watcher, before))
     assert sorted(ms.members) == ["a", "b"]
     b = ms.get("b")
     assert b is not None and b.state == "draining"  # the drain for maintenance holds
     assert watcher.reload() is False and watcher.results["unchanged"] == 1  # (the watch's kind)
     assert watcher.reload(asked=True) is False and watcher.results["unchanged"] == 2  # nothing missing
+
+
+async def _until_applied(watcher: Any, before: Callable[[], None]) -> None:
+    """Start ``watcher``, run ``before``, wait until it applied a reload, stop it."""
+    watcher.start()
+    try:
+        before()
+        deadline = asyncio.get_running_loop().time() + TIMEOUT
+        while watcher.results["applied"] == 0:
+            assert asyncio.get_running_loop().time() < deadline, watcher.results
+            await asyncio.sleep(0.01)
+    finally:
+        await watcher.stop()
+
+
+def test_a_file_change_while_the_router_starts_is_applied(tmp_path: Path) -> None:
+    """``kvrouter serve`` reads the config file once and hands that read to the watcher with the
+    file's stamp from before the read. A change landing after the read is applied by the watch; the
+    watcher used to read the file again itself, took the changed file for what the router ran, and
+    never applied it (the same when its own read came before its stamp)."""
+    import os
+
+    from router.fleet.sources.configfile import ConfigWatcher, read_config_file
+
+    path = tmp_path / "fleet.toml"
+    path.write_text('[[backends]]\nname = "a"\nurl = "http://a:8000"\nmodels = ["m"]\n')
+    loaded = read_config_file(path)
+    ms, _, _ = setup()
+    ms.reconcile("config", loaded[0].backends)
+    new = tmp_path / "fleet.new"  # a new file put in place, as a ConfigMap update does (a new inode)
+    new.write_text('[[backends]]\nname = "b"\nurl = "http://b:8000"\nmodels = ["m"]\n')
+    os.replace(new, path)
+
+    def apply(cfg: Any) -> None:
+        ms.reconcile("config", cfg.backends, "reloaded")
+
+    watcher = ConfigWatcher(path, loaded[0], apply, interval_s=0.01, loaded=loaded)
+
+    asyncio.run(_until_applied(watcher, lambda: None))
+    assert sorted(ms.members) == ["a", "b"] and ms.get("a").state == "draining"  # type: ignore[union-attr]
 
 
 def test_a_rejoin_for_new_event_endpoints_keeps_the_engines_running_requests() -> None:

@@ -29,6 +29,28 @@ log = logging.getLogger("kvrouter.config")
 LIVE_FIELDS = ("backends", "api_keys", "admin_keys")
 """What a reload applies (the other settings need a restart)."""
 
+Stamp = tuple[int, int, int] | None
+"""A file's (mtime, size, inode); None when it cannot be read."""
+
+
+def file_stamp(path: str | Path) -> Stamp:
+    """The file's :data:`Stamp`."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def read_config_file(path: str | Path) -> tuple[RouterConfig, Stamp]:
+    """The file with the environment's overrides (what a reload compares with; raises
+    :class:`ConfigError`), and its stamp taken *before* reading it: a change that lands after the
+    stamp is noticed by the watch even when the read already saw it (then reloaded once more and
+    found unchanged); stamped after the read, a change landing in between was never applied.
+    ``kvrouter serve`` reads the file once with it and hands the result to the watcher."""
+    stamp = file_stamp(path)
+    return with_overrides(load_config(path), **env_overrides()), stamp
+
 
 class ConfigWatcher:
     """Reloads ``path`` on request (SIGHUP) and when it changes; ``apply`` receives a valid config."""
@@ -41,14 +63,20 @@ class ConfigWatcher:
         watch: bool = True,
         interval_s: float = 2.0,
         restore: Callable[[RouterConfig], int] | None = None,
+        loaded: tuple[RouterConfig, Stamp] | None = None,
     ) -> None:
         """``restore``: what an operator's reload of an unchanged file does (re-add the backends it
-        lists that the fleet lacks: an admin DELETE undone; how many); None: such a reload changes nothing."""
+        lists that the fleet lacks: an admin DELETE undone; how many); None: such a reload changes
+        nothing. ``loaded``: the file as the router was built from it (:func:`read_config_file`),
+        else it is read here; either way, what a reload compares with is the file and environment
+        without command-line flags."""
         self.path = Path(path)
-        try:  # what a reload compares with: the file and environment, without command-line flags
-            self.current = with_overrides(load_config(self.path), **env_overrides())
-        except ConfigError:
-            self.current = current
+        if loaded is None:
+            try:
+                loaded = read_config_file(self.path)
+            except ConfigError:
+                loaded = (current, file_stamp(self.path))
+        self.current, self._stamp = loaded
         self.apply = apply
         self.restore = restore
         self.watch = watch
@@ -56,16 +84,8 @@ class ConfigWatcher:
         self.results: dict[str, int] = {"applied": 0, "rejected": 0, "unchanged": 0}
         """Reloads by result, for kvrouter_config_reloads_total."""
         self.last_error = ""
-        self._stamp = self._stat()
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-
-    def _stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size, st.st_ino
 
     def request(self) -> None:
         """Reload soon (from a signal handler: only sets a flag the task waits on)."""
@@ -76,7 +96,7 @@ class ConfigWatcher:
         operator's reload (SIGHUP, ``POST /admin/reload``) applies the file even when it has not
         changed, so that it restores what the admin API changed meanwhile (a backend it deleted);
         a reload the file watch starts applies only a change."""
-        self._stamp = self._stat()
+        self._stamp = file_stamp(self.path)
         try:
             new = with_overrides(load_config(self.path), **env_overrides())
             # command-line overrides only touch server settings, which a reload does not apply
@@ -115,7 +135,7 @@ class ConfigWatcher:
                 await asyncio.wait_for(self._wake.wait(), self.interval_s if self.watch else None)
             asked = self._wake.is_set()
             self._wake.clear()
-            if asked or (self.watch and self._stat() != self._stamp):
+            if asked or (self.watch and file_stamp(self.path) != self._stamp):
                 try:
                     self.reload(asked=asked)
                 except Exception:  # a bug applying one reload must not end reloading
@@ -135,4 +155,4 @@ class ConfigWatcher:
             self._task = None
 
 
-__all__ = ["ConfigWatcher"]
+__all__ = ["ConfigWatcher", "Stamp", "file_stamp", "read_config_file"]
