@@ -186,3 +186,35 @@ def test_a_round_awaits_the_probe_a_join_started_instead_of_probing_twice() -> N
             await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_no_probe_starts_once_the_checker_stops() -> None:
+    """A member added while the router stops (the membership tick applying another worker's admin
+    change runs until it is stopped after health) is not probed: such a probe used to outlive the
+    stop, and its end raised in a callback."""
+
+    async def main() -> None:
+        errors: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx["message"]))
+        held = socket.socket()  # bound, never listening: connections are refused
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}"
+        membership = Membership(MembershipConfig())
+        membership.reconcile("config", [BackendConfig("a", url), BackendConfig("b", url)])
+        pool = UpstreamPool()
+        checker = HealthChecker(membership, HealthConfig(timeout_s=5), pool, None)
+        a, b = membership.get("a"), membership.get("b")
+        assert a is not None and b is not None
+        try:
+            checker.probe_soon(a)
+            stopping = asyncio.ensure_future(checker.stop())
+            await asyncio.sleep(0)  # (one turn: stop() now waits for the probe it cancelled)
+            checker.probe_soon(b)
+            await asyncio.wait_for(stopping, 30)
+            assert not checker._probes and not [t for t in asyncio.all_tasks() if "probe" in t.get_name()]
+        finally:
+            pool.close()
+            held.close()
+        assert errors == [] and b.checked_at == 0
+
+    asyncio.run(main())

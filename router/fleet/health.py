@@ -53,6 +53,7 @@ class HealthChecker:
         self._probes: dict[asyncio.Task[None], tuple[Member, BackendConfig]] = {}
         """Probes started by :meth:`probe_soon`, still running -> whom they probe, and its spec."""
         self.checks = 0
+        self._stopped = False
         self._reported: dict[str, str] = {}
         """member -> the probe error last logged while it was not healthy (each reason logged once)."""
 
@@ -169,13 +170,15 @@ class HealthChecker:
 
     def probe_soon(self, member: Member) -> None:
         """Probe a member now, outside the periodic round (it just joined)."""
+        if self._stopped:
+            return  # (a member added while the router stops: nothing probes it any more)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # not started yet: the first round probes it
         task = loop.create_task(self._probe_logged(member), name=f"kvrouter-probe-{member.name}")
         self._probes[task] = (member, member.spec)
-        task.add_done_callback(self._probes.pop)
+        task.add_done_callback(lambda t: self._probes.pop(t, None))  # (stop() empties it)
 
     async def _probe_logged(self, member: Member) -> None:
         try:
@@ -204,11 +207,13 @@ class HealthChecker:
 
     def start(self) -> None:
         """Start the periodic health checks."""
+        self._stopped = False
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvrouter-health")
 
     async def stop(self) -> None:
-        """Stop the health checks and any probe in flight."""
+        """Stop the health checks and any probe in flight; no probe starts afterwards."""
+        self._stopped = True
         tasks = [t for t in (self._task, *self._probes) if t is not None]
         for t in tasks:
             t.cancel()
