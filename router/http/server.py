@@ -62,6 +62,8 @@ _BACKLOG = 2048
 _HEADS = 256
 """How many distinct request heads :attr:`HttpServer.heads` keeps (then it starts again, empty)."""
 _HEAD_BYTES = 2048
+_POSTS_PAUSE_S = 60.0
+"""How long :attr:`HttpServer.posts` learns no head after it filled without a hit."""
 _HEAD_FIELDS = 32
 """Heads with more header fields are not remembered: at most 256 x 32 fields, ~1 MB of parses."""
 _UNCACHED = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
@@ -327,19 +329,21 @@ class _Connection(asyncio.Protocol):
             and not self.queue
             and not self.write_paused
             and not self._stop_reading
+            and int(time.time()) == server.canned_second
+            and self.transport is not None
         ):
             # a probe repeated within the second: its very answer again (:attr:`HttpServer.canned`)
-            now = self.loop.time()
-            if now < server.canned_until and self.transport is not None:
-                self.transport.write(canned)
-                self._idle_since = now
-                if self._idle is None:
-                    self._idle = self.loop.call_later(server.keepalive_timeout, self._idle_due)
-                return
+            self.transport.write(canned)
+            self._idle_since = self.loop.time()
+            if self._idle is None:
+                self._idle = self.loop.call_later(server.keepalive_timeout, self._idle_due)
+            return
         self._disarm_idle()
         if self._stop_reading:
             return
         pending = -1
+        if not self._open and data[:5] == b"POST " and self._post_again(data):
+            return
         if not self._open and len(data) <= _HEAD_BYTES:  # (a larger read is not hashed)
             known = self.server.heads.get(data)
             if known is not None:
@@ -363,7 +367,7 @@ class _Connection(asyncio.Protocol):
                             self.close()
                             return
                         if answer[0] == 200 and server.native.constant(method, path):
-                            server.can(data, response, self.loop.time())
+                            server.can(data, response)
                         self._arm_idle()
                         return
                 self.queue.append(
@@ -371,6 +375,7 @@ class _Connection(asyncio.Protocol):
                 )
                 self._after_read()
                 return
+        if not self._open:
             pending = len(self.queue)
         if self._in_head:
             # a head still arriving: count it here, since httptools buffers an unfinished header
@@ -405,6 +410,37 @@ class _Connection(asyncio.Protocol):
         if pending >= 0 and not self._open and not self._stop_reading and len(self.queue) == pending + 1:
             self.server.remember_head(data, self.queue[-1])
         self._after_read()
+
+    def _post_again(self, data: bytes) -> bool:
+        """A POST whose head is one parsed before but for its content-length's digits, read whole
+        in ``data`` and alone: queued with that parse (:attr:`HttpServer.posts`); False otherwise."""
+        end = data.find(b"\r\n\r\n", 0, _HEAD_BYTES)
+        if end < 0:
+            return False
+        i = data.find(b"\r\ncontent-length: ", 0, end)
+        if i < 0:
+            i = data.find(b"\r\nContent-Length: ", 0, end)
+            if i < 0:
+                return False
+        j = data.find(b"\r\n", i + 18, end + 2)
+        digits = data[i + 18 : j]
+        server = self.server
+        if not digits.isdigit() or len(digits) > 12 or int(digits) != len(data) - end - 4:
+            return False  # (ASCII digits only, and exactly the rest of the read: its whole body)
+        known = server.posts.get(data[: i + 18] + b"\0" + data[j : end + 4])
+        if known is None or int(digits) > server.max_body_bytes:
+            return False
+        path, raw_path, query, headers, at, version, keep_alive = known
+        if not keep_alive:
+            self._stop_reading = True
+        headers = list(headers)
+        headers[at] = (b"content-length", digits)
+        server.post_hits += 1
+        self.queue.append(
+            _Request("POST", path, raw_path, query, headers, data[end + 4 :], version, keep_alive)
+        )
+        self._after_read()
+        return True
 
     def _after_read(self) -> None:
         if self.queue:
@@ -778,33 +814,51 @@ class HttpServer:
         sent (an ``Authorization`` value included) until the table fills; every request, hit or
         not, is authorized again."""
 
+        self.posts: dict[bytes, tuple[str, bytes, bytes, Headers, int, str, bool]] = {}
+        """The head of a POST parsed before, its content-length's digits replaced by a NUL (which no
+        parsed head holds) -> its parse and where its content-length is among its headers. A client
+        repeats its head but for the body's length (an external scheduler's ``/route``, a gateway's
+        completions); a POST whose head matches, read whole and alone, skips httptools' callbacks
+        (~3 us of a ~4 us parse of a 1k-token body). Only a head with exactly one framing header,
+        ``content-length`` spelled ``content-length: `` or ``Content-Length: ``, its value ASCII
+        digits; the body must be exactly the rest of the read and within ``max_body_bytes``, else
+        the request is parsed as any other. Bounded like :attr:`heads`; when it fills without a single
+        hit (every head differs: a request id in each), no head is learned for
+        :data:`_POSTS_PAUSE_S`, so such a client pays the learning ~256 times a minute at most."""
+        self.post_hits = 0
+        """POSTs parsed from :attr:`posts` since it was last emptied."""
+        self._posts_paused_until = 0.0
         self.canned: dict[bytes, bytes] = {}
-        """Exact bytes of a probe -> the exact bytes of its answer, for the rest of the second
-        (:attr:`canned_until`) whose date the answer carries. For answers that depend on nothing but
-        the request (:meth:`NativeEndpoints.constant <router.http.native.NativeEndpoints.constant>`:
-        ``/health``), given with 200 on a keep-alive connection; emptied when the API keys change
-        (a head's authorization may change with them) and when the server stops. A probe answered
-        from here costs one dictionary lookup and one write: ~3 us less CPU than answering it again
-        (BENCHMARKS.md, ``/health``)."""
-        self.canned_until = 0.0
-        """Loop time until which :attr:`canned` answers carry the right date (2 ms early)."""
+        """Exact bytes of a probe -> the exact bytes of its answer, for the rest of the wall-clock
+        second whose date the answer carries (:attr:`canned_second`; a clock step ends it too).
+        For answers that depend on nothing but the request (:meth:`NativeEndpoints.constant
+        <router.http.native.NativeEndpoints.constant>`: ``/health``), given with 200 on a
+        keep-alive connection; emptied when the API keys change (a head's authorization may change
+        with them) and when the server stops. A probe answered from here costs one dictionary
+        lookup and one write: ~2 us less server CPU than answering it again (BENCHMARKS.md,
+        ``/health``)."""
+        self.canned_second = 0
+        """The wall-clock second of the date :attr:`canned` answers carry: given only within it."""
         app.on_keys_changed.append(self.canned.clear)
 
-    def can(self, head: bytes, response: bytes, now: float) -> None:
-        """Keep ``response``, just built for the probe ``head`` at loop time ``now``, for the rest
-        of its second (:attr:`canned`)."""
-        wall = time.time()
-        if int(wall) != self._date_at or self.stopping:
+    def can(self, head: bytes, response: bytes) -> None:
+        """Keep ``response``, just built for the probe ``head``, for the rest of its second
+        (:attr:`canned`)."""
+        second = int(time.time())
+        if second != self._date_at or self.stopping:
             return  # (its date line is from the second before)
-        if now >= self.canned_until:
+        if second != self.canned_second:
             self.canned.clear()
-            # the loop's clock lags by up to its 1 ms resolution: 2 ms early, never a stale date
-            self.canned_until = now + (self._date_at + 1 - wall) - 0.002
+            self.canned_second = second
         if len(self.canned) < _HEADS:
             self.canned[head] = response
 
     def remember_head(self, data: bytes, req: _Request) -> None:
-        """Keep the parse of ``data``, the whole of one bodiless GET or HEAD just parsed alone."""
+        """Keep the parse of ``data``, the whole of one request just parsed alone: a bodiless GET
+        or HEAD (:attr:`heads`), or a POST (:attr:`posts`)."""
+        if req.method == "POST":
+            self._remember_post(data, req)
+            return
         if (
             len(data) > _HEAD_BYTES
             or req.method not in ("GET", "HEAD")
@@ -821,6 +875,45 @@ class HttpServer:
             req.raw_path,
             req.query,
             list(req.headers),
+            req.version,
+            req.keep_alive,
+        )
+
+    def _remember_post(self, data: bytes, req: _Request) -> None:
+        if self._posts_paused_until:
+            if time.monotonic() < self._posts_paused_until:
+                return
+            self._posts_paused_until = 0.0
+        end = data.find(b"\r\n\r\n", 0, _HEAD_BYTES)
+        if (
+            end < 0
+            or len(data) != end + 4 + len(req.body)
+            or len(req.headers) > _HEAD_FIELDS
+            or sum(name in _UNCACHED for name, _ in req.headers) != 1
+        ):
+            return
+        at = next((k for k, (name, _) in enumerate(req.headers) if name == b"content-length"), -1)
+        i = data.find(b"\r\ncontent-length: ", 0, end)
+        if i < 0:
+            i = data.find(b"\r\nContent-Length: ", 0, end)
+        if at < 0 or i < 0:
+            return  # (framed otherwise, or spelled otherwise: parsed every time)
+        j = data.find(b"\r\n", i + 18, end + 2)
+        if data[i + 18 : j] != req.headers[at][1] or not req.headers[at][1].isdigit():
+            return
+        if len(self.posts) >= _HEADS:
+            self.posts.clear()
+            if not self.post_hits:
+                # every head differs (a request id in each?): stop learning them for a while
+                self._posts_paused_until = time.monotonic() + _POSTS_PAUSE_S
+                return
+            self.post_hits = 0
+        self.posts[data[: i + 18] + b"\0" + data[j : end + 4]] = (
+            req.path,
+            req.raw_path,
+            req.query,
+            list(req.headers),
+            at,
             req.version,
             req.keep_alive,
         )
