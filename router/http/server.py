@@ -15,7 +15,8 @@ What it implements, and no more:
   pauses while one is in flight), content-length and chunked request bodies, ``Expect: 100-continue``;
 - a bodiless GET or HEAD whose exact bytes were parsed before (probes and pollers repeat theirs)
   reuses that parse (:attr:`HttpServer.heads`), and a repeated ``/health`` probe is given the bytes
-  of its answer again until the second of their date ends (:attr:`HttpServer.canned`);
+  of its answer again until the second of their date ends (:attr:`HttpServer.canned`); a POST whose
+  head repeats but for its content-length, read whole, reuses its parse too (:attr:`HttpServer.posts`);
 - limits: request line plus headers at most ``_MAX_HEAD`` bytes (431), body at most
   ``max_body_bytes`` (413 as soon as it is known, then the connection is closed);
 - response framing: the handler's content-length, else chunked (1.1) or close-delimited (1.0);
