@@ -261,6 +261,29 @@ def test_a_file_change_while_the_router_starts_is_applied(tmp_path: Path) -> Non
     assert sorted(ms.members) == ["a", "b"] and ms.get("a").state == "draining"  # type: ignore[union-attr]
 
 
+def test_a_worker_starts_its_watcher_from_the_read_it_was_built_from(tmp_path: Path) -> None:
+    """With ``server.workers > 1`` each worker reads the file as it is now; its watcher starts from
+    that read (and its stamp), so a change landing before the watcher exists is still applied (the
+    watcher used to read the file again and take the change for what the worker ran)."""
+    import os
+
+    from router.config import load_config
+    from router.fleet.sources.configfile import ConfigWatcher, file_stamp
+    from router.workers.supervisor import _with_current_file
+
+    path = tmp_path / "fleet.toml"
+    path.write_text('api_keys = ["old"]\n[[backends]]\nname = "a"\nurl = "http://a:8000"\n')
+    config, loaded = _with_current_file(load_config(path), str(path))
+    assert loaded is not None and loaded[0].api_keys == config.api_keys == ["old"]
+    new = tmp_path / "fleet.new"
+    new.write_text('api_keys = ["new"]\n[[backends]]\nname = "b"\nurl = "http://b:8000"\n')
+    os.replace(new, path)
+    watcher = ConfigWatcher(path, config, lambda cfg: None, loaded=loaded)
+    assert watcher.current.api_keys == ["old"] and file_stamp(path) != watcher._stamp
+    assert watcher.reload() is True and watcher.current.api_keys == ["new"]
+    assert _with_current_file(config, None) == (config, None)
+
+
 def test_a_rejoin_for_new_event_endpoints_keeps_the_engines_running_requests() -> None:
     """Only the event endpoints change (same URL, same engine): its in-flight requests used to be
     forgotten with the old spec, so the policy saw it idle and piled requests on it, and a drain

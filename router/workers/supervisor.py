@@ -46,13 +46,16 @@ import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 
 from router.config import RouterConfig
 from router.fleet.load import LoadBoard
 from router.http.listen import bound_socket
+
+if TYPE_CHECKING:
+    from router.fleet.sources.configfile import Stamp
 from router.workers.stats import retire
 
 log = logging.getLogger("kvrouter.workers")
@@ -87,21 +90,26 @@ def _die_with_parent() -> None:
         return
 
 
-def _with_current_file(config: RouterConfig, config_path: str | None) -> RouterConfig:
+def _with_current_file(
+    config: RouterConfig, config_path: str | None
+) -> tuple[RouterConfig, tuple[RouterConfig, Stamp] | None]:
     """The supervisor's config with what a reload applies (backends, API and admin keys) as the
-    file says now: a worker restarted after a reload started from the supervisor's original config,
-    so revoked keys worked again and its backends were the old ones (the file looked unchanged to
-    its watcher). An invalid file now: the config as given, as the running workers keep theirs."""
+    file says now, and that read of the file for the worker's watcher to start from (None: it reads
+    the file itself). A worker restarted after a reload started from the supervisor's original
+    config, so revoked keys worked again and its backends were the old ones (the file looked
+    unchanged to its watcher); and a watcher that read the file again saw a change landing between
+    the two reads as already applied. An invalid file now: the config as given, as the running
+    workers keep theirs."""
     if config_path is None:
-        return config
-    from router.config import ConfigError, env_overrides, load_config, with_overrides
-    from router.fleet.sources.configfile import LIVE_FIELDS
+        return config, None
+    from router.config import ConfigError
+    from router.fleet.sources.configfile import LIVE_FIELDS, read_config_file
 
     try:
-        current = with_overrides(load_config(config_path), **env_overrides())
+        loaded = read_config_file(config_path)
     except ConfigError:
-        return config
-    return msgspec.structs.replace(config, **{f: getattr(current, f) for f in LIVE_FIELDS})
+        return config, None
+    return msgspec.structs.replace(config, **{f: getattr(loaded[0], f) for f in LIVE_FIELDS}), loaded
 
 
 def worker_main(config: RouterConfig, ctx: WorkerContext, config_path: str | None = None) -> None:
@@ -110,7 +118,7 @@ def worker_main(config: RouterConfig, ctx: WorkerContext, config_path: str | Non
     _die_with_parent()  # (first: a supervisor killed while this one starts must not leave it behind)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the server's handler (reload) is installed
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
-    config = _with_current_file(config, config_path)
+    config, loaded = _with_current_file(config, config_path)
     level = config.server.log_level.upper()
     logging.basicConfig(
         level=level, format=f"%(asctime)s %(levelname)s worker-{ctx.index} %(name)s: %(message)s"
@@ -122,7 +130,7 @@ def worker_main(config: RouterConfig, ctx: WorkerContext, config_path: str | Non
     from router.app import KVRouter
     from router.http.server import HttpServer, loop_factory
 
-    app = KVRouter(config, worker=ctx, config_path=config_path)
+    app = KVRouter(config, worker=ctx, config_path=config_path, config_file=loaded)
     # not listening yet: the server listens once the router has started, so the kernel sends this
     # worker no connection before it can answer
     sock = bound_socket(config.server.host, config.server.port)
