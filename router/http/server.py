@@ -284,6 +284,8 @@ class _Connection(asyncio.Protocol):
         self._reject: ApiError | None = None
         self._final: ApiError | None = None
         self._stop_reading = False
+        self._last = True
+        """The last request the parser completed keeps the connection (or none was parsed yet)."""
         self._in_head = False
         self._open = False
         self._head_seen = 0
@@ -343,9 +345,11 @@ class _Connection(asyncio.Protocol):
         if self._stop_reading:
             return
         pending = -1
-        if not self._open and data[:5] == b"POST " and self._post_again(data):
+        # (the remembered parses only after a request that keeps the connection: after one that
+        # ends it, the parser refuses what follows, and so does this connection)
+        if not self._open and self._last and data[:5] == b"POST " and self._post_again(data):
             return
-        if not self._open and len(data) <= _HEAD_BYTES:  # (a larger read is not hashed)
+        if not self._open and self._last and len(data) <= _HEAD_BYTES:  # (a larger read is not hashed)
             known = self.server.heads.get(data)
             if known is not None:
                 # the very bytes of a simple GET parsed before (a probe, a poller): the same parse
@@ -415,6 +419,8 @@ class _Connection(asyncio.Protocol):
     def _post_again(self, data: bytes) -> bool:
         """A POST whose head is one parsed before but for its content-length's digits, read whole
         in ``data`` and alone: queued with that parse (:attr:`HttpServer.posts`); False otherwise."""
+        if not self.server.posts:
+            return False
         end = data.find(b"\r\n\r\n", 0, _HEAD_BYTES)
         if end < 0:
             return False
@@ -534,6 +540,8 @@ class _Connection(asyncio.Protocol):
         if "%" in path:
             path = unquote(path)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        keep_alive = self.parser.should_keep_alive()
+        self._last = keep_alive
         self.queue.append(
             _Request(
                 self.parser.get_method().decode("latin-1"),
@@ -543,7 +551,7 @@ class _Connection(asyncio.Protocol):
                 self._headers,
                 body,
                 self.parser.get_http_version(),
-                self.parser.should_keep_alive(),
+                keep_alive,
             )
         )
         self._reset_message()
