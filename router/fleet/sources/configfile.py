@@ -72,10 +72,11 @@ class ConfigWatcher:
         without command-line flags."""
         self.path = Path(path)
         if loaded is None:
+            stamp = file_stamp(self.path)  # (before the read, as read_config_file takes it)
             try:
-                loaded = read_config_file(self.path)
-            except ConfigError:
-                loaded = (current, file_stamp(self.path))
+                loaded = (with_overrides(load_config(self.path), **env_overrides()), stamp)
+            except ConfigError:  # (an invalid file: a fix to it is a change from this stamp)
+                loaded = (current, stamp)
         self.current, self._stamp = loaded
         self.apply = apply
         self.restore = restore
