@@ -149,7 +149,7 @@ class KVRouter:
         self._keys = [k.encode() for k in config.api_keys]
         self._admin_keys = [k.encode() for k in config.admin_keys]
         self.on_keys_changed: list[Callable[[], None]] = []
-        """Called when a reload changes the keys (a server's remembered answers depend on them)."""
+        """Called when a reload is applied, whose keys may differ (a server's kept answers depend on them)."""
         journal = None
         if worker is not None:
             journal = AdminJournal(Path(worker.run_dir) / "admin.journal", f"{worker.index}:{os.getpid()}")

@@ -47,7 +47,8 @@ def read_config_file(path: str | Path) -> tuple[RouterConfig, Stamp]:
     :class:`ConfigError`), and its stamp taken *before* reading it: a change that lands after the
     stamp is noticed by the watch even when the read already saw it (then reloaded once more and
     found unchanged); stamped after the read, a change landing in between was never applied.
-    ``kvrouter serve`` reads the file once with it and hands the result to the watcher."""
+    ``kvrouter serve`` (each worker, with several) reads the file once with it and hands the result
+    to its watcher."""
     stamp = file_stamp(path)
     return with_overrides(load_config(path), **env_overrides()), stamp
 
