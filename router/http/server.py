@@ -344,44 +344,14 @@ class _Connection(asyncio.Protocol):
         self._disarm_idle()
         if self._stop_reading:
             return
-        pending = -1
-        # (the remembered parses only after a request that keeps the connection: after one that
-        # ends it, the parser refuses what follows, and so does this connection)
-        if not self._open and self._last and data[:5] == b"POST " and self._post_again(data):
-            return
-        if not self._open and self._last and len(data) <= _HEAD_BYTES:  # (a larger read is not hashed)
-            known = self.server.heads.get(data)
-            if known is not None:
-                # the very bytes of a simple GET parsed before (a probe, a poller): the same parse
-                method, path, raw_path, query, headers, version, keep_alive = known
-                if not keep_alive:
-                    self._stop_reading = True  # as the parser would refuse what follows
-                if (
-                    self.task is None
-                    and not self.queue
-                    and not self.write_paused
-                    and not self.server.access_log
-                ):
-                    # nothing before it: answered here if it needs no await (the usual probe)
-                    answer = self.server.native.answer_now(method, path, headers, query)
-                    if answer is not None:
-                        keep_alive = keep_alive and not server.stopping
-                        response = self._response(method, version, keep_alive, *answer)
-                        self.write(response)
-                        if not keep_alive or self.gone:
-                            self.close()
-                            return
-                        if answer[0] == 200 and server.native.constant(method, path):
-                            server.can(data, response)
-                        self._arm_idle()
-                        return
-                self.queue.append(
-                    _Request(method, path, raw_path, query, list(headers), b"", version, keep_alive)
-                )
-                self._after_read()
+        if not self._open and self._last:
+            # at a message boundary, after a request that kept the connection (after one that ends
+            # it the parser refuses what follows, and so does this connection): a head seen before
+            if data[:5] == b"POST " and self._post_again(data):
                 return
-        if not self._open:
-            pending = len(self.queue)
+            if len(data) <= _HEAD_BYTES and self._head_again(data):  # (a larger read is not hashed)
+                return
+        pending = -1 if self._open else len(self.queue)
         if self._in_head:
             # a head still arriving: count it here, since httptools buffers an unfinished header
             # line without calling back (the chunk that starts a head is bounded by the read size)
@@ -415,6 +385,34 @@ class _Connection(asyncio.Protocol):
         if pending >= 0 and not self._open and not self._stop_reading and len(self.queue) == pending + 1:
             self.server.remember_head(data, self.queue[-1])
         self._after_read()
+
+    def _head_again(self, data: bytes) -> bool:
+        """The very bytes of a bodiless GET or HEAD parsed before (a probe, a poller): queued with
+        that parse, or answered at once when nothing is before it and the answer needs no await
+        (:attr:`HttpServer.heads`); False when ``data`` is not one."""
+        server = self.server
+        known = server.heads.get(data)
+        if known is None:
+            return False
+        method, path, raw_path, query, headers, version, keep_alive = known
+        if not keep_alive:
+            self._stop_reading = True  # as the parser would refuse what follows
+        if self.task is None and not self.queue and not self.write_paused and not server.access_log:
+            answer = server.native.answer_now(method, path, headers, query)
+            if answer is not None:
+                keep_alive = keep_alive and not server.stopping
+                response = self._response(method, version, keep_alive, *answer)
+                self.write(response)
+                if not keep_alive or self.gone:
+                    self.close()
+                    return True
+                if answer[0] == 200 and server.native.constant(method, path):
+                    server.can(data, response)
+                self._arm_idle()
+                return True
+        self.queue.append(_Request(method, path, raw_path, query, list(headers), b"", version, keep_alive))
+        self._after_read()
+        return True
 
     def _post_again(self, data: bytes) -> bool:
         """A POST whose head is one parsed before but for its content-length's digits, read whole
