@@ -152,6 +152,22 @@ def http_date(t: float) -> bytes:
     )
 
 
+def _length_line(data: bytes) -> tuple[int, int, int] | None:
+    """Where a request's head ends (its blank line) and where the digits of its content-length
+    line are (``data[i:j]``), that line spelled ``content-length: `` or ``Content-Length: `` (as
+    clients send it) in a head of at most :data:`_HEAD_BYTES`; None otherwise. The key of a POST
+    head in :attr:`HttpServer.posts` is the head with those digits replaced by a NUL."""
+    end = data.find(b"\r\n\r\n", 0, _HEAD_BYTES)
+    if end < 0:
+        return None
+    i = data.find(b"\r\ncontent-length: ", 0, end)
+    if i < 0:
+        i = data.find(b"\r\nContent-Length: ", 0, end)
+        if i < 0:
+            return None
+    return end, i + 18, data.find(b"\r\n", i + 18, end + 2)
+
+
 class _Request:
     """A complete request: what the parser saw, body included."""
 
@@ -417,22 +433,17 @@ class _Connection(asyncio.Protocol):
     def _post_again(self, data: bytes) -> bool:
         """A POST whose head is one parsed before but for its content-length's digits, read whole
         in ``data`` and alone: queued with that parse (:attr:`HttpServer.posts`); False otherwise."""
-        if not self.server.posts:
-            return False
-        end = data.find(b"\r\n\r\n", 0, _HEAD_BYTES)
-        if end < 0:
-            return False
-        i = data.find(b"\r\ncontent-length: ", 0, end)
-        if i < 0:
-            i = data.find(b"\r\nContent-Length: ", 0, end)
-            if i < 0:
-                return False
-        j = data.find(b"\r\n", i + 18, end + 2)
-        digits = data[i + 18 : j]
         server = self.server
+        if not server.posts:
+            return False
+        where = _length_line(data)
+        if where is None:
+            return False
+        end, i, j = where
+        digits = data[i:j]
         if not digits.isdigit() or len(digits) > 12 or int(digits) != len(data) - end - 4:
             return False  # (ASCII digits only, and exactly the rest of the read: its whole body)
-        known = server.posts.get(data[: i + 18] + b"\0" + data[j : end + 4])
+        known = server.posts.get(data[:i] + b"\0" + data[j : end + 4])
         if known is None or int(digits) > server.max_body_bytes:
             return False
         path, raw_path, query, headers, at, version, keep_alive = known
@@ -891,23 +902,18 @@ class HttpServer:
             if time.monotonic() < self._posts_paused_until:
                 return
             self._posts_paused_until = 0.0
-        end = data.find(b"\r\n\r\n", 0, _HEAD_BYTES)
+        where = _length_line(data)
         if (
-            end < 0
-            or len(data) != end + 4 + len(req.body)
+            where is None  # (spelled otherwise: parsed every time)
+            or len(data) != where[0] + 4 + len(req.body)
             or len(req.headers) > _HEAD_FIELDS
             or sum(name in _UNCACHED for name, _ in req.headers) != 1
         ):
             return
+        end, i, j = where
         at = next((k for k, (name, _) in enumerate(req.headers) if name == b"content-length"), -1)
-        i = data.find(b"\r\ncontent-length: ", 0, end)
-        if i < 0:
-            i = data.find(b"\r\nContent-Length: ", 0, end)
-        if at < 0 or i < 0:
-            return  # (framed otherwise, or spelled otherwise: parsed every time)
-        j = data.find(b"\r\n", i + 18, end + 2)
-        if data[i + 18 : j] != req.headers[at][1] or not req.headers[at][1].isdigit():
-            return
+        if at < 0 or data[i:j] != req.headers[at][1] or not req.headers[at][1].isdigit():
+            return  # (framed otherwise)
         if len(self.posts) >= _HEADS:
             self.posts.clear()
             if not self.post_hits:
@@ -915,7 +921,7 @@ class HttpServer:
                 self._posts_paused_until = time.monotonic() + _POSTS_PAUSE_S
                 return
             self.post_hits = 0
-        self.posts[data[: i + 18] + b"\0" + data[j : end + 4]] = (
+        self.posts[data[:i] + b"\0" + data[j : end + 4]] = (
             req.path,
             req.raw_path,
             req.query,
