@@ -148,7 +148,7 @@ class KVRouter:
         self.replicas.register(self.metrics.registry)
         self._keys = [k.encode() for k in config.api_keys]
         self._admin_keys = [k.encode() for k in config.admin_keys]
-        self.on_keys_changed: list[Callable[[], None]] = []
+        self.on_config_applied: list[Callable[[], None]] = []
         """Called when a reload is applied, whose keys may differ (a server's kept answers depend on them)."""
         journal = None
         if worker is not None:
@@ -234,7 +234,7 @@ class KVRouter:
         self.membership.reconcile("config", new.backends, "config file reloaded")
         self._keys = [k.encode() for k in new.api_keys]
         self._admin_keys = [k.encode() for k in new.admin_keys]
-        for hook in self.on_keys_changed:
+        for hook in self.on_config_applied:
             hook()
         self.config = msgspec.structs.replace(
             self.config, backends=new.backends, api_keys=new.api_keys, admin_keys=new.admin_keys

@@ -857,7 +857,7 @@ class HttpServer:
         ``/health``)."""
         self.canned_second = 0
         """The wall-clock second of the date :attr:`canned` answers carry: given only within it."""
-        app.on_keys_changed.append(self.canned.clear)
+        app.on_config_applied.append(self.canned.clear)
 
     def can(self, head: bytes, response: bytes) -> None:
         """Keep ``response``, just built for the probe ``head``, for the rest of its second
