@@ -42,6 +42,12 @@ def file_stamp(path: str | Path) -> Stamp:
     return st.st_mtime_ns, st.st_size, st.st_ino
 
 
+def _file_config(path: str | Path) -> RouterConfig:
+    """The file with the environment's overrides, without command-line flags: what a reload
+    compares with and applies (raises :class:`ConfigError`)."""
+    return with_overrides(load_config(path), **env_overrides())
+
+
 def read_config_file(path: str | Path) -> tuple[RouterConfig, Stamp]:
     """The file with the environment's overrides (what a reload compares with; raises
     :class:`ConfigError`), and its stamp taken *before* reading it: a change that lands after the
@@ -50,7 +56,7 @@ def read_config_file(path: str | Path) -> tuple[RouterConfig, Stamp]:
     ``kvrouter serve`` (each worker, with several) reads the file once with it and hands the result
     to its watcher."""
     stamp = file_stamp(path)
-    return with_overrides(load_config(path), **env_overrides()), stamp
+    return _file_config(path), stamp
 
 
 class ConfigWatcher:
@@ -75,7 +81,7 @@ class ConfigWatcher:
         if loaded is None:
             stamp = file_stamp(self.path)  # (before the read, as read_config_file takes it)
             try:
-                loaded = (with_overrides(load_config(self.path), **env_overrides()), stamp)
+                loaded = (_file_config(self.path), stamp)
             except ConfigError:  # (an invalid file: a fix to it is a change from this stamp)
                 loaded = (current, stamp)
         self.current, self._stamp = loaded
@@ -100,7 +106,7 @@ class ConfigWatcher:
         a reload the file watch starts applies only a change."""
         self._stamp = file_stamp(self.path)
         try:
-            new = with_overrides(load_config(self.path), **env_overrides())
+            new = _file_config(self.path)
             # command-line overrides only touch server settings, which a reload does not apply
         except ConfigError as exc:
             self.results["rejected"] += 1
