@@ -465,6 +465,23 @@ class Service:
             out[f"{task.name}:{comm}"] = (int(fields[11]) + int(fields[12])) / TICK
         return out
 
+    def switches(self) -> dict[str, tuple[int, int]]:
+        """Context switches per thread (tid:comm): (voluntary, preempted). Many voluntary ones
+        in a drain mean a thread waited for work (a stall in its pipeline); preempted ones, that
+        another process took its core."""
+        assert self.proc is not None
+        out = {}
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                comm = (task / "comm").read_text().strip()
+                lines = (task / "status").read_text().splitlines()
+            except OSError:
+                continue
+            vals = {k: v for k, _, v in (ln.partition(":") for ln in lines)}
+            voluntary = int(vals.get("voluntary_ctxt_switches", 0))
+            out[f"{task.name}:{comm}"] = (voluntary, int(vals.get("nonvoluntary_ctxt_switches", 0)))
+        return out
+
     def rss(self) -> int:
         assert self.proc is not None
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -741,6 +758,7 @@ def drain(
     cpu0 = {svc.name: svc.cpu() for svc in svcs}
     pub0 = pubs.cpu()
     threads0 = {svc.name: svc.threads() for svc in svcs}
+    switches0 = {svc.name: svc.switches() for svc in svcs}
     targets = sentinel_targets(stream)
     spy = None
     profiler = os.environ.get("KVBENCH_PROFILE")
@@ -784,6 +802,11 @@ def drain(
                 k: round(v - threads0[svc.name].get(k, 0.0), 3)
                 for k, v in svc.threads().items()
                 if v - threads0[svc.name].get(k, 0.0) > 0.005
+            },
+            "thread_switches": {
+                k: (v[0] - before[0], v[1] - before[1])
+                for k, v in svc.switches().items()
+                if v != (before := switches0[svc.name].get(k, (0, 0)))
             },
         }
     rng = random.Random(seed)
