@@ -9,7 +9,7 @@ setup(
         Extension(
             "index._kvcore",
             sources=["index/_kvcore.c"],
-            depends=["index/_kvingest.h", "index/_kvrecv.h"],
+            depends=["index/_kvingest.h", "index/_kvrecv.h", "index/_kvzmq.h"],
             libraries=["dl"],  # dlopen/dlsym (index/_kvrecv.h): in libc from glibc 2.34, libdl before
             extra_compile_args=[
                 "-O2",

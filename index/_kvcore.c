@@ -33,6 +33,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -1477,6 +1478,7 @@ static PyObject *Store_take_stats(Store *s, PyObject *noarg) {
 
 #include "_kvingest.h"
 #include "_kvrecv.h"
+#include "_kvzmq.h"
 
 static PyMethodDef Store_methods[] = {
     {"new_slot", (PyCFunction)Store_new_slot, METH_NOARGS, "Add a source slot; returns its index."},
@@ -1912,8 +1914,18 @@ static PyMethodDef mod_methods[] = {
     {"first_above", mod_first_above, METH_VARARGS, "first_above(u64 buffer, max) -> index or -1"},
     {"trim", mod_trim, METH_NOARGS, "trim() -> whether the heap gave memory back to the OS"},
     {"check_ids", mod_check_ids, METH_VARARGS, "check_ids(ids, max_id) -> first bad index or -1"},
-    {"recv_bind", mod_recv_bind, METH_VARARGS, "recv_bind(libzmq entry points): enables recv_live"},
-    {"loaded_symbols", mod_loaded_symbols, METH_VARARGS, "loaded_symbols(path, names): addresses in a loaded library"},
+    {"zmq_load", mod_zmq_load, METH_VARARGS, "zmq_load(path, (ZMQError, Again)) -> bool: bind a libzmq"},
+    {"z_ctx_new", mod_z_ctx_new, METH_NOARGS, "a new libzmq context (address)"},
+    {"z_ctx_term", mod_z_ctx_term, METH_O, "terminate a context (waits for its sockets to close)"},
+    {"z_socket", mod_z_socket, METH_VARARGS, "z_socket(context, type) -> address"},
+    {"z_close", mod_z_close, METH_O, "close a socket"},
+    {"z_setsockopt", mod_z_setsockopt, METH_VARARGS, "z_setsockopt(socket, option, int or bytes)"},
+    {"z_getsockopt_bytes", mod_z_getsockopt_bytes, METH_VARARGS, "z_getsockopt_bytes(socket, option) -> bytes"},
+    {"z_endpoint", mod_z_endpoint, METH_VARARGS, "z_endpoint(socket, endpoint, connect): bind or connect"},
+    {"z_monitor", mod_z_monitor, METH_VARARGS, "z_monitor(socket, address or None, events)"},
+    {"z_poll", mod_z_poll, METH_VARARGS, "z_poll([(socket, fd)], timeout ms) -> indices ready to read"},
+    {"z_recv_multipart", mod_z_recv_multipart, METH_VARARGS, "z_recv_multipart(socket, flags) -> [bytes]"},
+    {"z_send_multipart", mod_z_send_multipart, METH_VARARGS, "z_send_multipart(socket, frames)"},
     {"recv_live", mod_recv_live, METH_VARARGS, "recv_live(socket, chunk, sidx, last_seq, topic, max)"},
     {NULL, NULL, 0, NULL},
 };

@@ -5,9 +5,9 @@
  * apply it (BENCHMARKS.md, issue 11). vLLM publishes a batch per engine step, so at fleet scale
  * messages are many and small, and every router replica receives all of them.
  *
- * How: libzmq is not linked. index/zrecv.py finds the libzmq that pyzmq itself loaded (the same
- * instance, so pyzmq's socket handle is valid here), hands its entry points to `recv_bind`, and
- * checks them on a socket pair before the subscriber uses them. `recv_live` then takes, from one
+ * How: libzmq is not linked. index/zsock.py binds a libzmq (`zmq_load`, _kvzmq.h: the copy pyzmq
+ * loaded when it did, so pyzmq's socket handles are valid here too) and checks this loop on a
+ * socket pair before the subscriber uses it. `recv_live` then takes, from one
  * SUB socket and without blocking, every message of the common shape: three frames [topic, 8-byte
  * big-endian seq, payload], the topic the one followed (when one is), seq the previous one plus one,
  * and a payload whose batch timestamp can be read in place (vLLM's layout: an array whose first item
@@ -49,56 +49,6 @@ typedef union {
     double d;
     int64_t i;
 } ZMsg;
-
-/* loaded_symbols(path, names) -> addresses, or None: the named symbols of a shared object this
- * process already loaded (dlopen with RTLD_NOLOAD: nothing new is loaded), each 0 when missing.
- * What index/zrecv.py used ctypes for; ctypes cost ~1.5 ms of every start to import. */
-static PyObject *mod_loaded_symbols(PyObject *self, PyObject *args) {
-    const char *path;
-    PyObject *names;
-    if (!PyArg_ParseTuple(args, "sO!", &path, &PyTuple_Type, &names)) return NULL;
-    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-    if (!lib) Py_RETURN_NONE; /* (the handle is kept, as ctypes kept it: the addresses stay valid) */
-    Py_ssize_t n = PyTuple_GET_SIZE(names);
-    PyObject *out = PyTuple_New(n);
-    if (!out) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t len;
-        const char *name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(names, i), &len);
-        if (!name || (Py_ssize_t)strlen(name) != len) {
-            if (name) PyErr_SetString(PyExc_ValueError, "a symbol name with a NUL character");
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyObject *a = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)dlsym(lib, name));
-        if (!a) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(out, i, a);
-    }
-    (void)dlerror(); /* (a missing symbol's message is not left for the next caller, as ctypes clears it) */
-    return out;
-}
-
-/* recv_bind((init, recv, data, size, more, close, errno)): libzmq's entry points, as addresses */
-static PyObject *mod_recv_bind(PyObject *self, PyObject *args) {
-    unsigned long long a[7];
-    if (!PyArg_ParseTuple(args, "(KKKKKKK)", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6])) return NULL;
-    for (int i = 0; i < 7; i++)
-        if (!a[i]) {
-            PyErr_SetString(PyExc_ValueError, "a libzmq entry point is NULL");
-            return NULL;
-        }
-    ZMQ.init = (zmq_msg_init_fn)(uintptr_t)a[0];
-    ZMQ.recv = (zmq_msg_recv_fn)(uintptr_t)a[1];
-    ZMQ.data = (zmq_msg_data_fn)(uintptr_t)a[2];
-    ZMQ.size = (zmq_msg_size_fn)(uintptr_t)a[3];
-    ZMQ.more = (zmq_msg_more_fn)(uintptr_t)a[4];
-    ZMQ.close = (zmq_msg_close_fn)(uintptr_t)a[5];
-    ZMQ.err = (zmq_errno_fn)(uintptr_t)a[6];
-    Py_RETURN_NONE;
-}
 
 /* An odd message, whole: its first `n` frames already received (`got`), the rest still queued.
  * Every frame is received and closed (so none is mistaken for the next message's); each of the
@@ -142,7 +92,7 @@ static PyObject *mod_recv_live(PyObject *self, PyObject *args) {
         return NULL;
     if (!ZMQ.recv) {
         PyBuffer_Release(&topic);
-        PyErr_SetString(PyExc_RuntimeError, "recv_bind was not called");
+        PyErr_SetString(PyExc_RuntimeError, "zmq_load was not called");
         return NULL;
     }
     void *sock = (void *)(uintptr_t)addr;

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
-import zmq
 
 from index.ingest import Ingestor
 from index.keys import prompt_keys, prompt_keys_both, prompt_keys_raw
@@ -60,7 +59,8 @@ class MatchReport(msgspec.Struct):
 class KVIndex:
     """Store, ingestor, subscriber and predictions behind one object with a small API."""
 
-    def __init__(self, config: IndexConfig | None = None, ctx: zmq.Context[Any] | None = None) -> None:
+    def __init__(self, config: IndexConfig | None = None, ctx: Any = None) -> None:
+        """``ctx``: a ZeroMQ context to make the sockets in (index/zsock.py's or pyzmq's); None: a new one."""
         self.config = config or IndexConfig()
         self.store = PrefixStore(self.config.max_residencies)
         self.ingestor = Ingestor(self.store, self.config.block_size)

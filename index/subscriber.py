@@ -1,6 +1,6 @@
 """The ZeroMQ subscriber: one SUB socket per source (instance, DP rank), kept exactly in step.
 
-Two threads, off the router's event loop: the receiving thread (a ``zmq.Poller`` over every socket)
+Two threads, off the router's event loop: the receiving thread (a poller over every socket)
 drains what is queued at each wake-up (up to ``max_chunk`` messages per socket), does the sequence
 bookkeeping below reading only each payload's seq and timestamp, and hands the raw payloads, in
 order, to the ingest thread, which applies them with one C call per chunk without the GIL
@@ -40,13 +40,12 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import zmq
 
 import index._kvcore as _kvcore
+from index import zsock
 from index.ingest import Ingestor
 from index.store import SourceId
 from index.wire import END_SEQ, Batch, RawBatch, WireError, decode_seq, peek_message, split_replay_reply
-from index.zrecv import native_receive
 
 log = logging.getLogger("kvrouter.subscriber")
 
@@ -176,9 +175,10 @@ class _Source:
         self.name = f"{cfg.instance}/dp{cfg.dp_rank}"
         self.endpoint = cfg.endpoint
         self.topic = cfg.topic.encode()
-        self.sub: zmq.Socket[Any] | None = None
-        self.monitor: zmq.Socket[Any] | None = None
-        self.dealer: zmq.Socket[Any] | None = None
+        self.sub: Any = None
+        """The SUB socket (index/zsock.py's, or pyzmq's when libzmq could not be bound)."""
+        self.monitor: Any = None
+        self.dealer: Any = None
         self.peers = 0
         self.last_seq = -1
         self.last_ts = 0.0
@@ -209,12 +209,15 @@ class EventSubscriber:
         ingestor: Ingestor,
         sources: list[SourceConfig] | None = None,
         config: SubscriberConfig | None = None,
-        ctx: zmq.Context[Any] | None = None,
+        ctx: Any = None,
     ) -> None:
         self.ingestor = ingestor
         self.config = config or SubscriberConfig()
         self._own_ctx = ctx is None
-        self.ctx: zmq.Context[Any] = ctx or zmq.Context()
+        self._z: Any = zsock.backend()
+        """The socket library: index/zsock.py (libzmq bound), else pyzmq (the same names)."""
+        self.ctx: Any = zsock.context_of(ctx)
+        """A context of the backend's (a pyzmq context passed in is shadowed: the same libzmq)."""
         self._sources: dict[SourceId, _Source] = {}
         self._failed: dict[SourceId, tuple[SourceConfig, str, float]] = {}
         """Sources whose socket could not be opened: (config, error, next attempt); retried by the
@@ -224,14 +227,14 @@ class EventSubscriber:
         self._thread: threading.Thread | None = None
         self._applier: threading.Thread | None = None
         self._apply_q: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=self.config.apply_queue)
-        self._poller = zmq.Poller()
-        self._by_socket: dict[zmq.Socket[Any], tuple[str, _Source]] = {}
+        self._poller = self._z.Poller()
+        self._by_socket: dict[Any, tuple[str, _Source]] = {}
         self._wake_r = self._wake_w = -1
         """A pipe in the poller that wakes the thread for a command (add, remove, stop) at once:
         waiting for the poll timeout made a joining engine's stream start up to poll_ms late. Opened
         by start(): a subscriber that never runs holds no descriptors."""
-        self._native = self.config.native_receive and native_receive()
-        """Live messages are received by the C loop (index/zrecv.py found pyzmq's libzmq)."""
+        self._native = self.config.native_receive and zsock.native_receive()
+        """Live messages are received by the C loop (index/zsock.py bound libzmq and checked it)."""
         self._after_chunk: list[Callable[[], None]] = []
         """Work due once this loop turn's chunk is applied (a bootstrap's end becomes visible then)."""
         self._busy = True
@@ -271,7 +274,7 @@ class EventSubscriber:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self._wake_r, self._z.POLLIN)
         self._applier = threading.Thread(target=self._apply_loop, name="kv-ingest", daemon=True)
         self._applier.start()
         self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
@@ -371,7 +374,7 @@ class EventSubscriber:
         stop the others' streams."""
         try:
             self._open(cfg)
-        except zmq.ZMQError as exc:
+        except self._z.ZMQError as exc:
             known = self._failed.get(cfg.source_id)
             if known is None or known[0] != cfg or known[1] != str(exc):
                 log.error(
@@ -396,22 +399,23 @@ class EventSubscriber:
         connected, with nothing left behind), then give it a store slot."""
         if cfg.source_id in self._sources:
             return
-        sub = self.ctx.socket(zmq.SUB)
+        sub = self.ctx.socket(self._z.SUB)
         monitor = None
         try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, self.config.rcvhwm)
-            sub.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
+            sub.setsockopt(self._z.LINGER, 0)
+            sub.setsockopt(self._z.RCVHWM, self.config.rcvhwm)
+            sub.setsockopt(self._z.SUBSCRIBE, cfg.topic.encode())
+            z = self._z
             monitor = sub.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+                z.EVENT_CONNECTED | z.EVENT_ACCEPTED | z.EVENT_DISCONNECTED | z.EVENT_CLOSED
             )
             if cfg.bind:
                 sub.bind(cfg.endpoint)
-                endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)  # port 0 -> the real one
+                endpoint = sub.getsockopt_string(self._z.LAST_ENDPOINT)  # port 0 -> the real one
             else:
                 sub.connect(cfg.endpoint)
                 endpoint = cfg.endpoint
-        except zmq.ZMQError:
+        except self._z.ZMQError:
             if monitor is not None:
                 sub.disable_monitor()
                 monitor.close(0)
@@ -423,8 +427,8 @@ class EventSubscriber:
         src.endpoint = endpoint
         src.sub, src.monitor = sub, monitor
         self._sources[cfg.source_id] = src
-        self._poller.register(sub, zmq.POLLIN)
-        self._poller.register(monitor, zmq.POLLIN)
+        self._poller.register(sub, self._z.POLLIN)
+        self._poller.register(monitor, self._z.POLLIN)
         self._by_socket[sub] = ("sub", src)
         self._by_socket[monitor] = ("monitor", src)
 
@@ -482,7 +486,7 @@ class EventSubscriber:
             self._retry_failed()
         try:  # (the wake-up pipe is always polled: never a busy loop with no sockets)
             ready = dict(self._poller.poll(cfg.poll_ms))
-        except zmq.ZMQError as exc:  # pragma: no cover - context terminated under us
+        except self._z.ZMQError as exc:  # pragma: no cover - context terminated under us
             log.error("poll failed: %s", exc)
             self._stop.set()
             return
@@ -590,8 +594,8 @@ class EventSubscriber:
         recv_multipart = sub.recv_multipart
         for _ in range(budget):
             try:
-                frames = recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+                frames = recv_multipart(self._z.NOBLOCK)
+            except self._z.Again:
                 return
             self._on_live(src, frames, chunk)
 
@@ -689,12 +693,12 @@ class EventSubscriber:
 
     def _start_replay(self, src: _Source, start: int, until: int | None, bootstrap: bool = False) -> None:
         if src.dealer is None:
-            dealer = self.ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
+            dealer = self.ctx.socket(self._z.DEALER)
+            dealer.setsockopt(self._z.LINGER, 0)
             assert src.cfg.replay_endpoint is not None
             dealer.connect(src.cfg.replay_endpoint)
             src.dealer = dealer
-            self._poller.register(dealer, zmq.POLLIN)
+            self._poller.register(dealer, self._z.POLLIN)
             self._by_socket[dealer] = ("dealer", src)
         src.replay = _Replay(start, until, time.monotonic() + self.config.replay_timeout_s, bootstrap)
         if bootstrap:
@@ -706,8 +710,8 @@ class EventSubscriber:
         dealer = src.dealer
         while dealer is not None:
             try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+                frames = dealer.recv_multipart(self._z.NOBLOCK)
+            except self._z.Again:
                 return
             if src.replay is None:
                 continue  # a straggler from an abandoned replay
@@ -769,14 +773,14 @@ class EventSubscriber:
         assert monitor is not None
         while True:
             try:
-                frames = monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+                frames = monitor.recv_multipart(self._z.NOBLOCK)
+            except self._z.Again:
                 return
             event = _monitor_event(frames)
-            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            if event in (self._z.EVENT_CONNECTED, self._z.EVENT_ACCEPTED):
                 src.peers += 1
                 if src.cfg.replay_endpoint is not None and src.replay is None:
                     # bootstrap: fetch what the engine still buffers (duplicates are skipped by seq/ts)
                     self._start_replay(src, 0, None, bootstrap=True)
-            elif event == zmq.EVENT_DISCONNECTED:
+            elif event == self._z.EVENT_DISCONNECTED:
                 src.peers = max(0, src.peers - 1)

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import msgspec
-import zmq
 
 from index._kvcore import json_prompt
 from index.keys import TokenBuffer
@@ -66,7 +65,7 @@ class KVRouter:
     def __init__(
         self,
         config: RouterConfig,
-        zmq_context: zmq.Context[Any] | None = None,
+        zmq_context: Any = None,
         worker: WorkerContext | None = None,
         config_path: str | Path | None = None,
         config_file: tuple[RouterConfig, Stamp] | None = None,

@@ -181,7 +181,8 @@ class Stack:
         self.writers: list[zmq.Socket[Any]] = []
         if kind == "c":
             for i, src in enumerate(self.srcs):
-                reader, writer = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+                # the reader is the subscriber's kind of socket (index/zsock.py's), in its context
+                reader, writer = self.sub.ctx.socket(self.sub._z.PAIR), ctx.socket(zmq.PAIR)
                 endpoint = f"inproc://kvfuzz-{next(_ENDPOINTS)}-{i}"  # (never reused: closing is async)
                 reader.bind(endpoint)
                 writer.connect(endpoint)

@@ -19,7 +19,7 @@ from harness import TIMEOUT, wait_for
 
 from index.kvindex import IndexConfig, KVIndex
 from index.subscriber import SourceConfig, SubscriberConfig
-from index.zrecv import native_receive
+from index.zsock import native_receive
 from sim.publisher import BlockStored, encode_batch
 
 BS = 4

@@ -1,6 +1,7 @@
 """What ``kvrouter serve`` loads to start: a router whose prompts are token ids (a lookup service,
-the job Dynamo's indexer does) must start without the web framework, the chat machinery or httpx
-(each tens of ms of start-up and MBs of RSS; BENCHMARKS.md, issue 11), still probe its backends, and
+the job Dynamo's indexer does) must start without the web framework, the chat machinery, httpx or
+pyzmq's Python layer (each ms to tens of ms of start-up and MBs of RSS; BENCHMARKS.md, issue 11),
+still probe its backends, and
 index an engine's first KV event without numpy (the Python ingest path's; it cost a starting router
 60-400 ms before its first block). Checked in a fresh interpreter, against a real backend and a real
 ZMQ publisher in vLLM's layout on ephemeral ports."""
@@ -23,7 +24,8 @@ CARDS = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
 
 SCRIPT = r"""
 import asyncio, sys, time, tomllib
-import msgspec, zmq
+import msgspec
+from index import zsock  # (the publisher too: this interpreter never imports pyzmq)
 from router.app import KVRouter
 from router.config import parse_config
 import router.http.server, router.serve  # everything `kvrouter serve` imports
@@ -31,13 +33,13 @@ import router.http.server, router.serve  # everything `kvrouter serve` imports
 async def main():
     server = await asyncio.start_server(probe_backend(CARDS), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
+    ctx = zsock.Context()
+    pub = ctx.socket(1)  # PUB
+    pub.setsockopt(zsock.LINGER, 0)
     pub.bind("tcp://127.0.0.1:0")
     toml = (
         f'block_size = 16\nremote_tokenize = true\n[[backends]]\nname = "a"\n'
-        f'url = "http://127.0.0.1:{port}"\nkv_events = "{pub.getsockopt_string(zmq.LAST_ENDPOINT)}"\n'
+        f'url = "http://127.0.0.1:{port}"\nkv_events = "{pub.getsockopt_string(zsock.LAST_ENDPOINT)}"\n'
     )
     router = KVRouter(parse_config(tomllib.loads(toml)))
     await router.startup()
@@ -66,8 +68,9 @@ async def main():
         # nor what only Kubernetes discovery, several workers or the dashboard page need
         print(*(name in sys.modules for name in (
             "router.fleet.sources.kubernetes", "router.workers.supervisor", "importlib.resources")))
-        # nor OpenSSL's hashes (hashlib, hmac), ctypes or pyzmq's monitor helpers (~4 ms of a start)
-        print(*(name in sys.modules for name in ("hashlib", "hmac", "ctypes", "zmq.utils.monitor")))
+        # nor OpenSSL's hashes (hashlib, hmac), ctypes or pyzmq's Python layer (~10 ms of a start:
+        # the subscriber's sockets are index/zsock.py's, on the libzmq pyzmq ships)
+        print(*(name in sys.modules for name in ("hashlib", "hmac", "ctypes", "zmq")))
     finally:
         await router.shutdown()
         server.close()

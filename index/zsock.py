@@ -1,0 +1,281 @@
+"""The subscriber's ZeroMQ sockets, on libzmq directly (index/_kvzmq.h), under pyzmq's names.
+
+Why: importing pyzmq's Python layer costs ~20 ms of every start (its enums and helper classes, pickle,
+json), about a sixth of `kvrouter serve`'s time from exec to serving (BENCHMARKS.md, issue 11), for
+the dozen calls the subscriber makes. pyzmq stays the dependency that ships libzmq: :func:`backend`
+binds the copy pyzmq already loaded when there is one (so pyzmq's sockets and contexts, which tests
+pass in, mix with ours), else pyzmq's bundled file found without importing pyzmq, else the system's
+``libzmq.so.5``; when none binds (a pyzmq built otherwise), it returns the ``zmq`` module itself, whose
+names these mirror, and the subscriber runs on pyzmq as before (the log says so).
+
+Only what the subscriber uses: contexts, SUB/DEALER/PAIR sockets, options, bind/connect, socket
+monitors, whole-message receive and send, a poller over sockets and file descriptors. The C receive
+loop (``recv_live``, index/_kvrecv.h) is bound in the same step and checked on a socket pair
+(:func:`native_receive`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+from index import _kvcore
+
+log = logging.getLogger(__name__)
+
+# libzmq's numbers (zmq.h; stable since 4.0)
+PAIR, SUB, DEALER = 0, 2, 5
+SUBSCRIBE, LINGER, RCVHWM, LAST_ENDPOINT = 6, 17, 24, 32
+NOBLOCK = DONTWAIT = 1
+POLLIN = 1
+EVENT_CONNECTED, EVENT_ACCEPTED, EVENT_CLOSED, EVENT_DISCONNECTED = 0x1, 0x20, 0x80, 0x200
+
+
+class ZMQError(Exception):
+    """A libzmq call failed: ``errno`` and libzmq's message (str() is the message, as pyzmq's)."""
+
+    def __init__(self, errno: int, strerror: str) -> None:
+        super().__init__(errno, strerror)
+        self.errno = errno
+        self.strerror = strerror
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+class Again(ZMQError):
+    """EAGAIN: nothing to receive without waiting."""
+
+
+_MONITORS = itertools.count()
+
+
+class Context:
+    """A libzmq context; ``shadow``: the address of one another library made (pyzmq's ``underlying``),
+    used but never terminated here."""
+
+    def __init__(self, shadow: int = 0) -> None:
+        if backend() is not sys.modules[__name__]:
+            raise RuntimeError("libzmq could not be bound: use pyzmq's zmq.Context")
+        self.underlying = shadow or _kvcore.z_ctx_new()
+        self._own = not shadow
+        self.closed = False
+
+    def socket(self, kind: int) -> Socket:
+        return Socket(self, kind)
+
+    def term(self) -> None:
+        """Terminate (waits until every socket of the context is closed, GIL released)."""
+        if self._own and not self.closed:
+            self.closed = True
+            _kvcore.z_ctx_term(self.underlying)
+
+
+class Socket:
+    """One libzmq socket, used from one thread at a time (as libzmq requires)."""
+
+    def __init__(self, ctx: Context, kind: int) -> None:
+        self.context = ctx
+        self.underlying: int = _kvcore.z_socket(ctx.underlying, kind)
+        self.closed = False
+
+    def setsockopt(self, option: int, value: int | bytes) -> None:
+        _kvcore.z_setsockopt(self.underlying, option, value)
+
+    def getsockopt_string(self, option: int) -> str:
+        return _kvcore.z_getsockopt_bytes(self.underlying, option).decode()
+
+    def bind(self, endpoint: str) -> None:
+        _kvcore.z_endpoint(self.underlying, endpoint, False)
+
+    def connect(self, endpoint: str) -> None:
+        _kvcore.z_endpoint(self.underlying, endpoint, True)
+
+    def get_monitor_socket(self, events: int) -> Socket:
+        """A PAIR socket receiving this socket's ``events`` (2 frames each: uint16 event, uint32
+        value; the endpoint)."""
+        addr = f"inproc://kvrouter-monitor-{next(_MONITORS)}"  # (never reused: closing is async)
+        _kvcore.z_monitor(self.underlying, addr, events)
+        mon = Socket(self.context, PAIR)
+        try:
+            mon.connect(addr)
+        except ZMQError:
+            mon.close(0)
+            raise
+        return mon
+
+    def disable_monitor(self) -> None:
+        _kvcore.z_monitor(self.underlying, None, 0)
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        """One whole message (Again when none is queued and ``flags`` is NOBLOCK)."""
+        return _kvcore.z_recv_multipart(self.underlying, flags)
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        _kvcore.z_send_multipart(self.underlying, list(frames))
+
+    def poll(self, timeout_ms: int) -> int:
+        """POLLIN when a message is queued within ``timeout_ms``, else 0."""
+        return POLLIN if _kvcore.z_poll([(self.underlying, 0)], timeout_ms) else 0
+
+    def close(self, linger: int | None = None) -> None:
+        if self.closed:
+            return
+        if linger is not None:
+            self.setsockopt(LINGER, linger)
+        self.closed = True
+        _kvcore.z_close(self.underlying)
+
+    def __del__(self) -> None:  # (as pyzmq's: a forgotten socket must not keep its context alive)
+        if not getattr(self, "closed", True):
+            with contextlib.suppress(Exception):  # interpreter shutdown, a terminated context
+                self.close(0)
+
+
+class Poller:
+    """Waits until sockets or file descriptors (ints) can be read from."""
+
+    def __init__(self) -> None:
+        self._objs: list[Any] = []
+        self._items: list[tuple[int, int]] = []
+
+    def register(self, obj: Any, flags: int = POLLIN) -> None:
+        """``obj``: a socket (ours, or pyzmq's: anything with ``underlying``) or a file descriptor;
+        POLLIN only."""
+        if obj in self._objs:
+            return
+        self._objs.append(obj)
+        self._items.append((0, obj) if isinstance(obj, int) else (obj.underlying, 0))
+
+    def unregister(self, obj: Any) -> None:
+        i = self._objs.index(obj)
+        del self._objs[i]
+        del self._items[i]
+
+    def poll(self, timeout_ms: int | None = None) -> list[tuple[Any, int]]:
+        ready = _kvcore.z_poll(self._items, -1 if timeout_ms is None else int(timeout_ms))
+        return [(self._objs[i], POLLIN) for i in ready]
+
+
+# ---- binding the library ---------------------------------------------------------------------------
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+"""Process-wide, as the C core's bound entry points are: the backend once chosen, the receive
+loop's check."""
+
+
+def _mapped() -> list[str]:
+    """libzmq files this process has mapped already (pyzmq imported first): the likeliest first."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = (line.rsplit(None, 1)[-1] for line in maps)
+            mapped = list(dict.fromkeys(p for p in paths if p.startswith("/")))
+    except OSError:
+        return []
+    libs = [p for p in mapped if os.path.basename(p).startswith("libzmq")]
+    return libs + [p for p in mapped if "/zmq/backend/" in p]
+
+
+def _shipped() -> list[str]:
+    """pyzmq's own libzmq, found on sys.path without importing pyzmq: the wheel's bundled copy
+    (``pyzmq.libs/``, macOS ``zmq/.dylibs/``), then its extension (a build linking libzmq in)."""
+    out: list[str] = []
+    for entry in sys.path:
+        for sub in ("pyzmq.libs", os.path.join("zmq", ".dylibs"), os.path.join("zmq", "backend", "cython")):
+            d = os.path.join(entry or ".", sub)
+            try:
+                names = sorted(os.listdir(d))
+            except OSError:
+                continue
+            lib = sub.endswith("cython")
+            out += [os.path.join(d, n) for n in names if n.startswith("_zmq." if lib else "libzmq")]
+    return out
+
+
+def _bind(paths: list[str]) -> bool:
+    errors = (ZMQError, Again)
+    return any(_kvcore.zmq_load(p, errors) for p in paths)
+
+
+def backend() -> ModuleType:
+    """This module, once libzmq is bound; else ``zmq`` (pyzmq), whose names it mirrors."""
+    with _lock:
+        if "backend" not in _state:
+            # pyzmq loaded already: its copy, or our sockets and its would not mix
+            loaded = "zmq" in sys.modules
+            ok = _bind(_mapped()) if loaded else _bind(_shipped()) or _bind(["libzmq.so.5"])
+            if not ok:
+                import zmq  # (its loading maps its libzmq: bind that one)
+
+                ok = _bind(_mapped())
+            if ok:
+                _state["backend"] = sys.modules[__name__]
+            else:
+                import zmq
+
+                log.warning("libzmq could not be bound; the subscriber runs on pyzmq (slower to start)")
+                _state["backend"] = zmq
+        return _state["backend"]  # type: ignore[no-any-return]
+
+
+def context_of(ctx: Any) -> Any:
+    """The context to make sockets in: ``ctx`` itself (ours, or pyzmq's when pyzmq is the backend),
+    a pyzmq context shadowed (it shares our libzmq), or a new one (None)."""
+    z = backend()
+    if ctx is None:
+        return z.Context()
+    if z is sys.modules[__name__] and not isinstance(ctx, Context):
+        return Context(shadow=ctx.underlying)
+    return ctx
+
+
+def native_receive() -> bool:
+    """Whether the C receive loop can be used: libzmq bound here, and a message sent on a socket
+    pair received by it, an odd one returned whole (checked once)."""
+    with _lock:
+        if "native" in _state:
+            return bool(_state["native"])
+    ok = backend() is sys.modules[__name__] and _self_test()
+    if not ok:
+        log.info("C receive loop unavailable; receiving in Python")
+    with _lock:
+        _state["native"] = ok
+    return ok
+
+
+def _self_test() -> bool:
+    ctx = Context()
+    a, b = ctx.socket(PAIR), ctx.socket(PAIR)
+    try:
+        for s in (a, b):
+            s.setsockopt(LINGER, 0)
+        endpoint = f"inproc://kvrouter-zrecv-{next(_MONITORS)}"
+        b.bind(endpoint)
+        a.connect(endpoint)
+        payload = b"\x93\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00\x90\xc0"  # [1.5, [], None]
+        a.send_multipart([b"t", (7).to_bytes(8, "big"), payload])
+        a.send_multipart([b"t", b"short"])
+        if not b.poll(1000):
+            return False
+        chunk: list[tuple[int, bytes]] = []
+        taken, last_seq, last_ts, stop = _kvcore.recv_live(b.underlying, chunk, 3, 6, b"t", 10)
+        return (
+            taken == 1
+            and last_seq == 7
+            and last_ts == 1.5
+            and chunk == [(3, payload)]
+            and stop == [b"t", b"short"]
+        )
+    except Exception:  # anything unexpected means "not this library"
+        log.debug("native receive self-test failed", exc_info=True)
+        return False
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

@@ -1,0 +1,243 @@
+"""index/zsock.py: the subscriber's sockets on libzmq directly, against pyzmq's on real sockets.
+
+In this process pyzmq is imported (the tests' publishers), so zsock binds the libzmq pyzmq loaded and
+the two kinds of sockets talk to each other, in one context too. What a router process does (no pyzmq
+imported at all) runs in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from index import zsock
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def ctx() -> Iterator[zsock.Context]:
+    assert zsock.backend() is zsock
+    c = zsock.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def pctx() -> Iterator[zmq.Context[Any]]:
+    c: zmq.Context[Any] = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def _recv(sock: zsock.Socket, timeout: float = 10.0) -> list[bytes]:
+    assert sock.poll(int(timeout * 1000)), "nothing arrived"
+    return sock.recv_multipart(zsock.NOBLOCK)
+
+
+def test_a_router_process_never_imports_pyzmq() -> None:
+    script = """
+import sys, time
+from index import zsock
+z = zsock.backend()
+ctx = zsock.Context()
+pub, sub = ctx.socket(1), ctx.socket(zsock.SUB)  # (1: PUB, which the router itself never makes)
+for s in (pub, sub):
+    s.setsockopt(zsock.LINGER, 0)
+pub.bind("tcp://127.0.0.1:0")
+sub.setsockopt(zsock.SUBSCRIBE, b"")
+sub.connect(pub.getsockopt_string(zsock.LAST_ENDPOINT))
+deadline = time.monotonic() + 30
+while not sub.poll(10):
+    assert time.monotonic() < deadline
+    pub.send_multipart([b"t", b"x"])
+print(z.__name__, sub.recv_multipart(zsock.NOBLOCK), zsock.native_receive(), "zmq" in sys.modules)
+pub.close(); sub.close(); ctx.term()
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, check=True
+    ).stdout.split()
+    assert out == ["index.zsock", "[b't',", "b'x']", "True", "False"]
+
+
+def test_sub_follows_its_topic_from_a_pyzmq_publisher(ctx: zsock.Context, pctx: zmq.Context[Any]) -> None:
+    pub = pctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = ctx.socket(zsock.SUB)
+    try:
+        sub.setsockopt(zsock.LINGER, 0)
+        sub.setsockopt(zsock.RCVHWM, 1000)
+        sub.setsockopt(zsock.SUBSCRIBE, b"kv")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while not sub.poll(10):  # (until the subscription has reached the publisher)
+            assert time.monotonic() < deadline
+            pub.send_multipart([b"other", b"no"])
+            pub.send_multipart([b"kv", b"\x00" * 8, b"payload"])
+        assert sub.recv_multipart(zsock.NOBLOCK) == [b"kv", b"\x00" * 8, b"payload"]
+        pub.send_multipart([b"other", b"no"])
+        pub.send_multipart([b"kv", b"", b"2"])
+        assert _recv(sub) == [b"kv", b"", b"2"]  # the other topic never arrived in between
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_dealer_round_trip_with_a_pyzmq_router(ctx: zsock.Context, pctx: zmq.Context[Any]) -> None:
+    router = pctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zsock.DEALER)
+    try:
+        dealer.setsockopt(zsock.LINGER, 0)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send_multipart([b"", (5).to_bytes(8, "big")])
+        assert router.poll(10_000)
+        ident, empty, start = router.recv_multipart()
+        assert (empty, start) == (b"", (5).to_bytes(8, "big"))
+        big = os.urandom(1 << 20)
+        router.send_multipart([ident, b"", b"\x00" * 8, big])
+        assert _recv(dealer) == [b"", b"\x00" * 8, big]
+    finally:
+        dealer.close()
+        router.close()
+
+
+def test_errors_carry_libzmqs_errno_and_message(ctx: zsock.Context, pctx: zmq.Context[Any]) -> None:
+    sock = ctx.socket(zsock.SUB)
+    taken = pctx.socket(zmq.PUB)
+    try:
+        sock.setsockopt(zsock.LINGER, 0)
+        with pytest.raises(zsock.Again) as again:
+            sock.recv_multipart(zsock.NOBLOCK)
+        assert again.value.errno == errno.EAGAIN and isinstance(again.value, zsock.ZMQError)
+        with pytest.raises(zsock.ZMQError) as bad:
+            sock.connect("nonsense://here")
+        with pytest.raises(zmq.ZMQError) as theirs:
+            taken.connect("nonsense://here")
+        # libzmq's message, as pyzmq's (which appends the address; the subscriber's log names it)
+        assert bad.value.errno == theirs.value.errno == errno.EPROTONOSUPPORT
+        assert str(bad.value) == zmq.strerror(bad.value.errno) == "Protocol not supported"
+        port = taken.bind_to_random_port("tcp://127.0.0.1")
+        with pytest.raises(zsock.ZMQError) as busy:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+        assert busy.value.errno == errno.EADDRINUSE and str(busy.value) == "Address already in use"
+    finally:
+        sock.close()
+        taken.close(0)
+
+
+def test_a_monitor_reports_the_connection(ctx: zsock.Context, pctx: zmq.Context[Any]) -> None:
+    pub = pctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = ctx.socket(zsock.SUB)
+    sub.setsockopt(zsock.LINGER, 0)
+    mon = sub.get_monitor_socket(zsock.EVENT_CONNECTED | zsock.EVENT_DISCONNECTED)
+    try:
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        frames = _recv(mon)
+        assert len(frames) == 2 and int.from_bytes(frames[0][:2], sys.byteorder) == zsock.EVENT_CONNECTED
+        assert frames[1] == f"tcp://127.0.0.1:{port}".encode()
+        pub.close()
+        frames = _recv(mon)
+        assert int.from_bytes(frames[0][:2], sys.byteorder) == zsock.EVENT_DISCONNECTED
+    finally:
+        sub.disable_monitor()
+        mon.close(0)
+        sub.close()
+        pub.close(0)
+
+
+def test_the_poller_watches_sockets_and_file_descriptors(ctx: zsock.Context) -> None:
+    a, b = ctx.socket(zsock.PAIR), ctx.socket(zsock.PAIR)
+    r, w = os.pipe()
+    poller = zsock.Poller()
+    try:
+        b.bind("inproc://test-poller")
+        a.connect("inproc://test-poller")
+        poller.register(b, zsock.POLLIN)
+        poller.register(r, zsock.POLLIN)
+        poller.register(r, zsock.POLLIN)  # (twice: still once)
+        assert poller.poll(0) == []
+        os.write(w, b"!")
+        assert poller.poll(10_000) == [(r, zsock.POLLIN)]
+        os.read(r, 1)
+        a.send_multipart([b"m"])
+        assert poller.poll(10_000) == [(b, zsock.POLLIN)]
+        poller.unregister(b)
+        assert poller.poll(0) == []
+        assert b.recv_multipart(zsock.NOBLOCK) == [b"m"]
+    finally:
+        os.close(r)
+        os.close(w)
+        a.close(0)
+        b.close(0)
+        b.close(0)  # (closing twice is harmless)
+
+
+def test_sockets_made_in_a_shadowed_pyzmq_context_reach_pyzmqs(pctx: zmq.Context[Any]) -> None:
+    """One libzmq: a pyzmq context passed to the router (tests do) hosts our sockets too; inproc
+    endpoints only connect within one context of one library."""
+    mine = zsock.context_of(pctx)
+    assert isinstance(mine, zsock.Context) and mine.underlying == pctx.underlying
+    theirs = pctx.socket(zmq.PAIR)
+    ours = mine.socket(zsock.PAIR)
+    try:
+        theirs.bind("inproc://test-shadow")
+        ours.connect("inproc://test-shadow")
+        theirs.send_multipart([b"hello", b"there"])
+        assert _recv(ours) == [b"hello", b"there"]
+        ours.send_multipart([b"back"])
+        assert theirs.poll(10_000) and theirs.recv_multipart() == [b"back"]
+    finally:
+        ours.close(0)
+        theirs.close(0)
+        mine.term()  # (a shadow: never terminates pyzmq's context)
+    assert not pctx.closed
+
+
+def test_without_a_bindable_libzmq_the_subscriber_runs_on_pyzmq() -> None:
+    """Where no libzmq binds (a pyzmq built otherwise), the index still follows its streams, through
+    pyzmq, and says so."""
+    script = """
+import logging, sys, time
+import msgspec
+from index import _kvcore, zsock
+_kvcore.zmq_load = lambda path, errors: False
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+from index.kvindex import IndexConfig, KVIndex
+from index.subscriber import SourceConfig
+import zmq
+ctx = zmq.Context()
+pub = ctx.socket(zmq.PUB)
+port = pub.bind_to_random_port("tcp://127.0.0.1")
+index = KVIndex(IndexConfig(block_size=2))
+index.add_source(SourceConfig("e", 0, f"tcp://127.0.0.1:{port}"))
+index.start()
+event = {"type": "BlockStored", "block_hashes": [11], "parent_block_hash": None, "token_ids": [1, 2],
+         "block_size": 2, "lora_id": None, "medium": None}
+seq, deadline = 0, time.monotonic() + 30
+while not index.match([1, 2], [("e", 0)]).matches[("e", 0)].blocks:
+    assert time.monotonic() < deadline
+    pub.send_multipart([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [event], 0])])
+    seq += 1
+    time.sleep(0.02)
+print(zsock.backend().__name__, index.subscriber._native)
+index.stop(); pub.close(0); ctx.term()
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, check=True
+    ).stdout
+    assert "libzmq could not be bound; the subscriber runs on pyzmq" in out
+    assert out.split()[-2:] == ["zmq", "False"]
