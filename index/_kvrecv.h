@@ -52,9 +52,9 @@ typedef union {
 
 /* An odd message, whole: its first `n` frames already received (`got`), the rest still queued.
  * Every frame is received and closed (so none is mistaken for the next message's); each of the
- * first MAX_FRAMES becomes a bytes object in the returned list. NULL with an exception set when
+ * first `keep` becomes a bytes object in the returned list. NULL with an exception set when
  * memory ran out (the message is consumed all the same). */
-static PyObject *odd_message(void *sock, ZMsg *got, int n) {
+static PyObject *odd_message(void *sock, ZMsg *got, int n, Py_ssize_t keep) {
     PyObject *frames = PyList_New(0);
     ZMsg m;
     int more = 1;
@@ -69,7 +69,7 @@ static PyObject *odd_message(void *sock, ZMsg *got, int n) {
             }
         }
         more = ZMQ.more(f);
-        if (frames && PyList_GET_SIZE(frames) < MAX_FRAMES) {
+        if (frames && PyList_GET_SIZE(frames) < keep) {
             PyObject *b = PyBytes_FromStringAndSize((const char *)ZMQ.data(f), (Py_ssize_t)ZMQ.size(f));
             if (!b || PyList_Append(frames, b) < 0) Py_CLEAR(frames);
             Py_XDECREF(b);
@@ -147,7 +147,7 @@ static PyObject *mod_recv_live(PyObject *self, PyObject *args) {
             ok = isfinite(ts);
         }
         if (!ok) {
-            stop = odd_message(sock, f, got); /* whole, to the Python path */
+            stop = odd_message(sock, f, got, MAX_FRAMES); /* whole, to the Python path */
             if (!stop) goto error;
             break;
         }

@@ -117,10 +117,13 @@ static PyObject *mod_z_ctx_term(PyObject *self, PyObject *arg) {
     void *ctx = PyLong_AsVoidPtr(arg);
     if (PyErr_Occurred() || !zs_ready()) return NULL;
     int r;
-    Py_BEGIN_ALLOW_THREADS
-    do r = ZS.ctx_term(ctx);
-    while (r < 0 && ZMQ.err() == EINTR);
-    Py_END_ALLOW_THREADS
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        r = ZS.ctx_term(ctx);
+        Py_END_ALLOW_THREADS
+        if (r == 0 || ZMQ.err() != EINTR) break;
+        if (PyErr_CheckSignals() < 0) return NULL; /* (Ctrl-C out of a term waiting for a socket) */
+    }
     if (r < 0) return zs_error();
     Py_RETURN_NONE;
 }
@@ -253,36 +256,54 @@ static PyObject *mod_z_recv_multipart(PyObject *self, PyObject *args) {
     ZMQ.init(&m);
     int r;
     if (flags & ZMQ_DONTWAIT_) r = ZMQ.recv(&m, sock, flags);
-    else {
-        Py_BEGIN_ALLOW_THREADS
-        do r = ZMQ.recv(&m, sock, flags);
-        while (r < 0 && ZMQ.err() == EINTR);
-        Py_END_ALLOW_THREADS
-    }
+    else
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            r = ZMQ.recv(&m, sock, flags);
+            Py_END_ALLOW_THREADS
+            if (r >= 0 || ZMQ.err() != EINTR) break;
+            if (PyErr_CheckSignals() < 0) {
+                ZMQ.close(&m);
+                return NULL;
+            }
+        }
     if (r < 0) {
         ZMQ.close(&m);
         return zs_error();
     }
-    return odd_message(sock, &m, 1); /* (the rest of it: delivered whole, so never waits) */
+    /* the rest of it (delivered whole, so never waits), every frame */
+    return odd_message(sock, &m, 1, PY_SSIZE_T_MAX);
 }
 
-/* z_send_multipart(socket, [bytes-like]) */
+/* z_send_multipart(socket, [bytes-like]): every frame's buffer taken before the first is sent, so a
+ * bad frame never leaves half a message queued (the next send would be glued to it) */
 static PyObject *mod_z_send_multipart(PyObject *self, PyObject *args) {
     unsigned long long s;
     PyObject *frames;
     if (!PyArg_ParseTuple(args, "KO!", &s, &PyList_Type, &frames) || !zs_ready()) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(frames);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer b;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(frames, i), &b, PyBUF_SIMPLE) < 0) return NULL;
-        int r;
+    Py_ssize_t n = PyList_GET_SIZE(frames), got = 0;
+    Py_buffer *b = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    if (!b) return PyErr_NoMemory();
+    int r = 0, interrupted = 0;
+    for (; got < n; got++)
+        if (PyObject_GetBuffer(PyList_GET_ITEM(frames, got), &b[got], PyBUF_SIMPLE) < 0) break;
+    for (Py_ssize_t i = 0; got == n && i < n && r >= 0; i++) {
         int more = i + 1 < n ? ZMQ_SNDMORE_ : 0;
-        Py_BEGIN_ALLOW_THREADS
-        do r = ZS.send((void *)(uintptr_t)s, b.buf, (size_t)b.len, more);
-        while (r < 0 && ZMQ.err() == EINTR);
-        Py_END_ALLOW_THREADS
-        PyBuffer_Release(&b);
-        if (r < 0) return zs_error();
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            r = ZS.send((void *)(uintptr_t)s, b[i].buf, (size_t)b[i].len, more);
+            Py_END_ALLOW_THREADS
+            if (r >= 0 || ZMQ.err() != EINTR) break;
+            if (PyErr_CheckSignals() < 0) {
+                interrupted = 1;
+                break;
+            }
+        }
+        if (interrupted) break;
     }
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&b[i]);
+    PyMem_Free(b);
+    if (got < n || interrupted) return NULL;
+    if (r < 0) return zs_error();
     Py_RETURN_NONE;
 }

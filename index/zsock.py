@@ -57,14 +57,17 @@ _MONITORS = itertools.count()
 
 
 class Context:
-    """A libzmq context; ``shadow``: the address of one another library made (pyzmq's ``underlying``),
-    used but never terminated here."""
+    """A libzmq context. ``shadow``: one another library made (a pyzmq context), whose sockets and
+    ours then share it; it is kept alive by this object (pyzmq terminates a context it collects) and
+    never terminated here. Stop what uses this context before terminating the shadowed one: its
+    ``destroy()`` closes pyzmq's sockets, not ours, and its ``term()`` waits for ours."""
 
-    def __init__(self, shadow: int = 0) -> None:
+    def __init__(self, shadow: Any = None) -> None:
         if backend() is not sys.modules[__name__]:
             raise RuntimeError("libzmq could not be bound: use pyzmq's zmq.Context")
-        self.underlying = shadow or _kvcore.z_ctx_new()
-        self._own = not shadow
+        self._shadowed = shadow
+        self.underlying: int = _kvcore.z_ctx_new() if shadow is None else shadow.underlying
+        self._own = shadow is None
         self.closed = False
 
     def socket(self, kind: int) -> Socket:
@@ -125,11 +128,14 @@ class Socket:
         return POLLIN if _kvcore.z_poll([(self.underlying, 0)], timeout_ms) else 0
 
     def close(self, linger: int | None = None) -> None:
+        """Close (once); a LINGER that cannot be set (a terminating context: ETERM) does not keep the
+        socket open, or the context's term() would wait for it forever."""
         if self.closed:
             return
-        if linger is not None:
-            self.setsockopt(LINGER, linger)
         self.closed = True
+        if linger is not None:
+            with contextlib.suppress(ZMQError):
+                self.setsockopt(LINGER, linger)
         _kvcore.z_close(self.underlying)
 
     def __del__(self) -> None:  # (as pyzmq's: a forgotten socket must not keep its context alive)
@@ -226,12 +232,18 @@ def backend() -> ModuleType:
 
 def context_of(ctx: Any) -> Any:
     """The context to make sockets in: ``ctx`` itself (ours, or pyzmq's when pyzmq is the backend),
-    a pyzmq context shadowed (it shares our libzmq), or a new one (None)."""
+    a pyzmq context shadowed, or a new one (None). A pyzmq context made by another copy of libzmq
+    than the one bound here cannot host our sockets: ValueError (libzmq itself tells: EFAULT)."""
     z = backend()
     if ctx is None:
         return z.Context()
     if z is sys.modules[__name__] and not isinstance(ctx, Context):
-        return Context(shadow=ctx.underlying)
+        try:
+            _kvcore.z_close(_kvcore.z_socket(ctx.underlying, PAIR))
+        except ZMQError as exc:
+            msg = f"this ZeroMQ context comes from another libzmq than the subscriber's: {exc}"
+            raise ValueError(msg) from exc
+        return Context(shadow=ctx)
     return ctx
 
 

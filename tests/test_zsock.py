@@ -11,6 +11,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -241,3 +242,84 @@ index.stop(); pub.close(0); ctx.term()
     ).stdout
     assert "libzmq could not be bound; the subscriber runs on pyzmq" in out
     assert out.split()[-2:] == ["zmq", "False"]
+
+
+def test_a_temporary_pyzmq_context_passed_in_is_kept_alive() -> None:
+    """The shadow holds pyzmq's context: collected, pyzmq would terminate it under our sockets (a
+    hang while they are open, freed memory otherwise)."""
+    script = """
+import time, msgspec, zmq
+from index.kvindex import IndexConfig, KVIndex
+from index.subscriber import SourceConfig
+pctx = zmq.Context()
+pub = pctx.socket(zmq.PUB)
+port = pub.bind_to_random_port("tcp://127.0.0.1")
+index = KVIndex(IndexConfig(block_size=2), ctx=zmq.Context())  # (nobody else holds this context)
+index.add_source(SourceConfig("e", 0, f"tcp://127.0.0.1:{port}"))
+index.start()
+event = {"type": "BlockStored", "block_hashes": [11], "parent_block_hash": None, "token_ids": [1, 2],
+         "block_size": 2, "lora_id": None, "medium": None}
+seq, deadline = 0, time.monotonic() + 30
+while not index.match([1, 2], [("e", 0)]).matches[("e", 0)].blocks:
+    assert time.monotonic() < deadline
+    pub.send_multipart([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [event], 0])])
+    seq += 1
+    time.sleep(0.02)
+index.stop()
+pub.close(0)
+pctx.term()
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, check=True
+    ).stdout
+    assert out.split() == ["ok"]
+
+
+def test_a_context_of_another_library_is_refused() -> None:
+    class Foreign:
+        underlying = id(object())  # (readable memory that is no libzmq context of ours)
+
+    with pytest.raises(ValueError, match="another libzmq"):
+        zsock.context_of(Foreign())
+
+
+def test_close_closes_even_when_its_linger_cannot_be_set(ctx: zsock.Context) -> None:
+    """Once the context terminates, setting LINGER fails (ETERM); the socket must close all the same,
+    or term() would wait for it forever."""
+    sock = ctx.socket(zsock.SUB)
+    term = threading.Thread(target=ctx.term)
+    term.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # (until the socket has seen term() begin: its calls then fail with ETERM)
+            try:
+                sock.recv_multipart(zsock.NOBLOCK)
+            except zsock.Again:
+                pass
+            except zsock.ZMQError as exc:
+                assert exc.errno == zmq.ETERM
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        with pytest.raises(zsock.ZMQError):
+            sock.setsockopt(zsock.LINGER, 0)  # what close(0) meets first
+    finally:
+        sock.close(0)
+        term.join(30)
+    assert not term.is_alive() and sock.closed
+
+
+def test_a_message_is_sent_whole_or_not_at_all(ctx: zsock.Context) -> None:
+    a, b = ctx.socket(zsock.PAIR), ctx.socket(zsock.PAIR)
+    try:
+        b.bind("inproc://test-whole")
+        a.connect("inproc://test-whole")
+        with pytest.raises(TypeError):
+            a.send_multipart([b"first", "not bytes"])  # type: ignore[list-item]
+        frames = [str(i).encode() for i in range(100)]
+        a.send_multipart(frames)
+        assert _recv(b) == frames  # (no stray first frame; every one of the 100)
+    finally:
+        a.close(0)
+        b.close(0)
