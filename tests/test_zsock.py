@@ -208,57 +208,22 @@ def test_sockets_made_in_a_shadowed_pyzmq_context_reach_pyzmqs(pctx: zmq.Context
     assert not pctx.closed
 
 
-def test_without_a_bindable_libzmq_the_subscriber_runs_on_pyzmq() -> None:
-    """Where no libzmq binds (a pyzmq built otherwise), the index still follows its streams, through
-    pyzmq, and says so."""
-    script = """
+FOLLOW = """
 import logging, sys, time
-import msgspec
+import msgspec, zmq
 from index import _kvcore, zsock
-_kvcore.zmq_load = lambda path, errors: False
+from index.kvindex import IndexConfig, KVIndex
+from index.subscriber import SourceConfig
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-from index.kvindex import IndexConfig, KVIndex
-from index.subscriber import SourceConfig
-import zmq
-ctx = zmq.Context()
-pub = ctx.socket(zmq.PUB)
-port = pub.bind_to_random_port("tcp://127.0.0.1")
-index = KVIndex(IndexConfig(block_size=2))
-index.add_source(SourceConfig("e", 0, f"tcp://127.0.0.1:{port}"))
-index.start()
-event = {"type": "BlockStored", "block_hashes": [11], "parent_block_hash": None, "token_ids": [1, 2],
-         "block_size": 2, "lora_id": None, "medium": None}
-seq, deadline = 0, time.monotonic() + 30
-while not index.match([1, 2], [("e", 0)]).matches[("e", 0)].blocks:
-    assert time.monotonic() < deadline
-    pub.send_multipart([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [event], 0])])
-    seq += 1
-    time.sleep(0.02)
-print(zsock.backend().__name__, index.subscriber._native)
-index.stop(); pub.close(0); ctx.term()
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, check=True
-    ).stdout
-    assert "libzmq could not be bound; the subscriber runs on pyzmq" in out
-    assert out.split()[-2:] == ["zmq", "False"]
-
-
-def test_a_temporary_pyzmq_context_passed_in_is_kept_alive() -> None:
-    """The shadow holds pyzmq's context: collected, pyzmq would terminate it under our sockets (a
-    hang while they are open, freed memory otherwise)."""
-    script = """
-import time, msgspec, zmq
-from index.kvindex import IndexConfig, KVIndex
-from index.subscriber import SourceConfig
+{prelude}
 pctx = zmq.Context()
 pub = pctx.socket(zmq.PUB)
 port = pub.bind_to_random_port("tcp://127.0.0.1")
-index = KVIndex(IndexConfig(block_size=2), ctx=zmq.Context())  # (nobody else holds this context)
-index.add_source(SourceConfig("e", 0, f"tcp://127.0.0.1:{port}"))
+index = KVIndex(IndexConfig(block_size=2){index_ctx})
+index.add_source(SourceConfig("e", 0, f"tcp://127.0.0.1:{{port}}"))
 index.start()
-event = {"type": "BlockStored", "block_hashes": [11], "parent_block_hash": None, "token_ids": [1, 2],
-         "block_size": 2, "lora_id": None, "medium": None}
+event = {{"type": "BlockStored", "block_hashes": [11], "parent_block_hash": None, "token_ids": [1, 2],
+         "block_size": 2, "lora_id": None, "medium": None}}
 seq, deadline = 0, time.monotonic() + 30
 while not index.match([1, 2], [("e", 0)]).matches[("e", 0)].blocks:
     assert time.monotonic() < deadline
@@ -268,12 +233,31 @@ while not index.match([1, 2], [("e", 0)]).matches[("e", 0)].blocks:
 index.stop()
 pub.close(0)
 pctx.term()
-print("ok")
+print(zsock.backend().__name__, index.subscriber._native)
 """
-    out = subprocess.run(
+
+
+def _follow(prelude: str = "", index_ctx: str = "") -> str:
+    """What a fresh interpreter prints after its index followed a pyzmq publisher's first event."""
+    script = FOLLOW.format(prelude=prelude, index_ctx=index_ctx)
+    return subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, check=True
     ).stdout
-    assert out.split() == ["ok"]
+
+
+def test_without_a_bindable_libzmq_the_subscriber_runs_on_pyzmq() -> None:
+    """Where no libzmq binds (a pyzmq built otherwise), the index still follows its streams, through
+    pyzmq, and says so."""
+    out = _follow(prelude="_kvcore.zmq_load = lambda path, errors: False")
+    assert "libzmq could not be bound; the subscriber runs on pyzmq" in out
+    assert out.split()[-2:] == ["zmq", "False"]
+
+
+def test_a_temporary_pyzmq_context_passed_in_is_kept_alive() -> None:
+    """The shadow holds pyzmq's context: collected, pyzmq would terminate it under our sockets (a
+    hang while they are open, freed memory otherwise)."""
+    out = _follow(index_ctx=", ctx=zmq.Context()")  # (nobody else holds this context)
+    assert out.split() == ["index.zsock", "True"]
 
 
 def test_a_context_of_another_library_is_refused() -> None:
