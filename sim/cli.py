@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from sim.commands import COMMANDS
 from sim.engine import EngineConfig, token_scaled
 from sim.fleet import Fleet
 
@@ -33,7 +34,7 @@ def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.Argume
     d = EngineConfig()
     p = subparsers.add_parser(
         "mock-engine",
-        help="run simulated vLLM engines (OpenAI API, /metrics, KV events over ZMQ)",
+        help=COMMANDS["mock-engine"],
         description="Engine i serves HTTP on PORT+i; its DP rank r publishes KV events on "
         "KV_PORT + i*DP_SIZE + r and answers replay on REPLAY_PORT + i*DP_SIZE + r.",
     )

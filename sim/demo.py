@@ -31,6 +31,7 @@ import msgspec
 
 from router.decision.chat import ChatTokenizer
 from router.decision.policy import POLICIES
+from sim.commands import COMMANDS
 from sim.driver import DriverConfig, EngineCounters, run, scrape_engines
 from sim.engine import EngineConfig
 from sim.fleet import Fleet
@@ -390,7 +391,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add `kvrouter demo`."""
     p = subparsers.add_parser(
         "demo",
-        help="compare routing policies on a simulated fleet (mock engines + the real router)",
+        help=COMMANDS["demo"],
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     add_arguments(p)

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from router.decision.policy import POLICIES, PolicyConfig
+from sim.commands import COMMANDS
 from sim.driver import DriverConfig, run, scrape_engines
 from sim.engine import EngineConfig, token_scaled
 from sim.fleet import Fleet
@@ -309,7 +310,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `kvrouter bench replay`."""
-    bench = subparsers.add_parser("bench", help="routing-quality benchmarks on public traces")
+    bench = subparsers.add_parser("bench", help=COMMANDS["bench"])
     sub = bench.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser(
         "replay",
