@@ -1,8 +1,8 @@
 /* ZeroMQ sockets for the subscriber, on libzmq directly (included by _kvcore.c after _kvrecv.h).
  *
- * Why: `import zmq` (pyzmq's Python layer: its enums, sugar classes, pickle, json) costs ~20 ms of
- * every start, a sixth of `kvrouter serve`'s time from exec to serving, for the dozen calls the
- * subscriber makes. pyzmq stays the dependency that ships libzmq (its wheel's bundled copy); this file
+ * Why: `import zmq` (pyzmq's Python layer: its enums, sugar classes, pickle, json) costs 12-24 ms of
+ * every start, a tenth or more of `kvrouter serve`'s time from exec to serving, for the dozen calls
+ * the subscriber makes. pyzmq stays the dependency that ships libzmq (its wheel's bundled copy); this file
  * calls that library itself, as the receive loop (_kvrecv.h) already did.
  *
  * How: `zmq_load` dlopens a libzmq (index/zsock.py picks the copy pyzmq already loaded, else pyzmq's
