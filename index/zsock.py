@@ -2,11 +2,12 @@
 
 Why: importing pyzmq's Python layer costs 12-24 ms of every start (its enums and helper classes,
 pickle, json; binding libzmq here 2-3 ms), a tenth or more of `kvrouter serve`'s time from exec to
-serving (BENCHMARKS.md, issue 11), for the dozen calls the subscriber makes. pyzmq stays the dependency that ships libzmq: :func:`backend`
-binds the copy pyzmq already loaded when there is one (so pyzmq's sockets and contexts, which tests
-pass in, mix with ours), else pyzmq's bundled file found without importing pyzmq, else the system's
-``libzmq.so.5``; when none binds (a pyzmq built otherwise), it returns the ``zmq`` module itself, whose
-names these mirror, and the subscriber runs on pyzmq as before (the log says so).
+serving (BENCHMARKS.md, issue 11), for the dozen calls the subscriber makes. pyzmq stays the
+dependency that ships libzmq: :func:`backend` binds the copy pyzmq already loaded when there is one
+(so pyzmq's sockets and contexts, which tests pass in, mix with ours), else pyzmq's bundled file
+found without importing pyzmq, else the system's ``libzmq.so.5``; when none binds (a pyzmq built
+otherwise), it returns the ``zmq`` module itself, whose names these mirror, and the subscriber runs
+on pyzmq as before (the log says so).
 
 Only what the subscriber uses: contexts, SUB/DEALER/PAIR sockets, options, bind/connect, socket
 monitors, whole-message receive and send, a poller over sockets and file descriptors. The C receive
