@@ -41,6 +41,13 @@ def pctx() -> Iterator[zmq.Context[Any]]:
     c.destroy(linger=0)
 
 
+def _bound(pctx: zmq.Context[Any], kind: int) -> tuple[zmq.Socket[Any], int]:
+    """A pyzmq socket of ``kind`` bound to an ephemeral port of 127.0.0.1, and that port."""
+    sock = pctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock, sock.bind_to_random_port("tcp://127.0.0.1")
+
+
 def _recv(sock: zsock.Socket, timeout: float = 10.0) -> list[bytes]:
     assert sock.poll(int(timeout * 1000)), "nothing arrived"
     return sock.recv_multipart(zsock.NOBLOCK)
@@ -72,9 +79,7 @@ pub.close(); sub.close(); ctx.term()
 
 
 def test_sub_follows_its_topic_from_a_pyzmq_publisher(ctx: zsock.Context, pctx: zmq.Context[Any]) -> None:
-    pub = pctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    pub, port = _bound(pctx, zmq.PUB)
     sub = ctx.socket(zsock.SUB)
     try:
         sub.setsockopt(zsock.LINGER, 0)
@@ -99,9 +104,7 @@ def test_sub_follows_its_topic_from_a_pyzmq_publisher(ctx: zsock.Context, pctx: 
 
 
 def test_dealer_round_trip_with_a_pyzmq_router(ctx: zsock.Context, pctx: zmq.Context[Any]) -> None:
-    router = pctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    router, port = _bound(pctx, zmq.ROUTER)
     dealer = ctx.socket(zsock.DEALER)
     try:
         dealer.setsockopt(zsock.LINGER, 0)
@@ -143,9 +146,7 @@ def test_errors_carry_libzmqs_errno_and_message(ctx: zsock.Context, pctx: zmq.Co
 
 
 def test_a_monitor_reports_the_connection(ctx: zsock.Context, pctx: zmq.Context[Any]) -> None:
-    pub = pctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    pub, port = _bound(pctx, zmq.PUB)
     sub = ctx.socket(zsock.SUB)
     sub.setsockopt(zsock.LINGER, 0)
     mon = sub.get_monitor_socket(zsock.EVENT_CONNECTED | zsock.EVENT_DISCONNECTED)
