@@ -39,9 +39,8 @@ static PyObject *ZErrType, *ZAgainType; /* index/zsock.py's ZMQError and Again *
 #define ZMQ_SNDMORE_ 2
 #define ZMQ_POLLIN_ 1
 
-/* raise ZMQError (Again for EAGAIN) for libzmq's current errno; NULL */
-static PyObject *zs_error(void) {
-    int e = ZMQ.err();
+/* raise ZMQError (Again for EAGAIN) for libzmq's errno `e`; NULL */
+static PyObject *zs_error_of(int e) {
     PyObject *v = Py_BuildValue("(is)", e, ZS.strerror(e));
     if (v) {
         PyErr_SetObject(e == EAGAIN ? ZAgainType : ZErrType, v);
@@ -49,6 +48,9 @@ static PyObject *zs_error(void) {
     }
     return NULL;
 }
+
+/* the same for libzmq's current errno (read before any other call could change it) */
+static PyObject *zs_error(void) { return zs_error_of(ZMQ.err()); }
 
 static int zs_ready(void) {
     if (ZS.socket) return 1;
@@ -231,7 +233,7 @@ static PyObject *mod_z_poll(PyObject *self, PyObject *args) {
         int e = ZMQ.err();
         free(pi);
         if (e == EINTR) return PyList_New(0);
-        return zs_error();
+        return zs_error_of(e);
     }
     PyObject *out = PyList_New(0);
     for (Py_ssize_t i = 0; out && i < n && r > 0; i++) {
@@ -268,8 +270,9 @@ static PyObject *mod_z_recv_multipart(PyObject *self, PyObject *args) {
             }
         }
     if (r < 0) {
+        int e = ZMQ.err();
         ZMQ.close(&m);
-        return zs_error();
+        return zs_error_of(e);
     }
     /* the rest of it (delivered whole, so never waits), every frame */
     return odd_message(sock, &m, 1, PY_SSIZE_T_MAX);
@@ -284,7 +287,7 @@ static PyObject *mod_z_send_multipart(PyObject *self, PyObject *args) {
     Py_ssize_t n = PyList_GET_SIZE(frames), got = 0;
     Py_buffer *b = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
     if (!b) return PyErr_NoMemory();
-    int r = 0, interrupted = 0;
+    int r = 0, e = 0, interrupted = 0;
     for (; got < n; got++)
         if (PyObject_GetBuffer(PyList_GET_ITEM(frames, got), &b[got], PyBUF_SIMPLE) < 0) break;
     for (Py_ssize_t i = 0; got == n && i < n && r >= 0; i++) {
@@ -292,8 +295,9 @@ static PyObject *mod_z_send_multipart(PyObject *self, PyObject *args) {
         for (;;) {
             Py_BEGIN_ALLOW_THREADS
             r = ZS.send((void *)(uintptr_t)s, b[i].buf, (size_t)b[i].len, more);
+            if (r < 0) e = ZMQ.err();
             Py_END_ALLOW_THREADS
-            if (r >= 0 || ZMQ.err() != EINTR) break;
+            if (r >= 0 || e != EINTR) break;
             if (PyErr_CheckSignals() < 0) {
                 interrupted = 1;
                 break;
@@ -304,6 +308,6 @@ static PyObject *mod_z_send_multipart(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&b[i]);
     PyMem_Free(b);
     if (got < n || interrupted) return NULL;
-    if (r < 0) return zs_error();
+    if (r < 0) return zs_error_of(e);
     Py_RETURN_NONE;
 }
