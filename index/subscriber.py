@@ -399,23 +399,23 @@ class EventSubscriber:
         connected, with nothing left behind), then give it a store slot."""
         if cfg.source_id in self._sources:
             return
-        sub = self.ctx.socket(self._z.SUB)
+        z = self._z
+        sub = self.ctx.socket(z.SUB)
         monitor = None
         try:
-            sub.setsockopt(self._z.LINGER, 0)
-            sub.setsockopt(self._z.RCVHWM, self.config.rcvhwm)
-            sub.setsockopt(self._z.SUBSCRIBE, cfg.topic.encode())
-            z = self._z
+            sub.setsockopt(z.LINGER, 0)
+            sub.setsockopt(z.RCVHWM, self.config.rcvhwm)
+            sub.setsockopt(z.SUBSCRIBE, cfg.topic.encode())
             monitor = sub.get_monitor_socket(
                 z.EVENT_CONNECTED | z.EVENT_ACCEPTED | z.EVENT_DISCONNECTED | z.EVENT_CLOSED
             )
             if cfg.bind:
                 sub.bind(cfg.endpoint)
-                endpoint = sub.getsockopt_string(self._z.LAST_ENDPOINT)  # port 0 -> the real one
+                endpoint = sub.getsockopt_string(z.LAST_ENDPOINT)  # port 0 -> the real one
             else:
                 sub.connect(cfg.endpoint)
                 endpoint = cfg.endpoint
-        except self._z.ZMQError:
+        except z.ZMQError:
             if monitor is not None:
                 sub.disable_monitor()
                 monitor.close(0)
@@ -427,8 +427,8 @@ class EventSubscriber:
         src.endpoint = endpoint
         src.sub, src.monitor = sub, monitor
         self._sources[cfg.source_id] = src
-        self._poller.register(sub, self._z.POLLIN)
-        self._poller.register(monitor, self._z.POLLIN)
+        self._poller.register(sub, z.POLLIN)
+        self._poller.register(monitor, z.POLLIN)
         self._by_socket[sub] = ("sub", src)
         self._by_socket[monitor] = ("monitor", src)
 
