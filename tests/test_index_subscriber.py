@@ -179,22 +179,53 @@ def test_late_join_bootstraps_from_the_replay_buffer(
     assert idx.store.refcount(0, prompt_keys(c.tokens, BS)[0]) == 1
 
 
+def _indexed_then_restarted(pub: KVEventPublisher, idx: KVIndex) -> Chain:
+    """A chain the engine published and the index holds, then the engine restarted (seq back to 0,
+    buffer emptied, like a new engine process); returns the old chain."""
+    old = Chain(0)
+    publish_until_seen(pub, idx, old)
+    pub.publish([old.extend(3)])
+    wait_for(lambda: matched(idx, old.tokens) == len(old.hashes), "old blocks")
+    pub.restart()
+    return old
+
+
 def test_engine_restart_drops_its_blocks(
     make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
 ) -> None:
     pub = make_pub()
     idx = make_index(connect(pub))
-    old = Chain(0)
-    publish_until_seen(pub, idx, old)
-    pub.publish([old.extend(3)])
-    wait_for(lambda: matched(idx, old.tokens) == len(old.hashes), "old blocks")
-    pub.restart()  # seq back to 0, buffer emptied, like a new engine process
+    old = _indexed_then_restarted(pub, idx)
     new = Chain(5000, seed=1)
     pub.publish([new.extend(2)])
     wait_for(lambda: status(idx).restarts == 1, "restart detected")
     wait_for(lambda: matched(idx, new.tokens) == 2, "new blocks")
     assert matched(idx, old.tokens) == 0
     assert status(idx).blocks == {"GPU": 2}
+
+
+def test_a_restart_with_a_smaller_block_size_indexes_single_block_events(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """An engine restarted with a smaller ``--block-size``: the size learned before the restart made
+    each of its single-block events look like a partial block, skipped until some multi-block event
+    taught the new size. A restart forgets the size; the first event after it teaches it."""
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    _indexed_then_restarted(pub, idx)
+    small = BS // 2
+    tokens: list[int] = []
+    parent = None
+    for i in range(3):  # single-block events only, each the child of the one before
+        toks = list(range(90_000 + i * small, 90_000 + (i + 1) * small))
+        h = 0xABC000 + i
+        pub.publish([BlockStored([h], parent, toks, small, None, "GPU", None)])
+        tokens += toks
+        parent = h
+    wait_for(lambda: status(idx).restarts == 1, "restart detected")
+    wait_for(lambda: matched(idx, tokens) == 3, "every single-block event after the restart indexed")
+    st = status(idx)
+    assert st.block_size == small and st.bad_events == 0 and st.blocks == {"GPU": 3}
 
 
 def test_clear_wipes_gpu_but_not_cpu(
