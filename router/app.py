@@ -152,7 +152,13 @@ class KVRouter:
         journal = None
         if worker is not None:
             journal = AdminJournal(Path(worker.run_dir) / "admin.journal", f"{worker.index}:{os.getpid()}")
-        self.admin = AdminApi(self.membership, self.loads, srv.workers, journal)
+        self.admin = AdminApi(
+            self.membership,
+            self.loads,
+            srv.workers,
+            journal,
+            (lambda: self.config.backends) if config_path is not None else None,
+        )
         self.fleet.tick_hooks.append(self.admin.sync)
         self.config_path = config_path
         self.config_watcher: ConfigWatcher | None = None
@@ -231,6 +237,7 @@ class KVRouter:
     def _apply_config(self, new: RouterConfig) -> None:
         """A reloaded, valid config file: its backends, client keys and admin keys take effect."""
         self.membership.reconcile("config", new.backends, "config file reloaded")
+        self.admin.reloaded(whole=True)
         self._keys = [k.encode() for k in new.api_keys]
         self._admin_keys = [k.encode() for k in new.admin_keys]
         for hook in self.on_config_applied:
@@ -242,10 +249,10 @@ class KVRouter:
     def _restore_config_backends(self, cfg: RouterConfig) -> int:
         """SIGHUP with the file unchanged: the backends it lists that the fleet lacks come back (an
         admin DELETE undone); the others stay as they are (a drained one stays drained)."""
-        missing = [b for b in cfg.backends if self.membership.get(b.name) is None]
-        for b in missing:
-            self.membership.upsert(b, "config", "restored by a reload of the config file")
-        return len(missing)
+        back = self.membership.restore(cfg.backends, "config", "restored by a reload of the config file")
+        if back:
+            self.admin.reloaded(whole=False)
+        return back
 
     def request_reload(self) -> None:
         """SIGHUP: re-read the config file (soon, on the event loop)."""

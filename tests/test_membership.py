@@ -196,14 +196,11 @@ def test_sighup_restores_what_the_admin_api_deleted_even_when_the_file_did_not_c
     cfg = load_config(path)
     ms.reconcile("config", cfg.backends)
 
-    def restore(new: Any) -> int:  # (what KVRouter._restore_config_backends does)
-        missing = [b for b in new.backends if ms.get(b.name) is None]
-        for b in missing:
-            ms.upsert(b, "config", "restored")
-        return len(missing)
-
     watcher = ConfigWatcher(
-        path, cfg, lambda new: ms.reconcile("config", new.backends, "reloaded"), restore=restore
+        path,
+        cfg,
+        lambda new: ms.reconcile("config", new.backends, "reloaded"),
+        restore=lambda new: ms.restore(new.backends, "config", "restored"),  # (as KVRouter does)
     )
 
     def before() -> None:
@@ -342,3 +339,65 @@ def test_routable_for_is_routable_and_serves_over_every_member_state() -> None:
             want = [m for m in ms.members.values() if m.routable and m.serves(model)]
             assert ms.routable_for(model) == want
             assert ms.can_serve(model) == bool(want)
+
+
+class _Worker:
+    """One worker's membership and admin API over the shared journal (router.app wires the same)."""
+
+    def __init__(self, journal: Path, me: str, file: list[BackendConfig]) -> None:
+        from router.fleet.load import LoadTracker
+        from router.fleet.sources.admin import AdminApi, AdminJournal
+
+        self.file = file
+        self.ms, _, _ = setup()
+        self.ms.reconcile("config", file)  # a (re)started worker: the config file as it is now
+        self.api = AdminApi(self.ms, LoadTracker(), 2, AdminJournal(journal, me), lambda: self.file)
+        self.api.sync()  # its first tick: the journal replayed
+
+    def reload(self, file: list[BackendConfig]) -> None:
+        """A changed file applied (what KVRouter._apply_config does)."""
+        self.file = file
+        self.ms.reconcile("config", file, "config file reloaded")
+        self.api.reloaded(whole=True)
+
+    def states(self) -> dict[str, str]:
+        return {n: m.state for n, m in self.ms.members.items()}
+
+
+def test_a_restarted_workers_replay_keeps_what_later_reloads_did(tmp_path: Path) -> None:
+    """The admin journal recorded admin changes but not config reloads, so a restarted worker's
+    replay re-applied an admin drain that a later reload of a changed file had readmitted: that
+    worker alone kept the backend out. Reloads are journaled now and replayed in their place."""
+    journal = tmp_path / "admin.journal"
+    first = [spec("a"), spec("b")]
+    w1, w2 = _Worker(journal, "0:1", first), _Worker(journal, "1:2", first)
+    w1.api.drain("a")  # POST /admin/backends/a/drain on worker 0
+    w2.api.sync()
+    assert w1.states()["a"] == w2.states()["a"] == "draining"
+    changed = [spec("a"), spec("b"), spec("c")]  # the file changed: applied whole, a readmitted
+    w1.reload(changed)
+    w2.reload(changed)
+    w2.api.sync()  # (a running worker skips the others' reload records: it reloaded itself)
+    assert w1.states() == w2.states() and w1.states()["a"] != "draining"
+    w1.api.drain("b")  # a drain after the reload holds
+    w2.api.sync()
+    w2 = _Worker(journal, "1:3", changed)  # worker 1 restarts
+    assert w2.states() == w1.states()
+    assert w2.states()["a"] != "draining" and w2.states()["b"] == "draining"
+
+
+def test_a_replayed_restore_brings_back_what_a_delete_removed(tmp_path: Path) -> None:
+    """An operator's reload of an unchanged file restores a backend an admin DELETE removed (and
+    leaves a drained one drained): a worker started after it replays both in order."""
+    journal = tmp_path / "admin.journal"
+    file = [spec("a"), spec("b")]
+    w1 = _Worker(journal, "0:1", file)
+    w1.api.delete("a")
+    w1.api.drain("b")
+    w1.ms.tick(lambda m: 0, lambda m: True)
+    assert sorted(w1.ms.members) == ["b"]
+    assert w1.ms.restore(file, "config") == 1  # (what KVRouter._restore_config_backends does)
+    w1.api.reloaded(whole=False)
+    w2 = _Worker(journal, "1:2", file)
+    w2.ms.tick(lambda m: 0, lambda m: True)
+    assert sorted(w2.ms.members) == ["a", "b"] and w2.states()["b"] == "draining"

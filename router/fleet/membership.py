@@ -345,6 +345,18 @@ class Membership:
             if m.origin == origin and m.name not in wanted and not leaving:
                 self.drain(m.name, remove=True, reason=reason or f"no longer listed by {origin}")
 
+    def restore(self, specs: Iterable[BackendConfig], origin: Origin, reason: str = "") -> int:
+        """Bring back those of ``specs`` the fleet lacks or is removing (an admin DELETE undone: an
+        operator's reload of an unchanged config file); the others stay as they are, a drained
+        one drained. Returns how many came back."""
+        back = 0
+        for spec in specs:
+            m = self.members.get(spec.name)
+            if m is None or (m.state == "draining" and m.remove_when_drained):
+                self.upsert(spec, origin, reason)
+                back += 1
+        return back
+
     def tick(self, inflight: Callable[[Member], int], streams_ready: Callable[[Member], bool]) -> None:
         """Advance time-driven transitions: joining -> ready, draining -> gone."""
         now = self.clock()

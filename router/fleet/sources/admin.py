@@ -16,7 +16,11 @@ config reload re-applies the file, so a backend the file lists comes back as the
 after an admin DELETE), while backends only the admin API added stay across reloads. With
 ``server.workers > 1`` every change is appended to a journal in the supervisor's run directory and
 every worker applies it (a worker that restarts replays the journal), so all workers see the same
-membership within one tick (~50 ms).
+membership within one tick (~50 ms). The journal also records each config reload a worker applied
+(``reload``: a changed file applied whole; ``restore``: an operator's reload of an unchanged file
+that brought back what a DELETE removed). Running workers skip those (each reloads the file
+itself); a restarted worker's replay re-applies them in their place, with the file as it is now, so
+an admin change that a later reload overrode stays overridden there too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +43,7 @@ log = logging.getLogger("kvrouter.admin")
 
 
 class _Op(msgspec.Struct, omit_defaults=True):
-    op: str  # put | delete | drain
+    op: str  # put | delete | drain | reload | restore (name "": a reload of the config file)
     name: str
     origin: str  # "worker:pid" that made the change (it applied it already)
     spec: BackendConfig | None = None
@@ -98,11 +103,16 @@ class AdminApi:
         loads: LoadTracker,
         workers: int = 1,
         journal: AdminJournal | None = None,
+        file_backends: Callable[[], list[BackendConfig]] | None = None,
     ) -> None:
+        """``file_backends``: the backends the config file lists now (what a replayed reload
+        applies); None: the router runs without a config file, and no reload is replayed."""
         self.membership = membership
         self.loads = loads
         self.workers = workers
         self.journal = journal
+        self.file_backends = file_backends
+        self._replayed = False
 
     def _entry(self, m: Member) -> dict[str, Any]:
         return m.describe(self.loads.local_active(m.targets))
@@ -145,6 +155,11 @@ class AdminApi:
         self._share(_Op("drain", name, ""))
         return self._entry(member)
 
+    def reloaded(self, whole: bool) -> None:
+        """A config reload this worker applied (``whole``: a changed file; else the backends an
+        unchanged file's reload restored), recorded for the replay of a worker started later."""
+        self._share(_Op("reload" if whole else "restore", "", ""))
+
     def _share(self, op: _Op) -> None:
         if self.journal is not None:
             op.origin = self.journal.me
@@ -157,13 +172,28 @@ class AdminApi:
         """Apply the other workers' changes (called on every membership tick)."""
         if self.journal is None:
             return
+        replay, self._replayed = not self._replayed, True  # the first read: what came before us
         for op in self.journal.read_new():
+            if op.op in ("reload", "restore"):
+                if replay and self.file_backends is not None:
+                    self._replay_reload(op.op == "reload")
+                continue  # (a running worker applied that reload itself)
             if op.op == "put" and op.spec is not None:
                 self.membership.upsert(op.spec, "admin", "PUT /admin/backends (another worker)")
             elif op.op == "delete":
                 self.membership.drain(op.name, remove=True, reason="DELETE /admin/backends (another worker)")
             elif op.op == "drain":
                 self.membership.drain(op.name, remove=False, reason="drain (another worker)")
+
+    def _replay_reload(self, whole: bool) -> None:
+        """A reload recorded before this worker started, applied in its place in the journal: the
+        file as it is now (the only version there is to read), with that reload's rule."""
+        assert self.file_backends is not None
+        backends = self.file_backends()
+        if whole:
+            self.membership.reconcile("config", backends, "config file reloaded (journal replay)")
+            return
+        self.membership.restore(backends, "config", "restored by a config file reload (journal replay)")
 
 
 def compare_digest(a: bytes, b: bytes) -> bool:
