@@ -409,12 +409,15 @@ def test_a_restarted_worker_serves_the_config_as_reloaded_and_sighup_never_kills
 ) -> None:
     """A worker restarted after a reload started from the config the supervisor first read: a
     revoked key worked again there. And a SIGHUP while a worker was still importing killed it (the
-    default action), counted as a quick death."""
+    default action), counted as a quick death. An admin drain that the reload of a changed file
+    readmitted was drained again by the restarted worker's journal replay (reloads were not in
+    the journal)."""
     port = _free_port()
     cfg = tmp_path / "fleet.toml"
     server = f'[server]\nport = {port}\nworkers = 2\nlog_level = "info"\n'
     backend = f'[[backends]]\nname = "alpha"\nurl = "{engine.url}"\nmodels = ["toy"]\n'
-    cfg.write_text(f'block_size = {BS}\napi_keys = ["old-key"]\n' + server + backend)
+    admin = {"authorization": "Bearer adm"}
+    cfg.write_text(f'block_size = {BS}\napi_keys = ["old-key"]\nadmin_keys = ["adm"]\n' + server + backend)
     proc, log = _start_supervisor(cfg, tmp_path)
     url = f"http://127.0.0.1:{port}"
 
@@ -444,13 +447,30 @@ def test_a_restarted_worker_serves_the_config_as_reloaded_and_sighup_never_kills
             assert time.monotonic() < deadline and proc.poll() is None, "never ready"
             time.sleep(0.05)  # (the pace of the signals, not a wait for a condition)
         assert b"exited" not in (tmp_path / "router.log").read_bytes()  # no worker died of a SIGHUP
-        cfg.write_text(f'block_size = {BS}\napi_keys = ["new-key"]\n' + server + backend)
+
+        def alpha_states() -> dict[int, str]:
+            """worker index -> alpha's state there, from fresh connections."""
+            out: dict[int, str] = {}
+            for _ in range(12):
+                try:
+                    r = _fresh("GET", f"{url}/admin/backends", headers=admin).json()
+                except httpx.TransportError:
+                    continue
+                out[int(r["worker"].split(":")[0])] = {b["name"]: b["state"] for b in r["backends"]}["alpha"]
+            return out
+
+        assert _fresh("POST", f"{url}/admin/backends/alpha/drain", headers=admin).status_code == 200
+        wait_for(lambda: alpha_states() == {0: "draining", 1: "draining"}, "alpha drained in both workers")
+        keys = 'api_keys = ["new-key"]\nadmin_keys = ["adm"]\n'
+        cfg.write_text(f"block_size = {BS}\n" + keys + server + backend)
         proc.send_signal(signal.SIGHUP)
         wait_for(lambda: statuses("old-key") == {401}, "the old key revoked by both workers")
+        wait_for(lambda: alpha_states() == {0: "ready", 1: "ready"}, "alpha readmitted by the changed file")
         pids = _workers_seen(url, 16)
         os.kill(pids[1], signal.SIGKILL)
         wait_for(lambda: _workers_seen(url, 8).get(1, pids[1]) != pids[1], "worker 1 restarted", timeout=180)
         assert statuses("old-key", 16) == {401} and statuses("new-key", 16) == {200}
+        wait_for(lambda: alpha_states() == {0: "ready", 1: "ready"}, "alpha ready in the restarted one too")
     finally:
         _stop_supervisor(proc, log)
 
