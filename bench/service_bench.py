@@ -482,10 +482,11 @@ class Service:
             out[f"{task.name}:{comm}"] = (voluntary, int(vals.get("nonvoluntary_ctxt_switches", 0)))
         return out
 
-    def rss(self) -> int:
+    def rss(self, field: str = "VmRSS") -> int:
+        """Resident bytes (``field``: VmRSS, or its parts RssAnon, RssFile, RssShmem)."""
         assert self.proc is not None
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
         return 0
 
@@ -756,6 +757,7 @@ def drain(
     stopped (their stream still queued), so that each drains with the box to itself instead of
     competing with the other for the two cores."""
     rss0 = {svc.name: svc.rss() for svc in svcs}
+    anon0 = {svc.name: svc.rss("RssAnon") for svc in svcs}
     for svc in svcs:
         svc.signal(signal.SIGSTOP)
     sent = pubs.command("go")
@@ -803,6 +805,8 @@ def drain(
             "rss_before_mb": round(rss0[svc.name] / 2**20, 1),
             "rss_after_mb": round(svc.rss() / 2**20, 1),
             "rss_per_block_b": round((svc.rss() - rss0[svc.name]) / stream.blocks, 1),
+            # its anonymous part (heap, tables; not pages of code and libraries read in meanwhile)
+            "rss_anon_per_block_b": round((svc.rss("RssAnon") - anon0[svc.name]) / stream.blocks, 1),
             "thread_cpu_s": {
                 k: round(v - threads0[svc.name].get(k, 0.0), 3)
                 for k, v in svc.threads().items()
