@@ -531,7 +531,6 @@ class Ingestor:
             if batch is None:
                 for key in [k for k in local if k[0] == sidx]:
                     del local[key]
-                self._forget_block_size(sidx)
                 ends.append(len(ops) // _ROW)
                 counts.append(_NO_COUNTS)
                 continue
@@ -806,18 +805,6 @@ class Ingestor:
         block the configured size is no guide: an engine whose size the config gets wrong would
         have every single-block event skipped.)"""
         return st.block_size is not None and n == 1 and bs < st.block_size
-
-    def _forget_block_size(self, sidx: int) -> None:
-        """A restarted engine is a new engine: its block size is learned again from its first
-        event. Kept, a smaller size after the restart (the operator changed ``--block-size``) made
-        every single-block event look like a partial block and be skipped until a multi-block
-        event taught the size. Called in stream order, so the events after the restart learn it."""
-        st = self.stats.get(sidx)
-        if st is None or st.block_size is None:
-            return
-        st.block_size = None
-        if self._core is not None:
-            self._core.set_block_size(sidx, 0)  # (0: the core hands the next BlockStored to Python)
 
     def _learn_block_size(self, sidx: int, st: SourceStats, bs: int) -> None:
         if st.block_size is not None and st.block_size != bs:

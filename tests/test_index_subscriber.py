@@ -12,10 +12,12 @@ import pytest
 import zmq
 from harness import TIMEOUT, wait_for
 
+from index.ingest import Ingestor
 from index.keys import prompt_keys
 from index.kvindex import IndexConfig, KVIndex
+from index.store import PrefixStore
 from index.subscriber import SourceConfig, SourceStatus, SubscriberConfig
-from sim.publisher import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
+from sim.publisher import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher, encode_batch
 
 BS = 4
 
@@ -204,28 +206,49 @@ def test_engine_restart_drops_its_blocks(
     assert status(idx).blocks == {"GPU": 2}
 
 
-def test_a_restart_with_a_smaller_block_size_indexes_single_block_events(
+def test_after_a_restart_a_smaller_block_size_is_learned_from_its_first_multi_block_event(
     make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
 ) -> None:
-    """An engine restarted with a smaller ``--block-size``: the size learned before the restart made
-    each of its single-block events look like a partial block, skipped until some multi-block event
-    taught the new size. A restart forgets the size; the first event after it teaches it."""
+    """An engine restarted with a smaller ``--block-size``: its single-block events look exactly like
+    a hybrid model's partial blocks, so they are skipped (counted) until a multi-block event
+    teaches the new size; everything from that event on is indexed at it (index/README.md)."""
     pub = make_pub()
     idx = make_index(connect(pub))
     _indexed_then_restarted(pub, idx)
     small = BS // 2
-    tokens: list[int] = []
-    parent = None
-    for i in range(3):  # single-block events only, each the child of the one before
-        toks = list(range(90_000 + i * small, 90_000 + (i + 1) * small))
-        h = 0xABC000 + i
-        pub.publish([BlockStored([h], parent, toks, small, None, "GPU", None)])
-        tokens += toks
-        parent = h
+    single = list(range(90_000, 90_000 + small))
+    pub.publish([BlockStored([0xABC000], None, single, small, None, "GPU", None)])
+    toks = list(range(80_000, 80_000 + 2 * small))
+    pub.publish([BlockStored([0xABC101, 0xABC102], None, toks, small, None, "GPU", None)])
+    child = list(range(70_000, 70_000 + small))
+    pub.publish([BlockStored([0xABC103], 0xABC102, child, small, None, "GPU", None)])
     wait_for(lambda: status(idx).restarts == 1, "restart detected")
-    wait_for(lambda: matched(idx, tokens) == 3, "every single-block event after the restart indexed")
+    wait_for(lambda: matched(idx, toks + child) == 3, "the size taught by the two-block event")
     st = status(idx)
-    assert st.block_size == small and st.bad_events == 0 and st.blocks == {"GPU": 3}
+    assert st.block_size == small and st.bad_events == 1 and st.blocks == {"GPU": 3}
+
+
+@pytest.mark.parametrize("c_path", [True, False])
+def test_a_partial_block_first_after_a_restart_is_not_learned_as_the_size(c_path: bool) -> None:
+    """A hybrid model's partial block (one hash, fewer tokens than the block size) as the first event
+    after an engine restart (a prompt shorter than a block) must not become the source's block size:
+    prompts would be hashed at it (found in review: a restart that forgot the size did that)."""
+    ing = Ingestor(PrefixStore(), BS)
+    if not c_path:
+        ing._core = None
+    s = ing.add_source(("e", 0))
+
+    def one(hashes: list[int], parent: int | None, toks: list[int], bs: int) -> bytes:
+        return encode_batch([BlockStored(hashes, parent, toks, bs, None, "GPU", None)], 1.0, 0)
+
+    ing.apply_chunk([(s, one([1, 2], None, list(range(2 * BS)), BS))])
+    ing.apply_chunk([(s, None)])  # a restart: seq went back
+    ing.apply_chunk([(s, one([777], None, [9], 1))])  # partial entries of 1, then 3 tokens
+    ing.apply_chunk([(s, one([778], 777, [9] * (BS - 1), BS - 1))])
+    ing.apply_chunk([(s, one([3], None, list(range(BS)), BS))])  # then a full block
+    st = ing.stats[s]
+    assert st.block_size == BS and st.bad_events == 2 and st.block_size_mismatch == 0
+    assert ing.store.total == 1
 
 
 def test_clear_wipes_gpu_but_not_cpu(
