@@ -237,7 +237,8 @@ class KVRouter:
     def _apply_config(self, new: RouterConfig) -> None:
         """A reloaded, valid config file: its backends, client keys and admin keys take effect."""
         self.membership.reconcile("config", new.backends, "config file reloaded")
-        self.admin.reloaded(whole=True)
+        if self.config_watcher is not None:
+            self.admin.reloaded(repr(self.config_watcher.stamp))
         self._keys = [k.encode() for k in new.api_keys]
         self._admin_keys = [k.encode() for k in new.admin_keys]
         for hook in self.on_config_applied:
@@ -251,8 +252,8 @@ class KVRouter:
         admin DELETE undone); the others stay as they are (a drained one stays drained)."""
         back = self.membership.restore(cfg.backends, "config", "restored by a reload of the config file")
         if back:
-            self.admin.reloaded(whole=False)
-        return back
+            self.admin.restored(back)
+        return len(back)
 
     def request_reload(self) -> None:
         """SIGHUP: re-read the config file (soon, on the event loop)."""

@@ -345,16 +345,16 @@ class Membership:
             if m.origin == origin and m.name not in wanted and not leaving:
                 self.drain(m.name, remove=True, reason=reason or f"no longer listed by {origin}")
 
-    def restore(self, specs: Iterable[BackendConfig], origin: Origin, reason: str = "") -> int:
+    def restore(self, specs: Iterable[BackendConfig], origin: Origin, reason: str = "") -> list[str]:
         """Bring back those of ``specs`` the fleet lacks or is removing (an admin DELETE undone: an
         operator's reload of an unchanged config file); the others stay as they are, a drained
-        one drained. Returns how many came back."""
-        back = 0
+        one drained, a name another origin holds that origin's. Returns the names that came back."""
+        back = []
         for spec in specs:
             m = self.members.get(spec.name)
-            if m is None or (m.state == "draining" and m.remove_when_drained):
+            if m is None or (m.state == "draining" and m.remove_when_drained and m.origin == origin):
                 self.upsert(spec, origin, reason)
-                back += 1
+                back.append(spec.name)
         return back
 
     def tick(self, inflight: Callable[[Member], int], streams_ready: Callable[[Member], bool]) -> None:

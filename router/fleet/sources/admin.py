@@ -17,10 +17,14 @@ after an admin DELETE), while backends only the admin API added stay across relo
 ``server.workers > 1`` every change is appended to a journal in the supervisor's run directory and
 every worker applies it (a worker that restarts replays the journal), so all workers see the same
 membership within one tick (~50 ms). The journal also records each config reload a worker applied
-(``reload``: a changed file applied whole; ``restore``: an operator's reload of an unchanged file
-that brought back what a DELETE removed). Running workers skip those (each reloads the file
-itself); a restarted worker's replay re-applies them in their place, with the file as it is now, so
-an admin change that a later reload overrode stays overridden there too.
+(``reload``: a changed file applied whole, identified by the file's stamp; ``restore``: an
+operator's reload of an unchanged file, with the names it brought back). Running workers skip
+those (each reloads the file itself); a restarted worker's replay re-applies them in their place,
+with the file as it is now, so an admin change that a later reload overrode stays overridden there
+too. Every worker records the reloads it applied: a file version's reload is replayed once, where
+its first record stands (a worker that read the file a tick later than another may have synced an
+admin change in between, and the others applied that change after the reload); a restore brings
+back only the names it brought back then (a name a discovered pod took meanwhile stays the pod's).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +47,11 @@ log = logging.getLogger("kvrouter.admin")
 
 
 class _Op(msgspec.Struct, omit_defaults=True):
-    op: str  # put | delete | drain | reload | restore (name "": a reload of the config file)
-    name: str
+    op: str  # put | delete | drain | reload | restore
+    name: str  # (a reload: the file's stamp; a restore: "")
     origin: str  # "worker:pid" that made the change (it applied it already)
     spec: BackendConfig | None = None
+    names: list[str] | None = None  # a restore: the names it brought back
 
 
 class AdminJournal:
@@ -113,6 +118,7 @@ class AdminApi:
         self.journal = journal
         self.file_backends = file_backends
         self._replayed = False
+        self._reloads_seen: set[str] = set()  # the replay's file versions, each replayed once
 
     def _entry(self, m: Member) -> dict[str, Any]:
         return m.describe(self.loads.local_active(m.targets))
@@ -155,10 +161,14 @@ class AdminApi:
         self._share(_Op("drain", name, ""))
         return self._entry(member)
 
-    def reloaded(self, whole: bool) -> None:
-        """A config reload this worker applied (``whole``: a changed file; else the backends an
-        unchanged file's reload restored), recorded for the replay of a worker started later."""
-        self._share(_Op("reload" if whole else "restore", "", ""))
+    def reloaded(self, stamp: str) -> None:
+        """A changed config file this worker applied (``stamp``: the version it read), recorded for
+        the replay of a worker started later."""
+        self._share(_Op("reload", stamp, ""))
+
+    def restored(self, names: Sequence[str]) -> None:
+        """The backends an unchanged config file's reload brought back here, recorded likewise."""
+        self._share(_Op("restore", "", "", names=[*names]))
 
     def _share(self, op: _Op) -> None:
         if self.journal is not None:
@@ -176,7 +186,7 @@ class AdminApi:
         for op in self.journal.read_new():
             if op.op in ("reload", "restore"):
                 if replay and self.file_backends is not None:
-                    self._replay_reload(op.op == "reload")
+                    self._replay_reload(op)
                 continue  # (a running worker applied that reload itself)
             if op.op == "put" and op.spec is not None:
                 self.membership.upsert(op.spec, "admin", "PUT /admin/backends (another worker)")
@@ -185,15 +195,20 @@ class AdminApi:
             elif op.op == "drain":
                 self.membership.drain(op.name, remove=False, reason="drain (another worker)")
 
-    def _replay_reload(self, whole: bool) -> None:
+    def _replay_reload(self, op: _Op) -> None:
         """A reload recorded before this worker started, applied in its place in the journal: the
         file as it is now (the only version there is to read), with that reload's rule."""
         assert self.file_backends is not None
         backends = self.file_backends()
-        if whole:
+        if op.op == "reload":
+            if op.name in self._reloads_seen:
+                return  # (another worker's record of a reload replayed already)
+            self._reloads_seen.add(op.name)
             self.membership.reconcile("config", backends, "config file reloaded (journal replay)")
             return
-        self.membership.restore(backends, "config", "restored by a config file reload (journal replay)")
+        names = set(op.names or ())
+        back = [b for b in backends if b.name in names]
+        self.membership.restore(back, "config", "restored by a config file reload (journal replay)")
 
 
 def compare_digest(a: bytes, b: bytes) -> bool:

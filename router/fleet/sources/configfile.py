@@ -95,6 +95,11 @@ class ConfigWatcher:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
+    @property
+    def stamp(self) -> Stamp:
+        """The version of the file the last reload read (or the router was built from)."""
+        return self._stamp
+
     def request(self) -> None:
         """Reload soon (from a signal handler: only sets a flag the task waits on)."""
         self._wake.set()
