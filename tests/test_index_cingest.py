@@ -397,6 +397,36 @@ def test_every_other_msgpack_type_is_skipped() -> None:
     assert pair.c_applied == 1 and pair.ings[0].stats[0].blocks_stored == 4  # (then cleared)
 
 
+@pytest.mark.parametrize("at_end", [True, False])
+def test_token_ids_in_every_encoding_up_to_the_payloads_last_byte(at_end: bool) -> None:
+    """The C path reads a token id's 8 bytes after its tag at once while 9 bytes remain, and byte by
+    byte in the last 8: every encoding (and a negative or a non-int, which go to the Python path)
+    at each of the last positions of a token array that ends the payload (an event map whose last
+    field is ``token_ids``, in a batch without its rank field) or is followed by it."""
+    n = 3
+    encodings = [e for v in _EDGES for e in _encodings(v)] + _encodings(-1) + _encodings(-(2**40)) + _NON_INTS
+    taken = 0
+    for pos in range(n):
+        for enc in encodings:
+            items = [b"\xce\x00\x01\x86\x9f"] * n  # 99,999 as uint32
+            items[pos] = enc
+            ev = {
+                "type": "BlockStored",
+                "block_hashes": [1],
+                "parent_block_hash": None,
+                "block_size": n,
+                "medium": "GPU",
+                "token_ids": msgspec.Raw(bytes([0x90 | n]) + b"".join(items)),
+            }
+            payload = msgspec.msgpack.encode([1.0, [ev]] if at_end else [1.0, [ev], 0])
+            assert payload.endswith(b"".join(items)) == at_end
+            pair = Pair(1, n)
+            pair.chunk([(0, payload)])  # (its size taught to the core, which then applies it)
+            pair.chunk([(0, payload)])  # the C path's
+            taken += pair.c_applied
+    assert taken == 2 * n * sum(len(_encodings(v)) for v in _EDGES)  # each unsigned one: both in C
+
+
 def test_array16_and_array32_token_arrays() -> None:
     big = list(range(70_000))  # array32 on the wire
     events = [
