@@ -238,7 +238,7 @@ class KVRouter:
         """A reloaded, valid config file: its backends, client keys and admin keys take effect."""
         self.membership.reconcile("config", new.backends, "config file reloaded")
         if self.config_watcher is not None:
-            self.admin.reloaded(repr(self.config_watcher.stamp))
+            self.admin.reloaded(self.config_watcher.version)
         self._keys = [k.encode() for k in new.api_keys]
         self._admin_keys = [k.encode() for k in new.admin_keys]
         for hook in self.on_config_applied:

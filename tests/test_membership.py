@@ -449,3 +449,59 @@ def test_a_replayed_restore_leaves_a_name_a_discovered_pod_took(tmp_path: Path) 
     assert {n: (m.origin, m.spec.url) for n, m in w1.ms.members.items()} == {
         n: (m.origin, m.spec.url) for n, m in w0.ms.members.items()
     }
+
+
+def test_a_reloads_version_names_the_bytes_it_read(tmp_path: Path, monkeypatch: Any) -> None:
+    """The journal names a reload by the version of the file it read. The stamp was taken before the
+    read only, so a write landing between the two named new bytes with the old stamp, and workers
+    that read the same bytes recorded two versions (found in review). The read is stamped again
+    and retried when the file changed under it; the version also carries a digest of what was
+    read (a missing stamp no longer names every version alike)."""
+    import router.fleet.sources.configfile as configfile
+
+    path = tmp_path / "fleet.toml"
+    body = '[[backends]]\nname = "{}"\nurl = "http://{}:8000"\nmodels = ["m"]\n'
+    path.write_text(body.format("a", "a"))
+    first = configfile.read_config_file(path)
+    applied: list[Any] = []
+    watcher = configfile.ConfigWatcher(path, first[0], applied.append, loaded=first)
+    real = configfile._file_config
+    writes = [body.format("b", "b") + "# a longer file\n"]
+
+    def read_then_written(p: Any) -> Any:
+        cfg = real(p)
+        if writes:  # another write lands right after this read
+            path.write_text(writes.pop())
+        return cfg
+
+    monkeypatch.setattr(configfile, "_file_config", read_then_written)
+    assert watcher.reload() is True
+    assert [b.name for b in applied[-1].backends] == ["b"]  # the bytes as they stand
+    assert watcher.version.startswith(f"{configfile.file_stamp(path)}:")
+    other = configfile.ConfigWatcher(path, first[0], applied.append, loaded=first)
+    monkeypatch.setattr(configfile, "_file_config", real)
+    assert other.reload() is True and other.version == watcher.version  # one version, one name
+    monkeypatch.setattr(configfile, "file_stamp", lambda p: None)  # no stamps: the digests differ
+    versions = []
+    for name in ("c", "d"):
+        path.write_text(body.format(name, name))
+        assert other.reload() is True
+        versions.append(other.version)
+    assert versions[0].startswith("None:") and versions[0] != versions[1]
+
+
+def test_journal_lines_of_the_previous_version_replay_as_they_meant(tmp_path: Path) -> None:
+    """A worker respawned after an upgrade in place reads the journal the old version wrote: reload
+    records without a version (each one replayed) and restore records without names (restore
+    whatever the file lists)."""
+    journal = tmp_path / "admin.journal"
+    journal.write_text(
+        '{"op":"reload","name":"","origin":"0:1"}\n'
+        '{"op":"drain","name":"a","origin":"0:1"}\n'
+        '{"op":"reload","name":"","origin":"0:1"}\n'
+        '{"op":"delete","name":"b","origin":"0:1"}\n'
+        '{"op":"restore","name":"","origin":"0:1"}\n'
+    )
+    w = _Worker(journal, "1:2", [spec("a"), spec("b")])
+    w.ms.tick(lambda m: 0, lambda m: True)
+    assert sorted(w.ms.members) == ["a", "b"] and w.states()["a"] != "draining"

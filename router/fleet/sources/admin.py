@@ -17,7 +17,7 @@ after an admin DELETE), while backends only the admin API added stay across relo
 ``server.workers > 1`` every change is appended to a journal in the supervisor's run directory and
 every worker applies it (a worker that restarts replays the journal), so all workers see the same
 membership within one tick (~50 ms). The journal also records each config reload a worker applied
-(``reload``: a changed file applied whole, identified by the file's stamp; ``restore``: an
+(``reload``: a changed file applied whole, identified by the version read; ``restore``: an
 operator's reload of an unchanged file, with the names it brought back). Running workers skip
 those (each reloads the file itself); a restarted worker's replay re-applies them in their place,
 with the file as it is now, so an admin change that a later reload overrode stays overridden there
@@ -48,7 +48,7 @@ log = logging.getLogger("kvrouter.admin")
 
 class _Op(msgspec.Struct, omit_defaults=True):
     op: str  # put | delete | drain | reload | restore
-    name: str  # (a reload: the file's stamp; a restore: "")
+    name: str  # (a reload: the version of the file it read, ConfigWatcher.version; a restore: "")
     origin: str  # "worker:pid" that made the change (it applied it already)
     spec: BackendConfig | None = None
     names: list[str] | None = None  # a restore: the names it brought back
@@ -203,11 +203,12 @@ class AdminApi:
         if op.op == "reload":
             if op.name in self._reloads_seen:
                 return  # (another worker's record of a reload replayed already)
-            self._reloads_seen.add(op.name)
+            if op.name:  # (a record of an older version names none: each is replayed)
+                self._reloads_seen.add(op.name)
             self.membership.reconcile("config", backends, "config file reloaded (journal replay)")
             return
-        names = set(op.names or ())
-        back = [b for b in backends if b.name in names]
+        # (a record of an older version lists no names: it restored whatever the file lists)
+        back = backends if op.names is None else [b for b in backends if b.name in set(op.names)]
         self.membership.restore(back, "config", "restored by a config file reload (journal replay)")
 
 

@@ -48,6 +48,16 @@ def _file_config(path: str | Path) -> RouterConfig:
     return with_overrides(load_config(path), **env_overrides())
 
 
+def _digest(cfg: RouterConfig) -> str:
+    """A stable digest (the same in every process, unlike ``hash``) of what a reload applies."""
+    import zlib
+
+    import msgspec
+
+    live = msgspec.json.encode([getattr(cfg, f) for f in LIVE_FIELDS])
+    return f"{zlib.crc32(live):08x}"
+
+
 def read_config_file(path: str | Path) -> tuple[RouterConfig, Stamp]:
     """The file with the environment's overrides (what a reload compares with; raises
     :class:`ConfigError`), and its stamp taken *before* reading it: a change that lands after the
@@ -85,6 +95,7 @@ class ConfigWatcher:
             except ConfigError:  # (an invalid file: a fix to it is a change from this stamp)
                 loaded = (current, stamp)
         self.current, self._stamp = loaded
+        self._version = ""  # (no reload applied yet)
         self.apply = apply
         self.restore = restore
         self.watch = watch
@@ -96,9 +107,12 @@ class ConfigWatcher:
         self._wake = asyncio.Event()
 
     @property
-    def stamp(self) -> Stamp:
-        """The version of the file the last reload read (or the router was built from)."""
-        return self._stamp
+    def version(self) -> str:
+        """What the last applied reload read, the same in every worker that read those bytes: the
+        file's stamp around a read it did not change, and a digest of the backends and keys read
+        (two versions with one stamp, e.g. none: a file replaced between a stat and a read, still
+        differ). The admin journal names a reload by it (router/fleet/sources/admin.py)."""
+        return self._version
 
     def request(self) -> None:
         """Reload soon (from a signal handler: only sets a flag the task waits on)."""
@@ -109,10 +123,15 @@ class ConfigWatcher:
         operator's reload (SIGHUP, ``POST /admin/reload``) applies the file even when it has not
         changed, so that it restores what the admin API changed meanwhile (a backend it deleted);
         a reload the file watch starts applies only a change."""
-        self._stamp = file_stamp(self.path)
         try:
-            new = _file_config(self.path)
-            # command-line overrides only touch server settings, which a reload does not apply
+            # the stamp before the read (the watch notices a change after it), taken again if the
+            # file changed during the read, so that it names the bytes read (a few tries)
+            for _ in range(3):
+                self._stamp = file_stamp(self.path)
+                new = _file_config(self.path)
+                # command-line overrides only touch server settings, which a reload does not apply
+                if file_stamp(self.path) == self._stamp:
+                    break
         except ConfigError as exc:
             self.results["rejected"] += 1
             self.last_error = str(exc)
@@ -135,6 +154,7 @@ class ConfigWatcher:
             self.results["applied"] += 1
             log.info("config reload: %d backend(s) the file lists restored", restored)
             return True
+        self._version = f"{self._stamp}:{_digest(new)}"
         self.apply(new)
         self.current = new
         self.results["applied"] += 1
