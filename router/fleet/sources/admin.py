@@ -161,10 +161,10 @@ class AdminApi:
         self._share(_Op("drain", name, ""))
         return self._entry(member)
 
-    def reloaded(self, stamp: str) -> None:
-        """A changed config file this worker applied (``stamp``: the version it read), recorded for
-        the replay of a worker started later."""
-        self._share(_Op("reload", stamp, ""))
+    def reloaded(self, version: str) -> None:
+        """A changed config file this worker applied (``version``: ConfigWatcher.version, what it
+        read), recorded for the replay of a worker started later."""
+        self._share(_Op("reload", version, ""))
 
     def restored(self, names: Sequence[str]) -> None:
         """The backends an unchanged config file's reload brought back here, recorded likewise."""
@@ -208,7 +208,8 @@ class AdminApi:
             self.membership.reconcile("config", backends, "config file reloaded (journal replay)")
             return
         # (a record of an older version lists no names: it restored whatever the file lists)
-        back = backends if op.names is None else [b for b in backends if b.name in set(op.names)]
+        names = None if op.names is None else set(op.names)
+        back = [b for b in backends if names is None or b.name in names]
         self.membership.restore(back, "config", "restored by a config file reload (journal replay)")
 
 
