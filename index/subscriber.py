@@ -495,9 +495,10 @@ class EventSubscriber:
                 os.read(self._wake_r, 4096)
             return  # commands first, then whatever is ready (polled again at once)
         if not ready and self._busy:
-            # idle after a burst: the heap gives back what the messages took (glibc keeps it)
+            # idle after a burst: the heap gives back what the messages took (glibc keeps it), once
+            # the ingest thread has applied (and let go of) the chunks handed over before this
             self._busy = False
-            _kvcore.trim()
+            self._submit(self._trim)
         chunk: list[tuple[int, Batch | bytes | None]] = []
         try:
             for sock in ready:
@@ -527,6 +528,10 @@ class EventSubscriber:
                 for work in after:
                     self._submit(work)  # in order: after the chunk above is applied
 
+    @staticmethod
+    def _trim() -> None:
+        _kvcore.trim()
+
     def _apply(self, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         try:
             self.ingestor.apply_chunk(chunk)
@@ -549,6 +554,9 @@ class EventSubscriber:
             if work is None:
                 return
             work()
+            # let go of it before waiting for the next: held while idle, a chunk's payloads (up to
+            # max_chunk messages of every source that was ready) stayed in memory after a burst
+            del work
 
     def _drain_commands(self) -> None:
         while True:

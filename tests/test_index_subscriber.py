@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from index.keys import prompt_keys
 from index.kvindex import IndexConfig, KVIndex
 from index.store import PrefixStore
 from index.subscriber import SourceConfig, SourceStatus, SubscriberConfig
+from index.wire import Batch
 from sim.publisher import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher, encode_batch
 
 BS = 4
@@ -758,3 +760,36 @@ def test_messages_the_c_loop_took_before_failing_are_replayed_once_not_applied_t
     wait_for(lambda: matched(idx, c.tokens) == seen, "the evicted blocks gone (one reference each)")
     st = status(idx)
     assert st.gaps == 1 and st.lost_batches == 0
+
+
+def _chunks_alive() -> int:
+    """Lists shaped like a subscriber chunk, [(source slot, payload bytes or Batch), ...], alive now."""
+    gc.collect()
+    return sum(
+        1
+        for o in gc.get_objects()
+        if type(o) is list
+        and o
+        and type(o[0]) is tuple
+        and len(o[0]) == 2
+        and type(o[0][0]) is int
+        and isinstance(o[0][1], bytes | Batch)
+    )
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_once_applied_no_chunk_of_messages_stays_in_memory(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex], native: bool
+) -> None:
+    """The ingest thread let go of a chunk only when the next work arrived: after a burst, its last
+    chunk (up to max_chunk messages of every source that was ready) stayed in memory while the router
+    idled, megabytes after a drain (BENCHMARKS.md: RSS per block)."""
+    pub = make_pub()
+    idx = make_index(connect(pub), native_receive=native)
+    c = Chain(900)
+    publish_until_seen(pub, idx, c)
+    wait_for(lambda: status(idx).bootstrap == "done", "bootstrap replay over")
+    for _ in range(40):
+        pub.publish([c.extend(2), c.extend(1)])
+    wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "the burst indexed")
+    wait_for(lambda: _chunks_alive() == 0, "no chunk held once applied")
