@@ -1915,7 +1915,7 @@ static PyMethodDef mod_methods[] = {
     {"trim", mod_trim, METH_NOARGS, "trim() -> whether the heap gave memory back to the OS"},
     {"check_ids", mod_check_ids, METH_VARARGS, "check_ids(ids, max_id) -> first bad index or -1"},
     {"zmq_load", mod_zmq_load, METH_VARARGS, "zmq_load(path, (ZMQError, Again)) -> bool: bind a libzmq"},
-    {"z_ctx_new", mod_z_ctx_new, METH_NOARGS, "a new libzmq context (address)"},
+    {"z_ctx_new", mod_z_ctx_new, METH_O, "z_ctx_new(io_threads) -> a new libzmq context (address)"},
     {"z_ctx_term", mod_z_ctx_term, METH_O, "terminate a context (waits for its sockets to close)"},
     {"z_socket", mod_z_socket, METH_VARARGS, "z_socket(context, type) -> address"},
     {"z_close", mod_z_close, METH_O, "close a socket"},

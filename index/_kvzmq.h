@@ -22,6 +22,7 @@ typedef struct {
 static struct {
     void *(*ctx_new)(void);
     int (*ctx_term)(void *);
+    int (*ctx_set)(void *, int, int);
     void *(*socket)(void *, int);
     int (*close)(void *);
     int (*setsockopt)(void *, int, const void *, size_t);
@@ -70,7 +71,7 @@ static PyObject *mod_zmq_load(PyObject *self, PyObject *args) {
         "zmq_ctx_new", "zmq_ctx_term", "zmq_socket", "zmq_close", "zmq_setsockopt", "zmq_getsockopt",
         "zmq_bind", "zmq_connect", "zmq_socket_monitor", "zmq_poll", "zmq_send", "zmq_strerror",
         "zmq_msg_init", "zmq_msg_recv", "zmq_msg_data", "zmq_msg_size", "zmq_msg_more", "zmq_msg_close",
-        "zmq_errno",
+        "zmq_errno",   "zmq_ctx_set",
     };
     enum { N = sizeof(names) / sizeof(names[0]) };
     void *a[N];
@@ -101,6 +102,7 @@ static PyObject *mod_zmq_load(PyObject *self, PyObject *args) {
     memcpy(&ZMQ.more, &a[16], sizeof(void *));
     memcpy(&ZMQ.close, &a[17], sizeof(void *));
     memcpy(&ZMQ.err, &a[18], sizeof(void *));
+    memcpy(&ZS.ctx_set, &a[19], sizeof(void *));
     Py_XINCREF(err);
     Py_XSETREF(ZErrType, err);
     Py_XINCREF(again);
@@ -108,10 +110,23 @@ static PyObject *mod_zmq_load(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE; /* (the library stays loaded for the process's life) */
 }
 
-static PyObject *mod_z_ctx_new(PyObject *self, PyObject *noarg) {
-    if (!zs_ready()) return NULL;
+#define ZMQ_IO_THREADS_ 1
+
+/* z_ctx_new(io_threads) -> a new libzmq context (address) with that many I/O threads */
+static PyObject *mod_z_ctx_new(PyObject *self, PyObject *arg) {
+    long io = PyLong_AsLong(arg);
+    if ((io == -1 && PyErr_Occurred()) || !zs_ready()) return NULL;
+    if (io < 1 || io > 64) {
+        PyErr_SetString(PyExc_ValueError, "io_threads must be 1 to 64");
+        return NULL;
+    }
     void *ctx = ZS.ctx_new();
     if (!ctx) return zs_error();
+    if (io != 1 && ZS.ctx_set(ctx, ZMQ_IO_THREADS_, (int)io) < 0) { /* (before any socket: it holds) */
+        int e = ZMQ.err();
+        ZS.ctx_term(ctx);
+        return zs_error_of(e);
+    }
     return PyLong_FromVoidPtr(ctx);
 }
 

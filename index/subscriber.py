@@ -99,6 +99,12 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     open_retry_s: float = 1.0
     """A source whose socket cannot be bound or connected is tried again this often (a port still
     held by the socket it replaces is usually free a moment later)."""
+    io_threads: int = 2
+    """ZeroMQ I/O threads of the subscriber's own context (they read the SUB sockets, TCP to
+    messages). Two, not libzmq's one: a backlog from many sources (a replica starting, a burst of
+    engine steps) was read by one thread that the receiving thread then waited on; with two, the
+    sockets are split and read in parallel (BENCHMARKS.md: 64-source drains). Unused with a
+    context passed in."""
     native_receive: bool = True
     """Receive live messages in the C core (index/_kvrecv.h) when pyzmq's libzmq can be bound;
     False keeps the Python loop (same rules, ~7 us a message slower)."""
@@ -216,7 +222,7 @@ class EventSubscriber:
         self._own_ctx = ctx is None
         self._z: Any = zsock.backend()
         """The socket library: index/zsock.py (libzmq bound), else pyzmq (the same names)."""
-        self.ctx: Any = zsock.context_of(ctx)
+        self.ctx: Any = zsock.context_of(ctx, self.config.io_threads)
         """A context of the backend's (a pyzmq context passed in is shadowed: the same libzmq)."""
         self._sources: dict[SourceId, _Source] = {}
         self._failed: dict[SourceId, tuple[SourceConfig, str, float]] = {}

@@ -63,11 +63,11 @@ class Context:
     never terminated here. Stop what uses this context before terminating the shadowed one: its
     ``destroy()`` closes pyzmq's sockets, not ours, and its ``term()`` waits for ours."""
 
-    def __init__(self, shadow: Any = None) -> None:
+    def __init__(self, shadow: Any = None, io_threads: int = 1) -> None:
         if backend() is not sys.modules[__name__]:
             raise RuntimeError("libzmq could not be bound: use pyzmq's zmq.Context")
         self._shadowed = shadow
-        self.underlying: int = _kvcore.z_ctx_new() if shadow is None else shadow.underlying
+        self.underlying: int = _kvcore.z_ctx_new(io_threads) if shadow is None else shadow.underlying
         self._own = shadow is None
         self.closed = False
 
@@ -231,13 +231,14 @@ def backend() -> ModuleType:
         return _state["backend"]  # type: ignore[no-any-return]
 
 
-def context_of(ctx: Any) -> Any:
+def context_of(ctx: Any, io_threads: int = 1) -> Any:
     """The context to make sockets in: ``ctx`` itself (ours, or pyzmq's when pyzmq is the backend),
-    a pyzmq context shadowed, or a new one (None). A pyzmq context made by another copy of libzmq
-    than the one bound here cannot host our sockets: ValueError (libzmq itself tells: EFAULT)."""
+    a pyzmq context shadowed, or a new one (None) with ``io_threads`` I/O threads. A pyzmq context
+    made by another copy of libzmq than the one bound here cannot host our sockets: ValueError
+    (libzmq itself tells: EFAULT)."""
     z = backend()
     if ctx is None:
-        return z.Context()
+        return z.Context(io_threads=io_threads)
     if z is sys.modules[__name__] and not isinstance(ctx, Context):
         try:
             _kvcore.z_close(_kvcore.z_socket(ctx.underlying, PAIR))

@@ -321,6 +321,8 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("admin_keys: a key is also in api_keys (admin keys must be distinct)")
     if cfg.block_size is not None and not 1 <= cfg.block_size <= 4096:
         raise ConfigError("block_size: must be between 1 and 4096")
+    if not 1 <= cfg.index.subscriber.io_threads <= 64:
+        raise ConfigError("index.subscriber.io_threads: must be between 1 and 64")
     if cfg.policy.name not in POLICIES:
         raise ConfigError(f"policy.name: must be one of {', '.join(POLICIES)}")
     pol = cfg.policy

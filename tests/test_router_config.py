@@ -69,6 +69,7 @@ def cfg(**top: Any) -> dict[str, Any]:
         (cfg(policy={"load_weight": -1.0}), "policy.load_weight"),
         (cfg(policy={"cpu_credit": float("inf")}), "policy.cpu_credit"),
         (cfg(policy={"temperature": float("nan")}), "policy.temperature"),
+        (cfg(index={"subscriber": {"io_threads": 0}}), "index.subscriber.io_threads"),
     ],
 )
 def test_config_errors_name_the_key(data: dict[str, Any], message: str) -> None:

@@ -224,7 +224,7 @@ logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)
 pctx = zmq.Context()
 pub = pctx.socket(zmq.PUB)
 port = pub.bind_to_random_port("tcp://127.0.0.1")
-index = KVIndex(IndexConfig(block_size=2){index_ctx})
+index = KVIndex(IndexConfig(block_size=2{index_cfg}){index_ctx})
 index.add_source(SourceConfig("e", 0, f"tcp://127.0.0.1:{{port}}"))
 index.start()
 event = {{"type": "BlockStored", "block_hashes": [11], "parent_block_hash": None, "token_ids": [1, 2],
@@ -235,16 +235,20 @@ while not index.match([1, 2], [("e", 0)]).matches[("e", 0)].blocks:
     pub.send_multipart([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [event], 0])])
     seq += 1
     time.sleep(0.02)
+import os
+names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
 index.stop()
 pub.close(0)
 pctx.term()
-print(zsock.backend().__name__, index.subscriber._native)
+# (pyzmq's context here has one I/O thread, "ZMQbg/IO/0": a second one is the index context's)
+print(zsock.backend().__name__, index.subscriber._native, names.count("ZMQbg/IO/1"))
 """
 
 
-def _follow(prelude: str = "", index_ctx: str = "") -> str:
-    """What a fresh interpreter prints after its index followed a pyzmq publisher's first event."""
-    script = FOLLOW.format(prelude=prelude, index_ctx=index_ctx)
+def _follow(prelude: str = "", index_ctx: str = "", index_cfg: str = "") -> str:
+    """What a fresh interpreter prints after its index followed a pyzmq publisher's first event: the
+    socket library, whether the C loop received, how many second ZeroMQ I/O threads ran."""
+    script = FOLLOW.format(prelude=prelude, index_ctx=index_ctx, index_cfg=index_cfg)
     return subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, check=True
     ).stdout
@@ -255,14 +259,34 @@ def test_without_a_bindable_libzmq_the_subscriber_runs_on_pyzmq() -> None:
     pyzmq, and says so."""
     out = _follow(prelude="_kvcore.zmq_load = lambda path, errors: False")
     assert "libzmq could not be bound; the subscriber runs on pyzmq" in out
-    assert out.split()[-2:] == ["zmq", "False"]
+    assert out.split()[-3:] == ["zmq", "False", "1"]  # (pyzmq's context: two I/O threads too)
 
 
 def test_a_temporary_pyzmq_context_passed_in_is_kept_alive() -> None:
     """The shadow holds pyzmq's context: collected, pyzmq would terminate it under our sockets (a
     hang while they are open, freed memory otherwise)."""
     out = _follow(index_ctx=", ctx=zmq.Context()")  # (nobody else holds this context)
-    assert out.split() == ["index.zsock", "True"]
+    assert out.split() == ["index.zsock", "True", "0"]  # (a context passed in: its own I/O threads)
+
+
+@pytest.mark.parametrize(("cfg", "second"), [("", "1"), (", subscriber=SubscriberConfig(io_threads=1)", "0")])
+def test_the_subscribers_own_context_reads_with_io_threads_of_the_config(cfg: str, second: str) -> None:
+    """Two I/O threads by default (a backlog of many sources is read by both), one when configured."""
+    out = _follow(prelude="from index.subscriber import SubscriberConfig", index_cfg=cfg)
+    assert out.split() == ["index.zsock", "True", second]
+
+
+def test_a_context_has_the_io_threads_asked_for_and_refuses_impossible_counts() -> None:
+    with pytest.raises(ValueError, match="io_threads"):
+        zsock.Context(io_threads=0)
+    c = zsock.Context(io_threads=3)
+    sock = c.socket(zsock.SUB)  # (libzmq starts a context's I/O threads with its first socket)
+    try:
+        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+        assert "ZMQbg/IO/2" in names
+    finally:
+        sock.close()
+        c.term()
 
 
 def test_a_context_of_another_library_is_refused() -> None:
