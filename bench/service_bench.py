@@ -16,8 +16,9 @@ mark (nothing is dropped while the services are stopped).
 
 Phases, per stream (sources x events per batch):
 
-- **drain**: both services SIGSTOPped, the whole stream queued in their sockets, then SIGCONT and
-  timed to the moment the last chain of every source is visible through each lookup endpoint
+- **drain**: both services SIGSTOPped, the whole stream queued in their sockets, then SIGCONT
+  (together, each in its own session: ``--share``, :data:`SESSIONS`; or one at a time, ``--drain
+  alone``) and timed to the moment the last chain of every source is visible through each lookup endpoint
   (kvrouter ``POST /route``, Dynamo ``POST /query``); CPU seconds of each process from /proc over
   the same interval; RSS before the first event and after.
 - **loss check**: sampled chains looked up on both; every one must match in full on its source.
@@ -67,6 +68,14 @@ KVROUTER = str(Path(PY).parent / "kvrouter")
 """The ``kvrouter`` measured: this venv's, or ``--kvrouter`` (e.g. a production install's, without
 the test extras: in the development venv schemathesis brings rich, which httpx's command-line module
 imports whenever it is installed, ~4 MB and ~40 ms that a ``pip install .`` never has)."""
+SESSIONS = True
+"""Each service starts in a session of its own (``--share services``, the default). Why: on Linux
+with autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on by default) the CPU is
+shared between sessions first, then between the threads inside one, as it is between the containers
+or systemd units the two services run in when deployed. Started as children of the benchmark's own
+session, the two shared the two cores thread by thread, so a service got more of the box the more
+busy threads it ran: in a drain where both compete, that measured thread counts, not speed
+(BENCHMARKS.md, "Runs 86-91"). ``--share threads`` keeps that mode for comparison."""
 BS = 16
 FAMILIES = 32
 FAMILY_BLOCKS = 16
@@ -558,6 +567,7 @@ class KvRouter(Service):
             env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=open(Path(logs) / f"kvrouter-{self.port}.log", "wb") if logs else subprocess.DEVNULL,  # noqa: SIM115
+            start_new_session=SESSIONS,
         )
 
     def killed(self) -> None:
@@ -611,6 +621,7 @@ class Dynamo(Service):
             env={**os.environ, "RUST_LOG": "warn", **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=SESSIONS,
         )
 
     def query_body(self, tokens: list[int]) -> bytes:
@@ -1078,6 +1089,13 @@ def have_dynamo(python: str | None) -> str | None:
     return python
 
 
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--publisher", help=argparse.SUPPRESS)
@@ -1095,6 +1113,14 @@ def main() -> int:
         choices=("together", "alone"),
         default="together",
         help="continue the services together (competing for the cores) or one at a time",
+    )
+    ap.add_argument(
+        "--share",
+        choices=("services", "threads"),
+        default="services",
+        help="each service in a session of its own, so the kernel shares the CPU between the services "
+        "first (autogroup), as between two containers; or both in the benchmark's session, shared "
+        "thread by thread (SESSIONS says why)",
     )
     ap.add_argument(
         "--skip",
@@ -1115,9 +1141,10 @@ def main() -> int:
         return publisher_main(args.publisher)
     dynamo_py = have_dynamo(args.dynamo)
     skip = set(args.skip.split(","))
+    global KVROUTER, SESSIONS
     if args.kvrouter:
-        global KVROUTER
         KVROUTER = args.kvrouter
+    SESSIONS = args.share == "services"
     blocks_list = [int(b) for b in args.blocks.split(",")]
     sources_list = [int(s) for s in args.sources.split(",")]
     batch_kinds = args.batches.split(",")
@@ -1127,6 +1154,8 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}",
         "command": shlex.join(sys.argv),
+        "share": args.share,
+        "sched_autogroup": _read("/proc/sys/kernel/sched_autogroup_enabled"),
     }
     mock_port = free_port()
     mock = subprocess.Popen(
