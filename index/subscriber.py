@@ -88,8 +88,13 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     """After a failed replay, gaps of that source are not replayed again for this long."""
     max_chunk: int = 512
     """Messages drained and indexed together per wake-up."""
-    rcvhwm: int = 100_000
-    """ZMQ receive high-water mark per SUB socket (messages)."""
+    rcvhwm: int = 1000
+    """ZMQ receive high-water mark per SUB socket (messages): how far libzmq's I/O threads read ahead
+    of the receiving thread. A SUB socket whose queue is full stops reading its TCP connection, so
+    what does not fit waits in the kernel's buffers and the engine's publisher queue (vLLM's
+    SNDHWM, 100,000 by default), and only beyond that does the publisher drop, which shows up
+    here as a gap, then a replay. libzmq's own default; it was 100,000, and then a backlog of every
+    source was read into this process's heap at once (tens of MB per 200k blocks, BENCHMARKS.md)."""
     max_held: int = 50_000
     """Live messages of one source held while its replay is in flight; beyond, the replay is abandoned."""
     poll_ms: int = 100

@@ -762,18 +762,30 @@ def test_messages_the_c_loop_took_before_failing_are_replayed_once_not_applied_t
     assert st.gaps == 1 and st.lost_batches == 0
 
 
+MARK = 3_000_000_000
+"""Token ids from here on are msgpack uint32s beginning with these bytes (up to MARK + 3,583)."""
+MARK_BYTES = b"\xce" + MARK.to_bytes(4, "big")[:2]
+
+
+def _ours(item: object) -> bool:
+    if isinstance(item, bytes):
+        return MARK_BYTES in item
+    if isinstance(item, Batch):
+        return any(MARK <= t < MARK + 3584 for ev in item.events for t in getattr(ev, "token_ids", ()))
+    return False
+
+
 def _chunks_alive() -> int:
-    """Lists shaped like a subscriber chunk, [(source slot, payload bytes or Batch), ...], alive now."""
+    """Lists shaped like a subscriber chunk, [(source slot, payload bytes or Batch), ...], holding a
+    payload of this test's (token ids from MARK), alive now."""
     gc.collect()
     return sum(
         1
         for o in gc.get_objects()
         if type(o) is list
         and o
-        and type(o[0]) is tuple
-        and len(o[0]) == 2
-        and type(o[0][0]) is int
-        and isinstance(o[0][1], bytes | Batch)
+        and all(type(i) is tuple and len(i) == 2 and type(i[0]) is int for i in o)
+        and any(_ours(i[1]) for i in o)
     )
 
 
@@ -786,10 +798,36 @@ def test_once_applied_no_chunk_of_messages_stays_in_memory(
     idled, megabytes after a drain (BENCHMARKS.md: RSS per block)."""
     pub = make_pub()
     idx = make_index(connect(pub), native_receive=native)
-    c = Chain(900)
+    c = Chain(MARK)
     publish_until_seen(pub, idx, c)
     wait_for(lambda: status(idx).bootstrap == "done", "bootstrap replay over")
     for _ in range(40):
         pub.publish([c.extend(2), c.extend(1)])
     wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "the burst indexed")
     wait_for(lambda: _chunks_alive() == 0, "no chunk held once applied")
+
+
+def test_a_backlog_beyond_the_receive_high_water_mark_waits_and_loses_nothing(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """A SUB socket whose queue is full (``rcvhwm``) stops reading its connection instead of dropping:
+    the backlog waits in the kernel and the publisher's queue. What the low default rests on (no
+    replay socket here: a dropped batch could not come back)."""
+    pub = make_pub(replay_endpoint=None)
+    idx = make_index(connect(pub), rcvhwm=8, apply_queue=1, max_chunk=4)
+    c = Chain(1100)
+    publish_until_seen(pub, idx, c)
+    gate = threading.Event()
+
+    def hold() -> None:
+        gate.wait(TIMEOUT)
+
+    idx.subscriber._submit(hold)  # the ingest thread held
+    try:
+        for _ in range(400):
+            pub.publish([c.extend(1)])
+    finally:
+        gate.set()
+    wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "every batch of the backlog indexed")
+    st = status(idx)
+    assert st.gaps == 0 and st.lost_batches == 0
