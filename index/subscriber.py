@@ -101,6 +101,12 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     """Poll timeout; bounds how late stop() and replay timeouts are noticed."""
     apply_queue: int = 4
     """Chunks received but not yet applied, at most (the ingest thread applies them in order)."""
+    inline_max: int = 64
+    """A chunk of at most this many messages is applied by the receiving thread itself when the
+    ingest thread has nothing left to do: at an engine fleet's steady rate a chunk is a message or
+    two, and handing each to the ingest thread cost a thread wake-up per message (BENCHMARKS.md:
+    paced ingest). A backlog's chunks (hundreds) still go to the ingest thread, so receiving and
+    applying overlap. 0: every chunk to the ingest thread."""
     open_retry_s: float = 1.0
     """A source whose socket cannot be bound or connected is tried again this often (a port still
     held by the socket it replaces is usually free a moment later)."""
@@ -248,6 +254,11 @@ class EventSubscriber:
         """Live messages are received by the C loop (index/zsock.py bound libzmq and checked it)."""
         self._after_chunk: list[Callable[[], None]] = []
         """Work due once this loop turn's chunk is applied (a bootstrap's end becomes visible then)."""
+        self._handed = 0
+        """Work items handed to the ingest thread (written by the receiving thread only)."""
+        self._done = 0
+        """Work items the ingest thread has finished (written by it only): equal to ``_handed``, it
+        has nothing left to do and the receiving thread may apply a small chunk itself, in order."""
         self._busy = True
         """Something was ingested since the heap was last trimmed (True at first: start-up's own
         garbage goes back to the OS at the first idle moment)."""
@@ -533,7 +544,12 @@ class EventSubscriber:
             # taken, so nothing would ever replay it (the failure itself goes on to _run's log)
             if chunk:
                 self._busy = True
-                self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
+                if len(chunk) <= cfg.inline_max and self._handed == self._done:
+                    # the ingest thread has nothing left to do: applied here, in stream order, a
+                    # small chunk costs no hand-over (at engine-step rates, one wake-up a message)
+                    self._apply(chunk)
+                else:
+                    self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
             if self._after_chunk:
                 after, self._after_chunk = self._after_chunk, []
                 for work in after:
@@ -555,6 +571,7 @@ class EventSubscriber:
         if self._applier is None:
             work()
         else:
+            self._handed += 1
             self._apply_q.put(work)
 
     def _apply_loop(self) -> None:
@@ -564,7 +581,10 @@ class EventSubscriber:
             work = self._apply_q.get()
             if work is None:
                 return
-            work()
+            try:
+                work()
+            finally:
+                self._done += 1
             # let go of it before waiting for the next: held while idle, a chunk's payloads (up to
             # max_chunk messages of every source that was ready) stayed in memory after a burst
             del work

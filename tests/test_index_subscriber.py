@@ -831,3 +831,36 @@ def test_a_backlog_beyond_the_receive_high_water_mark_waits_and_loses_nothing(
     wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "every batch of the backlog indexed")
     st = status(idx)
     assert st.gaps == 0 and st.lost_batches == 0
+
+
+@pytest.mark.parametrize(("inline_max", "thread"), [(64, "kv-subscriber"), (0, "kv-ingest")])
+def test_at_a_steady_rate_the_receiving_thread_applies_small_chunks_itself(
+    make_pub: Callable[..., KVEventPublisher],
+    make_index: Callable[..., KVIndex],
+    inline_max: int,
+    thread: str,
+) -> None:
+    """A message or two per wake-up, with the ingest thread idle: applied where it was received (no
+    hand-over, no second thread woken per message); ``inline_max = 0`` hands every chunk over."""
+    pub = make_pub()
+    idx = make_index(connect(pub), inline_max=inline_max)
+    c = Chain(1300)
+    publish_until_seen(pub, idx, c)
+    wait_for(lambda: status(idx).bootstrap == "done", "bootstrap replay over")
+    ing = idx.ingestor
+    real = ing.apply_chunk
+    where: list[str] = []
+
+    def recording(chunk: Any) -> Any:
+        where.append(threading.current_thread().name)
+        return real(chunk)
+
+    ing.apply_chunk = recording  # type: ignore[method-assign]
+    try:
+        for _ in range(5):
+            pub.publish([c.extend(1)])
+            wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "the block indexed")
+    finally:
+        del ing.apply_chunk
+    assert where and set(where) == {thread}
+    assert status(idx).gaps == 0
