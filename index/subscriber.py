@@ -113,9 +113,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     io_threads: int = 2
     """ZeroMQ I/O threads of the subscriber's own context (they read the SUB sockets, TCP to
     messages). Two, not libzmq's one: a backlog from many sources (a replica starting, a burst of
-    engine steps) was read by one thread that the receiving thread then waited on; with two, the
-    sockets are split and read in parallel (BENCHMARKS.md: 64-source drains). Unused with a
-    context passed in."""
+    engine steps) is read by both, the sockets split between them, instead of by one thread the
+    receiving thread waits on (BENCHMARKS.md: a small gain in drains, no more CPU; an idle thread
+    costs nothing). Unused with a context passed in."""
     native_receive: bool = True
     """Receive live messages in the C core (index/_kvrecv.h) when pyzmq's libzmq can be bound;
     False keeps the Python loop (same rules, ~7 us a message slower)."""
