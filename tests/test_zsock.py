@@ -236,7 +236,19 @@ while not index.match([1, 2], [("e", 0)]).matches[("e", 0)].blocks:
     seq += 1
     time.sleep(0.02)
 import os
-names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+def names():
+    out = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out.append(open(f"/proc/self/task/{{t}}/comm").read().strip())
+        except OSError:
+            pass  # (a thread gone meanwhile)
+    return out
+# a thread names itself once it runs: a second I/O thread expected is waited for (its count is read)
+deadline = time.monotonic() + ({wait_io1} and 30)
+while "ZMQbg/IO/1" not in names() and time.monotonic() < deadline:
+    time.sleep(0.01)
+names = names()
 index.stop()
 pub.close(0)
 pctx.term()
@@ -245,10 +257,10 @@ print(zsock.backend().__name__, index.subscriber._native, names.count("ZMQbg/IO/
 """
 
 
-def _follow(prelude: str = "", index_ctx: str = "", index_cfg: str = "") -> str:
+def _follow(prelude: str = "", index_ctx: str = "", index_cfg: str = "", wait_io1: bool = False) -> str:
     """What a fresh interpreter prints after its index followed a pyzmq publisher's first event: the
     socket library, whether the C loop received, how many second ZeroMQ I/O threads ran."""
-    script = FOLLOW.format(prelude=prelude, index_ctx=index_ctx, index_cfg=index_cfg)
+    script = FOLLOW.format(prelude=prelude, index_ctx=index_ctx, index_cfg=index_cfg, wait_io1=wait_io1)
     return subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, check=True
     ).stdout
@@ -257,7 +269,7 @@ def _follow(prelude: str = "", index_ctx: str = "", index_cfg: str = "") -> str:
 def test_without_a_bindable_libzmq_the_subscriber_runs_on_pyzmq() -> None:
     """Where no libzmq binds (a pyzmq built otherwise), the index still follows its streams, through
     pyzmq, and says so."""
-    out = _follow(prelude="_kvcore.zmq_load = lambda path, errors: False")
+    out = _follow(prelude="_kvcore.zmq_load = lambda path, errors: False", wait_io1=True)
     assert "libzmq could not be bound; the subscriber runs on pyzmq" in out
     assert out.split()[-3:] == ["zmq", "False", "1"]  # (pyzmq's context: two I/O threads too)
 
@@ -272,7 +284,8 @@ def test_a_temporary_pyzmq_context_passed_in_is_kept_alive() -> None:
 @pytest.mark.parametrize(("cfg", "second"), [("", "1"), (", subscriber=SubscriberConfig(io_threads=1)", "0")])
 def test_the_subscribers_own_context_reads_with_io_threads_of_the_config(cfg: str, second: str) -> None:
     """Two I/O threads by default (a backlog of many sources is read by both), one when configured."""
-    out = _follow(prelude="from index.subscriber import SubscriberConfig", index_cfg=cfg)
+    prelude = "from index.subscriber import SubscriberConfig"
+    out = _follow(prelude=prelude, index_cfg=cfg, wait_io1=second == "1")
     assert out.split() == ["index.zsock", "True", second]
 
 
@@ -281,9 +294,19 @@ def test_a_context_has_the_io_threads_asked_for_and_refuses_impossible_counts() 
         zsock.Context(io_threads=0)
     c = zsock.Context(io_threads=3)
     sock = c.socket(zsock.SUB)  # (libzmq starts a context's I/O threads with its first socket)
+
+    def names() -> list[str]:
+        out = []
+        for t in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # (a thread gone meanwhile)
+                out.append(Path(f"/proc/self/task/{t}/comm").read_text().strip())
+        return out
+
     try:
-        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
-        assert "ZMQbg/IO/2" in names
+        deadline = time.monotonic() + 30
+        while "ZMQbg/IO/2" not in names():  # (each thread names itself once it runs)
+            assert time.monotonic() < deadline, names()
+            time.sleep(0.01)
     finally:
         sock.close()
         c.term()
