@@ -518,9 +518,14 @@ class EventSubscriber:
             return  # commands first, then whatever is ready (polled again at once)
         if not ready and self._busy:
             # idle after a burst: the heap gives back what the messages took (glibc keeps it), once
-            # the ingest thread has applied (and let go of) the chunks handed over before this
+            # the ingest thread has applied (and let go of) the chunks handed over before this; here
+            # when it has nothing left (a hand-over would keep the next small chunk from being
+            # applied here)
             self._busy = False
-            self._submit(self._trim)
+            if self._handed == self._done:
+                self._trim()
+            else:
+                self._submit(self._trim)
         chunk: list[tuple[int, Batch | bytes | None]] = []
         try:
             for sock in ready:
@@ -544,9 +549,15 @@ class EventSubscriber:
             # taken, so nothing would ever replay it (the failure itself goes on to _run's log)
             if chunk:
                 self._busy = True
-                if len(chunk) <= cfg.inline_max and self._handed == self._done:
+                if (
+                    len(chunk) <= cfg.inline_max
+                    and self._handed == self._done
+                    and all(item is not None for _, item in chunk)
+                ):
                     # the ingest thread has nothing left to do: applied here, in stream order, a
-                    # small chunk costs no hand-over (at engine-step rates, one wake-up a message)
+                    # small chunk costs no hand-over (at engine-step rates, one wake-up a message).
+                    # Not a restart's drop of a source (None), which can take a while: meanwhile
+                    # this thread would receive nothing
                     self._apply(chunk)
                 else:
                     self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]

@@ -790,14 +790,19 @@ def _chunks_alive() -> int:
 
 
 @pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("inline_max", [0, 64])
 def test_once_applied_no_chunk_of_messages_stays_in_memory(
-    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex], native: bool
+    make_pub: Callable[..., KVEventPublisher],
+    make_index: Callable[..., KVIndex],
+    native: bool,
+    inline_max: int,
 ) -> None:
     """The ingest thread let go of a chunk only when the next work arrived: after a burst, its last
     chunk (up to max_chunk messages of every source that was ready) stayed in memory while the router
-    idled, megabytes after a drain (BENCHMARKS.md: RSS per block)."""
+    idled, megabytes after a drain (BENCHMARKS.md: RSS per block). ``inline_max = 0``: every chunk
+    goes through the ingest thread; 64: small ones are applied by the receiving thread."""
     pub = make_pub()
-    idx = make_index(connect(pub), native_receive=native)
+    idx = make_index(connect(pub), native_receive=native, inline_max=inline_max)
     c = Chain(MARK)
     publish_until_seen(pub, idx, c)
     wait_for(lambda: status(idx).bootstrap == "done", "bootstrap replay over")
@@ -860,7 +865,13 @@ def test_at_a_steady_rate_the_receiving_thread_applies_small_chunks_itself(
         for _ in range(5):
             pub.publish([c.extend(1)])
             wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "the block indexed")
+        assert where and set(where) == {thread}
+        assert status(idx).gaps == 0
+        # an engine restart's drop of its source (which can take a while) goes to the ingest thread
+        where.clear()
+        pub.restart()
+        pub.publish([Chain(1500, seed=2).extend(1)])
+        wait_for(lambda: status(idx).restarts == 1 and matched(idx, c.tokens) == 0, "the restart applied")
+        assert where and where[0] == "kv-ingest"  # (the chunk with the drop)
     finally:
         del ing.apply_chunk
-    assert where and set(where) == {thread}
-    assert status(idx).gaps == 0
