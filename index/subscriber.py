@@ -257,8 +257,7 @@ class EventSubscriber:
         self._handed = 0
         """Work items handed to the ingest thread (written by the receiving thread only)."""
         self._done = 0
-        """Work items the ingest thread has finished (written by it only): equal to ``_handed``, it
-        has nothing left to do and the receiving thread may apply a small chunk itself, in order."""
+        """Work items the ingest thread has finished (written by it only); see :meth:`_ingest_idle`."""
         self._busy = True
         """Something was ingested since the heap was last trimmed (True at first: start-up's own
         garbage goes back to the OS at the first idle moment)."""
@@ -522,7 +521,7 @@ class EventSubscriber:
             # when it has nothing left (a hand-over would keep the next small chunk from being
             # applied here)
             self._busy = False
-            if self._handed == self._done:
+            if self._ingest_idle():
                 self._trim()
             else:
                 self._submit(self._trim)
@@ -551,7 +550,7 @@ class EventSubscriber:
                 self._busy = True
                 if (
                     len(chunk) <= cfg.inline_max
-                    and self._handed == self._done
+                    and self._ingest_idle()
                     and all(item is not None for _, item in chunk)
                 ):
                     # the ingest thread has nothing left to do: applied here, in stream order, a
@@ -565,6 +564,11 @@ class EventSubscriber:
                 after, self._after_chunk = self._after_chunk, []
                 for work in after:
                     self._submit(work)  # in order: after the chunk above is applied
+
+    def _ingest_idle(self) -> bool:
+        """The ingest thread has finished everything handed to it, so work done now in the receiving
+        thread stays in stream order."""
+        return self._handed == self._done
 
     @staticmethod
     def _trim() -> None:
