@@ -57,6 +57,13 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keepalive_timeout_s: float = 75.0
     """Idle client connections are closed after this long. Longer than the common clients' own
     expiry (httpx and the openai client: 5 s) so that the client, not the router, closes first."""
+    forward_kv_report_mode: bool = False
+    """Pass a request's ``vllm_xargs.kv_cache_report_mode`` on to the engine. Off (the default), the
+    router removes it: with ``"full"`` vLLM announces the request's cached prefix again as new
+    BlockStored events that no BlockRemoved ever matches, so every such request would add a
+    reference the engine's eviction never takes back, and those blocks would stay in the index as
+    cached after the engine evicted them (predicted hits that are not there). On only for a
+    fleet where another consumer of the events needs it (counted: kvrouter_kv_report_mode_removed)."""
     log_level: str = "info"
     access_log: bool = False
     workers: int = 1

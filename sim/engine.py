@@ -301,6 +301,9 @@ class EngineRequest:
     """P/D prefill leg: keep the blocks for a decode engine when the request finishes."""
     transfer_params: dict[str, Any] | None = None
     """P/D prefill leg: the answer's kv_transfer_params, set when the request finished."""
+    report_hits: bool = False
+    """``vllm_xargs.kv_cache_report_mode = "full"``: at admission the cached prefix is announced
+    again (a BlockStored from block 0, no parent), as vLLM does for such a request."""
 
     @property
     def tokens(self) -> list[int]:
@@ -772,7 +775,9 @@ class MockEngine:
         prefix = "chatcmpl-" if chat else "cmpl-"
         # like vLLM, the client's X-Request-Id names the request (a suffix keeps it unique here)
         rid = f"{prefix}{request_id}-{uuid.uuid4().hex[:8]}" if request_id else f"{prefix}{uuid.uuid4().hex}"
-        return EngineRequest(rid, prompt, max_tokens, sched.rank, _seeded_rng(prompt))
+        xargs = body.get("vllm_xargs")
+        report = isinstance(xargs, Mapping) and xargs.get("kv_cache_report_mode") == "full"
+        return EngineRequest(rid, prompt, max_tokens, sched.rank, _seeded_rng(prompt), report_hits=report)
 
     def _usage(self, req: EngineRequest) -> dict[str, Any]:
         usage: dict[str, Any] = {

@@ -241,14 +241,18 @@ class PrefixCache:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
-    def admit(self, req_id: str, tokens: Sequence[int], external_tokens: int = 0) -> Admission | None:
+    def admit(
+        self, req_id: str, tokens: Sequence[int], external_tokens: int = 0, report_hits: bool = False
+    ) -> Admission | None:
         """Prefill `tokens`: reuse the cached prefix, allocate the rest, cache every full block.
 
         Returns None (and changes nothing) when too few blocks are free. Also used to resume a
         preempted request with its prompt plus generated tokens. `external_tokens`: the first tokens
         whose KV was received from another engine (P/D); like local hits they need no compute, at
         most all but the last token (whose logits the first output needs), and their full blocks are
-        cached and announced like computed ones.
+        cached and announced like computed ones. `report_hits`: the request asked for
+        ``kv_cache_report_mode = "full"``, so its GPU prefix hit is announced again first (one
+        BlockStored from block 0 with no parent, no removal to match it), as vLLM does.
         """
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} already admitted")
@@ -272,6 +276,22 @@ class PrefixCache:
             self.cpu_hits += cpu_hit * self.block_size + external
         for b in gpu_hit:
             self._pin(b)
+        if report_hits and gpu_hit:
+            n = len(gpu_hit)
+            self._gpu_events.append(
+                BlockStored(
+                    block_hashes=[self.external(d) for d in seq.digests[:n]],
+                    parent_block_hash=None,
+                    token_ids=seq.tokens[: n * self.block_size],
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium=MEDIUM_GPU,
+                    lora_name=None,
+                    extra_keys=[None] * n,
+                    group_idx=self.group_idx,
+                    kv_cache_spec_kind=SPEC_KIND,
+                )
+            )
         seq.blocks = gpu_hit + [self._allocate() for _ in range(new_blocks)]
         seq.num_cached_blocks = len(gpu_hit)
         seq.num_computed = len(seq.tokens)

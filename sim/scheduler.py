@@ -198,7 +198,7 @@ class StepScheduler(Generic[R]):
                 saved = max(gpu_hit + cpu_hit, min(external, len(tokens) - 1))
                 if prefill_tokens + len(tokens) - saved > model.max_num_batched_tokens:
                     break
-            adm = cache.admit(req.request_id, tokens, external)
+            adm = cache.admit(req.request_id, tokens, external, getattr(req, "report_hits", False))
             if adm is None:
                 if -(-len(tokens) // model.block_size) > cache.num_blocks:
                     rejected.append(self.waiting.popleft())  # cannot fit even alone: the caller fails it

@@ -411,3 +411,24 @@ class MockFleet:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(TIMEOUT)
         self._loop.close()
+
+
+class OneEngineRouters:
+    """Routers in front of one mock engine each (``e``), made by a test and all stopped at its end
+    (the fixture's teardown calls :meth:`close`)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.made: list[RouterRunner | MockFleet] = []
+
+    def make(self, config: Any, head: str, replay: bool = True) -> tuple[RouterRunner, MockFleet]:
+        """A mock engine of ``config`` and a router whose TOML is ``head`` plus that backend."""
+        fleet = MockFleet([config])
+        self.made.append(fleet)
+        router = RouterRunner(head + fleet.backend_toml(0, "e", replay=replay), self.tmp_path)
+        self.made.append(router)
+        return router, fleet
+
+    def close(self) -> None:
+        for thing in reversed(self.made):
+            thing.stop() if isinstance(thing, RouterRunner) else thing.close()

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from harness import TIMEOUT, MockFleet, RouterRunner, wait_for
+from harness import TIMEOUT, MockFleet, OneEngineRouters, RouterRunner, wait_for
 
 from router.observe.checks import ChecksConfig, PredictionChecks, StreamStats, strip_usage, usage_in_json
 from sim.engine import EngineConfig
@@ -164,23 +164,17 @@ def engine(tokdir: Path | None, **kw: Any) -> EngineConfig:
 
 @pytest.fixture
 def fleet_router(tmp_path: Path, tokdir: Path) -> Iterator[Any]:
-    made: list[Any] = []
+    routers = OneEngineRouters(tmp_path)
 
     def make(config: EngineConfig, replay: bool = True, extra: str = "") -> tuple[RouterRunner, MockFleet]:
-        fleet = MockFleet([config])
-        made.append(fleet)
-        toml = (
+        head = (
             f'block_size = {BS}\ntokenizer = "{tokdir}"\n[health]\ninterval_s = 1.0\n'
             "[checks]\nmin_checks = 10\nwindow = 40\nstream_usage_every = 2\n" + extra + "\n"
         )
-        toml += fleet.backend_toml(0, "e", replay=replay)
-        router = RouterRunner(toml, tmp_path)
-        made.append(router)
-        return router, fleet
+        return routers.make(config, head, replay)
 
     yield make
-    for thing in reversed(made):
-        thing.stop() if isinstance(thing, RouterRunner) else thing.close()
+    routers.close()
 
 
 def traffic(router: RouterRunner, n: int, seed: int = 0, chat_share: float = 0.5) -> None:

@@ -159,6 +159,7 @@ class ProxyHandler:
         self.health = health
         self.checks = checks
         self._streams_seen = 0
+        self._report_mode_logged = False
         self.pool = pool
         self.metrics = metrics
         self.loads = loads
@@ -238,6 +239,8 @@ class ProxyHandler:
             route.prompt_blocks,
             decision_s,
         )
+        if not self.server.forward_kv_report_mode:
+            body, parsed = self._without_report_mode(parsed, body)
         strip = False
         if self.checks is not None and parsed.get("stream") is True and route.pd is None:
             body, strip = self._ask_for_usage(parsed, body)  # (not on P/D routes: their legs differ)
@@ -253,6 +256,29 @@ class ProxyHandler:
                 log.debug("client disconnected; upstream request to %s cancelled", route.backend)
                 self.metrics.error(route.backend, "client_disconnect")
             raise
+
+    def _without_report_mode(self, parsed: dict[str, Any], body: bytes) -> tuple[bytes, dict[str, Any]]:
+        """The request without ``vllm_xargs.kv_cache_report_mode`` (``server.forward_kv_report_mode``
+        says why), ``vllm_xargs`` itself gone when nothing else is left in it; the same bytes when
+        it is not there (the common case costs one dictionary lookup)."""
+        xargs = parsed.get("vllm_xargs")
+        if not isinstance(xargs, dict) or "kv_cache_report_mode" not in xargs:
+            return body, parsed
+        rest = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
+        parsed = {k: v for k, v in parsed.items() if k != "vllm_xargs"}
+        if rest:
+            parsed["vllm_xargs"] = rest
+        self.metrics.report_mode_removed.inc(())
+        if not self._report_mode_logged:
+            self._report_mode_logged = True
+            log.warning(
+                "a request asked the engine to announce its cached prefix again "
+                "(vllm_xargs.kv_cache_report_mode=%s): removed, as those announcements would keep "
+                "blocks in the index after the engine evicts them; server.forward_kv_report_mode = "
+                "true passes it on (counted: kvrouter_kv_report_mode_removed_total)",
+                repr(xargs["kv_cache_report_mode"])[:40],
+            )
+        return msgspec.json.encode(parsed), parsed
 
     def _ask_for_usage(self, parsed: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
         """On one in ``checks.stream_usage_every`` client streams that did not ask for usage, ask the

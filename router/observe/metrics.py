@@ -172,7 +172,14 @@ class RouterMetrics:
             ["backend"],
             _LATENCY_BUCKETS,
         )
+        self.report_mode_removed = LeanCounter(
+            "kvrouter_kv_report_mode_removed",
+            "Requests whose vllm_xargs.kv_cache_report_mode was removed before proxying "
+            "(server.forward_kv_report_mode)",
+            [],
+        )
         self._lean: list[LeanCounter | LeanHistogram] = [
+            self.report_mode_removed,
             self.requests,
             self.errors,
             self.decision_seconds,
