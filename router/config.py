@@ -63,7 +63,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     BlockStored events that no BlockRemoved ever matches, so every such request would add a
     reference the engine's eviction never takes back, and those blocks would stay in the index as
     cached after the engine evicted them (predicted hits that are not there). On only for a
-    fleet where another consumer of the events needs it (counted: kvrouter_kv_report_mode_removed)."""
+    fleet where another consumer of the events needs it (counted: kvrouter_kv_report_mode_removed_total)."""
     log_level: str = "info"
     access_log: bool = False
     workers: int = 1

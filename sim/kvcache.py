@@ -8,7 +8,8 @@ What it reproduces, because a KV-aware router observes exactly these things:
   cached and go to the tail of a free queue (a request's blocks in reverse order, so its tail is evicted
   first); allocation pops the head and evicts the cached hash it held (LRU);
 * the events vLLM emits: one `BlockStored` per "cache full blocks" call with every newly full block
-  (prefix hits are not re-announced; parent None at token 0), one `BlockRemoved` per evicted hash
+  (prefix hits are not re-announced unless a request asks, `report_hits`; parent None at token 0),
+  one `BlockRemoved` per evicted hash
   (removals come before the stores of the same step because they happen during allocation), and
   `AllBlocksCleared` on a successful `reset()`;
 * like vLLM, a block filled during decode whose content is already cached in another block is cached
@@ -232,6 +233,13 @@ class PrefixCache:
                 c += 1
         return gpu, end - len(gpu)
 
+    def held_blocks(self, tokens: Sequence[int]) -> int:
+        """How many of the full blocks of `tokens` are cached on GPU, each looked up on its own (not
+        only a leading run, as a request's hit is)."""
+        digests: list[bytes] = []
+        self._extend_digests(digests, tokens)
+        return sum(1 for d in digests if self._cached.get(d))
+
     def probe(self, tokens: Sequence[int]) -> tuple[int, int]:
         """(GPU hit tokens, CPU hit tokens) a request with `tokens` would get now; no side effects."""
         digests: list[bytes] = []
@@ -246,7 +254,8 @@ class PrefixCache:
     ) -> Admission | None:
         """Prefill `tokens`: reuse the cached prefix, allocate the rest, cache every full block.
 
-        Returns None (and changes nothing) when too few blocks are free. Also used to resume a
+        Returns None (and changes nothing but a `report_hits` announcement) when too few blocks are
+        free. Also used to resume a
         preempted request with its prompt plus generated tokens. `external_tokens`: the first tokens
         whose KV was received from another engine (P/D); like local hits they need no compute, at
         most all but the last token (whose logits the first output needs), and their full blocks are
@@ -263,19 +272,8 @@ class PrefixCache:
         gpu_hit, cpu_hit = self._lookup(seq.digests, len(seq.tokens))
         total = -(-len(seq.tokens) // self.block_size)
         new_blocks = total - len(gpu_hit)
-        hit_in_free = sum(1 for b in gpu_hit if self._blocks[b].ref_cnt == 0)
-        if new_blocks > len(self._free) - hit_in_free:
-            return None
-        n_hit_tokens = len(gpu_hit) * self.block_size
-        local = n_hit_tokens + cpu_hit * self.block_size
-        external = max(0, min(external_tokens, len(seq.tokens) - 1) - local)
-        self.queries += len(seq.tokens)
-        self.hits += n_hit_tokens
-        if self.connector:
-            self.cpu_queries += len(seq.tokens) - n_hit_tokens
-            self.cpu_hits += cpu_hit * self.block_size + external
-        for b in gpu_hit:
-            self._pin(b)
+        # vLLM announces the hit when it looks the prefix up, before allocating: also on a try
+        # that then waits for free blocks (and again at the next try)
         if report_hits and gpu_hit:
             n = len(gpu_hit)
             self._gpu_events.append(
@@ -292,6 +290,19 @@ class PrefixCache:
                     kv_cache_spec_kind=SPEC_KIND,
                 )
             )
+        hit_in_free = sum(1 for b in gpu_hit if self._blocks[b].ref_cnt == 0)
+        if new_blocks > len(self._free) - hit_in_free:
+            return None
+        n_hit_tokens = len(gpu_hit) * self.block_size
+        local = n_hit_tokens + cpu_hit * self.block_size
+        external = max(0, min(external_tokens, len(seq.tokens) - 1) - local)
+        self.queries += len(seq.tokens)
+        self.hits += n_hit_tokens
+        if self.connector:
+            self.cpu_queries += len(seq.tokens) - n_hit_tokens
+            self.cpu_hits += cpu_hit * self.block_size + external
+        for b in gpu_hit:
+            self._pin(b)
         seq.blocks = gpu_hit + [self._allocate() for _ in range(new_blocks)]
         seq.num_cached_blocks = len(gpu_hit)
         seq.num_computed = len(seq.tokens)

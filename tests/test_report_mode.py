@@ -44,12 +44,12 @@ def removed_total(router: RouterRunner) -> float:
 def setup(tmp_path: Path) -> Iterator[Any]:
     routers = OneEngineRouters(tmp_path)
 
-    def make(forward: bool) -> tuple[RouterRunner, MockFleet]:
+    def make(forward: bool, extra: str = "") -> tuple[RouterRunner, MockFleet]:
         # 40 blocks: six more 8-block prompts evict the first one
         cfg = EngineConfig(time_scale=0.02, num_gpu_blocks=40, block_size=BS, default_max_tokens=1)
         head = (
             f"block_size = {BS}\nremote_tokenize = false\n[health]\ninterval_s = 1.0\n"
-            f"[server]\nforward_kv_report_mode = {'true' if forward else 'false'}\n"
+            f"[server]\nforward_kv_report_mode = {'true' if forward else 'false'}\n{extra}"
         )
         return routers.make(cfg, head)
 
@@ -64,10 +64,10 @@ def sent_xargs(fleet: MockFleet) -> Any:
 
 
 def engine_holds(fleet: MockFleet, prompt: list[int]) -> int:
-    """GPU tokens of ``prompt`` the engine itself has cached."""
+    """Full blocks of ``prompt`` the engine itself has cached, each looked up on its own."""
     cache = fleet.fleet.engines[0].ranks[0].core.cache
     assert isinstance(cache, PrefixCache)
-    return fleet.call(lambda: cache.probe(prompt)[0])
+    return fleet.call(lambda: cache.held_blocks(prompt))
 
 
 @pytest.mark.parametrize("forward", [False, True])
@@ -99,8 +99,12 @@ def test_a_report_mode_request_leaves_no_stale_blocks_unless_passed_on(setup: An
     stale = gpu_blocks(router, PROMPT)
     if forward:
         assert stale == 7  # the re-announced blocks: held twice, removed once, cached nowhere
-    else:
-        assert stale == 0
+        return
+    assert stale == 0
+    # /route counts a leading run: stored again, the first block alone leads to nothing behind it
+    client.completions.create(model="mock-model", prompt=PROMPT[:BS], max_tokens=1)
+    wait_for(lambda: gpu_blocks(router, PROMPT[:BS]) == 1, "the first block again")
+    assert gpu_blocks(router, PROMPT) == 1
 
 
 def test_the_key_alone_takes_vllm_xargs_with_it(setup: Any) -> None:
@@ -119,6 +123,29 @@ def test_the_key_alone_takes_vllm_xargs_with_it(setup: Any) -> None:
     r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
     assert sent_xargs(fleet) == {"tenant": "t1"}
+    assert removed_total(router) == 1
+
+
+def test_a_stream_the_router_asks_usage_of_goes_without_the_key(setup: Any) -> None:
+    """Both changes to one body: the usage the prediction checks ask for, and the key removed."""
+    router, fleet = setup(False, "[checks]\nstream_usage_every = 1\n")
+    body = {
+        "model": "mock-model",
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "stream": True,
+        "vllm_xargs": {"kv_cache_report_mode": "full", "tenant": "t1"},
+    }
+    with (
+        httpx.Client(timeout=TIMEOUT) as c,
+        c.stream("POST", f"{router.url}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        raw = b"".join(r.iter_raw())
+    assert raw.endswith(b"data: [DONE]\n\n") and b"usage" not in raw  # asked for by the router, stripped
+    engine = fleet.fleet.engines[0]
+    sent = fleet.call(lambda: engine.received[-1][2])
+    assert sent["vllm_xargs"] == {"tenant": "t1"} and sent["stream_options"] == {"include_usage": True}
     assert removed_total(router) == 1
 
 
@@ -142,3 +169,10 @@ def test_the_mock_engine_re_announces_its_hit_like_vllm() -> None:
     assert cache.admit("c", PROMPT) is not None
     (only,) = cache.take_events()  # without the mode, a hit is not announced: the last block only
     assert only.parent_block_hash == first[0].block_hashes[6]
+    # as in vLLM, the hit is announced when it is looked up, also by a try that must wait for blocks
+    full = PrefixCache(num_blocks=8, block_size=BS)
+    assert full.admit("a", PROMPT) is not None
+    full.take_events()
+    assert full.admit("b", PROMPT, report_hits=True) is None  # 8 blocks pinned by "a": no room
+    (waiting,) = full.take_events()
+    assert waiting.block_hashes == first[0].block_hashes[:7]
