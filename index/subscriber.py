@@ -17,6 +17,9 @@ Per source it tracks the sequence number of the last applied batch:
   cannot supply (it fell out of the engine's buffer, or the replay timed out) is counted as lost.
 - **first contact** (and every (re)connection of the SUB socket): a bootstrap replay from seq 0
   fetches what the engine still buffers, so a router that starts after the engines is not empty.
+  An empty answer after a reconnection, from an engine whose batches were applied, means a new
+  engine process that has published nothing yet (a running one always buffers its latest batch):
+  its blocks are dropped then, as at a restart.
 - a seq that **goes back** with a newer batch timestamp: the engine restarted; the source's blocks
   are dropped and rebuilt (with a bootstrap replay when the new stream did not start at 0). A seq
   that goes back with an old timestamp is a duplicate (e.g. live copies of replayed batches) and is
@@ -799,6 +802,8 @@ class EventSubscriber:
         if not finished:
             # replies of an abandoned request could still arrive and be mistaken for the next one's
             self._close_dealer(src)
+        elif replay.bootstrap and replay.start == 0 and replay.until is None and not replay.replies:
+            self._restarted_silent(src, chunk)
         for seq, payload in sorted(replay.replies, key=lambda r: r[0]):
             if seq < replay.start or (replay.until is not None and seq >= replay.until):
                 continue
@@ -821,6 +826,26 @@ class EventSubscriber:
             if src.replay is not None:  # a new gap started another replay: keep holding the rest
                 src.held.extend(held[i + 1 :])
                 return
+
+    def _restarted_silent(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
+        """A (re)connection's bootstrap came back empty from an engine whose batches we applied. vLLM
+        keeps its latest ``buffer_steps`` batches (10,000 by default) for replay, so a running engine
+        that published batch ``last_seq`` still has it: an empty answer means a new engine process
+        that has published nothing yet. Its blocks go now, as at a restart seen by its seq, instead
+        of staying in the index (routed to as cached) until its first batch, which could take as long
+        as no request reaches it."""
+        if src.last_seq < 0:
+            return  # nothing of an earlier process applied: nothing to drop
+        src.restarts += 1
+        log.warning(
+            "source %s: reconnected and its replay buffer is empty (last applied seq %d): engine "
+            "restarted, dropping its blocks",
+            src.name,
+            src.last_seq,
+        )
+        chunk.append((src.sidx, None))
+        src.last_seq = -1
+        src.last_ts = 0.0
 
     def _on_monitor(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         monitor = src.monitor

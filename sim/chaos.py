@@ -131,6 +131,8 @@ class SoakReport:
             k: {
                 "n": len(v),
                 "max_s": max((x for x in v if x is not None), default=None),
+                # every one, in order: a maximum alone cannot tell an outlier from a trend
+                "each_s": [None if x is None else round(x, 3) for x in v],
                 "not_converged": sum(1 for x in v if x is None),
             }
             for k, v in sorted(per.items())

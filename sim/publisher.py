@@ -212,25 +212,36 @@ class KVEventPublisher:
         self._hold = 0
         self._held: list[tuple[int, bytes]] = []
         self._closed = False
+        self._bound = bind
 
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
-        if bind:
-            self._pub.bind(endpoint)
-            self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            self._pub.connect(endpoint)
-            self.endpoint = endpoint
+        router = None
+        try:  # (a socket left open would keep its context's term() waiting for good)
+            if bind:
+                self._pub.bind(endpoint)
+                self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+                self.endpoint = endpoint
+            if replay_endpoint is not None:
+                router = self._ctx.socket(zmq.ROUTER)
+                router.setsockopt(zmq.LINGER, 0)
+                router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                router.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self._pub.close(linger=0)
+            if router is not None:
+                router.close(linger=0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise
 
         self.replay_endpoint: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if replay_endpoint is not None:
-            router = self._ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-            router.bind(replay_endpoint)
+        if router is not None:
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._thread = threading.Thread(
                 target=self._serve_replay, args=(router,), name=f"kv-replay-dp{dp_rank}", daemon=True
@@ -300,6 +311,31 @@ class KVEventPublisher:
         with self._lock:
             self._lose = ratio
             self._lose_rng = random.Random(seed)
+
+    def drop_connections(self) -> None:
+        """Close the PUB socket and bind a new one at the same address, so that every subscriber's
+        connection drops and comes back (a network blip, a proxy restarting), while the engine goes
+        on: same seq, same replay buffer. Bound publishers only; call it from the publishing thread."""
+        if self._closed or not self._bound:
+            raise RuntimeError("drop_connections needs an open publisher that binds its address")
+        with self._lock:
+            hwm = self._pub.getsockopt(zmq.SNDHWM)
+            self._pub.close(linger=0)
+            pub = self._ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub = pub
+            # libzmq closes the old listening socket in its I/O thread, a moment later: the address
+            # is taken until then
+            deadline = time.monotonic() + 30.0
+            while True:
+                try:
+                    pub.bind(self.endpoint)
+                    return
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
 
     def restart(self) -> None:
         """Behave like a restarted engine: seq back to 0 and nothing left to replay."""

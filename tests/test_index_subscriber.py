@@ -875,3 +875,62 @@ def test_at_a_steady_rate_the_receiving_thread_applies_small_chunks_itself(
         assert where and where[0] == "kv-ingest"  # (the chunk with the drop)
     finally:
         del ing.apply_chunk
+
+
+def rebound(make: Callable[[], KVEventPublisher]) -> KVEventPublisher:
+    """A publisher on the addresses of one just closed: libzmq releases a closed socket's address
+    in its I/O thread, a moment later, so binding it again is retried until it is free."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def test_a_restarted_engine_that_published_nothing_is_dropped_once_reconnected(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """A new engine process on the old one's addresses has an empty replay buffer: the bootstrap of
+    the reconnection says so before the engine publishes anything (a running engine always buffers
+    its latest batch), so its old blocks go at once, not at its first batch."""
+    old_pub = make_pub()
+    idx = make_index(connect(old_pub))
+    old = Chain(0)
+    publish_until_seen(old_pub, idx, old)
+    old_pub.publish([old.extend(3)])
+    wait_for(lambda: matched(idx, old.tokens) == len(old.hashes), "old blocks")
+    endpoint, replay = old_pub.endpoint, old_pub.replay_endpoint
+    old_pub.close()
+    new_pub = rebound(lambda: make_pub(endpoint=endpoint, replay_endpoint=replay))  # nothing published
+    wait_for(lambda: status(idx).restarts == 1, "the restart inferred from the empty bootstrap")
+    wait_for(lambda: matched(idx, old.tokens) == 0, "its blocks dropped (by the ingest thread)")
+    assert status(idx).blocks.get("GPU", 0) == 0 and status(idx).lost_batches == 0
+    # its stream then starts at seq 0 like any new engine's
+    new = Chain(5000, seed=1)
+    new_pub.publish([new.extend(2)])
+    wait_for(lambda: matched(idx, new.tokens) == 2, "the new engine's first blocks")
+    assert status(idx).restarts == 1 and status(idx).lost_batches == 0
+
+
+def test_a_reconnection_to_the_same_engine_keeps_its_blocks(
+    make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
+) -> None:
+    """The same engine behind a dropped connection: its bootstrap brings back batches the index has
+    (duplicates, skipped), so nothing is dropped."""
+    pub = make_pub()
+    idx = make_index(connect(pub))
+    c = Chain(0)
+    publish_until_seen(pub, idx, c)
+    pub.publish([c.extend(3)])
+    wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "blocks")
+    replays = status(idx).replays
+    pub.drop_connections()
+    wait_for(lambda: status(idx).replays > replays, "the reconnection's bootstrap")
+    wait_for(lambda: status(idx).bootstrap == "done", "the bootstrap finished")
+    assert status(idx).restarts == 0 and matched(idx, c.tokens) == len(c.hashes)
+    assert status(idx).duplicates > 0  # what the bootstrap brought back was already applied
+    pub.publish([c.extend(1)])
+    wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "live after the reconnection")
