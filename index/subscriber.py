@@ -175,7 +175,7 @@ _STATUS_COUNTERS = (
 
 
 class _Replay:
-    __slots__ = ("bootstrap", "deadline", "replies", "start", "until")
+    __slots__ = ("bootstrap", "deadline", "replies", "start", "unreadable", "until")
 
     def __init__(self, start: int, until: int | None, deadline: float, bootstrap: bool = False) -> None:
         self.start = start
@@ -184,6 +184,8 @@ class _Replay:
         self.bootstrap = bootstrap
         """A (re)connection's replay from seq 0, not a gap's."""
         self.replies: list[tuple[int, bytes]] = []
+        self.unreadable = 0
+        """Replies that were not replay frames (counted as decode errors): an answer all the same."""
 
 
 class _Source:
@@ -775,6 +777,7 @@ class EventSubscriber:
             try:
                 seq, payload = split_replay_reply(frames)
             except WireError as exc:
+                src.replay.unreadable += 1
                 self._decode_error(src, exc, [])
                 continue
             if seq == END_SEQ:
@@ -802,7 +805,13 @@ class EventSubscriber:
         if not finished:
             # replies of an abandoned request could still arrive and be mistaken for the next one's
             self._close_dealer(src)
-        elif replay.bootstrap and replay.start == 0 and replay.until is None and not replay.replies:
+        elif (
+            replay.bootstrap
+            and replay.start == 0
+            and replay.until is None
+            and not replay.replies
+            and not replay.unreadable
+        ):
             self._restarted_silent(src, chunk)
         for seq, payload in sorted(replay.replies, key=lambda r: r[0]):
             if seq < replay.start or (replay.until is not None and seq >= replay.until):
@@ -833,9 +842,13 @@ class EventSubscriber:
         that published batch ``last_seq`` still has it: an empty answer means a new engine process
         that has published nothing yet. Its blocks go now, as at a restart seen by its seq, instead
         of staying in the index (routed to as cached) until its first batch, which could take as long
-        as no request reaches it."""
+        as no request reaches it. It needs ``buffer_steps`` >= 1: an engine configured with a replay
+        socket and no buffer answers every replay empty (its blocks would go at every reconnection
+        in which it published nothing; one whose stream went on meanwhile is recognised)."""
         if src.last_seq < 0:
             return  # nothing of an earlier process applied: nothing to drop
+        if any(seq == src.last_seq + 1 for seq, _ in src.held):
+            return  # its stream went on meanwhile: the same process (an engine with buffer_steps 0)
         src.restarts += 1
         log.warning(
             "source %s: reconnected and its replay buffer is empty (last applied seq %d): engine "

@@ -908,7 +908,13 @@ def test_a_restarted_engine_that_published_nothing_is_dropped_once_reconnected(
     wait_for(lambda: status(idx).restarts == 1, "the restart inferred from the empty bootstrap")
     wait_for(lambda: matched(idx, old.tokens) == 0, "its blocks dropped (by the ingest thread)")
     assert status(idx).blocks.get("GPU", 0) == 0 and status(idx).lost_batches == 0
-    # its stream then starts at seq 0 like any new engine's
+    # its stream then starts at seq 0 like any new engine's (empty batches until the subscription
+    # reached the new socket: a PUB drops what it sends before)
+    deadline = time.monotonic() + TIMEOUT
+    while status(idx).last_seq < 0:
+        assert time.monotonic() < deadline, "the new engine's stream never arrived"
+        new_pub.publish([])
+        time.sleep(0.01)
     new = Chain(5000, seed=1)
     new_pub.publish([new.extend(2)])
     wait_for(lambda: matched(idx, new.tokens) == 2, "the new engine's first blocks")
@@ -932,5 +938,11 @@ def test_a_reconnection_to_the_same_engine_keeps_its_blocks(
     wait_for(lambda: status(idx).bootstrap == "done", "the bootstrap finished")
     assert status(idx).restarts == 0 and matched(idx, c.tokens) == len(c.hashes)
     assert status(idx).duplicates > 0  # what the bootstrap brought back was already applied
+    last = status(idx).last_seq
+    deadline = time.monotonic() + TIMEOUT
+    while status(idx).last_seq == last:  # (until the subscription reached the new socket)
+        assert time.monotonic() < deadline, "the stream never came back"
+        pub.publish([])
+        time.sleep(0.01)
     pub.publish([c.extend(1)])
     wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "live after the reconnection")
