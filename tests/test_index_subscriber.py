@@ -890,6 +890,16 @@ def rebound(make: Callable[[], KVEventPublisher]) -> KVEventPublisher:
             time.sleep(0.01)
 
 
+def pulse_until(pub: KVEventPublisher, cond: Callable[[], bool], what: str) -> None:
+    """Empty batches until ``cond``: after a reconnection a PUB drops what it sends until the
+    subscription has reached its new socket, so a chain block sent at once could be lost."""
+    deadline = time.monotonic() + TIMEOUT
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        pub.publish([])
+        time.sleep(0.01)
+
+
 def test_a_restarted_engine_that_published_nothing_is_dropped_once_reconnected(
     make_pub: Callable[..., KVEventPublisher], make_index: Callable[..., KVIndex]
 ) -> None:
@@ -908,13 +918,8 @@ def test_a_restarted_engine_that_published_nothing_is_dropped_once_reconnected(
     wait_for(lambda: status(idx).restarts == 1, "the restart inferred from the empty bootstrap")
     wait_for(lambda: matched(idx, old.tokens) == 0, "its blocks dropped (by the ingest thread)")
     assert status(idx).blocks.get("GPU", 0) == 0 and status(idx).lost_batches == 0
-    # its stream then starts at seq 0 like any new engine's (empty batches until the subscription
-    # reached the new socket: a PUB drops what it sends before)
-    deadline = time.monotonic() + TIMEOUT
-    while status(idx).last_seq < 0:
-        assert time.monotonic() < deadline, "the new engine's stream never arrived"
-        new_pub.publish([])
-        time.sleep(0.01)
+    # its stream then starts at seq 0 like any new engine's
+    pulse_until(new_pub, lambda: status(idx).last_seq >= 0, "the new engine's stream")
     new = Chain(5000, seed=1)
     new_pub.publish([new.extend(2)])
     wait_for(lambda: matched(idx, new.tokens) == 2, "the new engine's first blocks")
@@ -939,10 +944,6 @@ def test_a_reconnection_to_the_same_engine_keeps_its_blocks(
     assert status(idx).restarts == 0 and matched(idx, c.tokens) == len(c.hashes)
     assert status(idx).duplicates > 0  # what the bootstrap brought back was already applied
     last = status(idx).last_seq
-    deadline = time.monotonic() + TIMEOUT
-    while status(idx).last_seq == last:  # (until the subscription reached the new socket)
-        assert time.monotonic() < deadline, "the stream never came back"
-        pub.publish([])
-        time.sleep(0.01)
+    pulse_until(pub, lambda: status(idx).last_seq > last, "the stream back")
     pub.publish([c.extend(1)])
     wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "live after the reconnection")
