@@ -183,13 +183,19 @@ def test_late_join_bootstraps_from_the_replay_buffer(
     assert idx.store.refcount(0, prompt_keys(c.tokens, BS)[0]) == 1
 
 
+def _indexed(pub: KVEventPublisher, idx: KVIndex) -> Chain:
+    """A chain the engine published and the index holds."""
+    chain = Chain(0)
+    publish_until_seen(pub, idx, chain)
+    pub.publish([chain.extend(3)])
+    wait_for(lambda: matched(idx, chain.tokens) == len(chain.hashes), "the chain's blocks")
+    return chain
+
+
 def _indexed_then_restarted(pub: KVEventPublisher, idx: KVIndex) -> Chain:
     """A chain the engine published and the index holds, then the engine restarted (seq back to 0,
     buffer emptied, like a new engine process); returns the old chain."""
-    old = Chain(0)
-    publish_until_seen(pub, idx, old)
-    pub.publish([old.extend(3)])
-    wait_for(lambda: matched(idx, old.tokens) == len(old.hashes), "old blocks")
+    old = _indexed(pub, idx)
     pub.restart()
     return old
 
@@ -908,10 +914,7 @@ def test_a_restarted_engine_that_published_nothing_is_dropped_once_reconnected(
     its latest batch), so its old blocks go at once, not at its first batch."""
     old_pub = make_pub()
     idx = make_index(connect(old_pub))
-    old = Chain(0)
-    publish_until_seen(old_pub, idx, old)
-    old_pub.publish([old.extend(3)])
-    wait_for(lambda: matched(idx, old.tokens) == len(old.hashes), "old blocks")
+    old = _indexed(old_pub, idx)
     endpoint, replay = old_pub.endpoint, old_pub.replay_endpoint
     old_pub.close()
     new_pub = rebound(lambda: make_pub(endpoint=endpoint, replay_endpoint=replay))  # nothing published
@@ -933,10 +936,7 @@ def test_a_reconnection_to_the_same_engine_keeps_its_blocks(
     (duplicates, skipped), so nothing is dropped."""
     pub = make_pub()
     idx = make_index(connect(pub))
-    c = Chain(0)
-    publish_until_seen(pub, idx, c)
-    pub.publish([c.extend(3)])
-    wait_for(lambda: matched(idx, c.tokens) == len(c.hashes), "blocks")
+    c = _indexed(pub, idx)
     replays = status(idx).replays
     pub.drop_connections()
     wait_for(lambda: status(idx).replays > replays, "the reconnection's bootstrap")
