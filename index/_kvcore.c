@@ -53,7 +53,8 @@ typedef int64_t i64;
 #define TAGMUL 0xC2B2AE3D27D4EB4FULL
 #define CHAIN_MUL 0x9E3779B97F4A7C15ULL
 #define MIN_CAP 64
-#define MAX_MEDIA 16
+#define MAX_MEDIA 32 /* GPU, CPU, STORAGE and each KV cache group's ("GPU#1"...) */
+#define TOUCH_CAP 65536 /* keys a watched source records between two take_touched calls */
 #define MAX_WORDS 64 /* 64-source words: at most 4,096 source slots (slots are reused) */
 #define MAX_SOURCES (MAX_WORDS * 64)
 #define MAX_BLOCK_SIZE 4096
@@ -156,6 +157,10 @@ typedef struct {
     i64 st[T_SIZE];
     i64 block_size; /* learned by the Python path; 0: none yet */
     double last_ts;
+    /* keys stored or removed while watched (the index's predictions for this source yield to them) */
+    int watch, touched_over;
+    u64 *touched;
+    size_t ntouched;
 } Src;
 
 typedef struct {
@@ -177,6 +182,7 @@ typedef struct {
     u64 base_root;
     char media[MAX_MEDIA][32];
     int media_len[MAX_MEDIA];
+    int family[MAX_MEDIA]; /* the medium a KV cache group's medium belongs to ("GPU#1": GPU's) */
     /* ingest scratch */
     u64 *scratch;
     size_t scratch_cap;
@@ -520,8 +526,66 @@ static void forget(Store *s, Src *src, i64 sidx, u64 key) {
     if (r >= 0) kt_settle(s, (size_t)r);
 }
 
-/* One BlockStored (room already made): returns 1 when the total went over the cap. */
-static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *keys, i64 n, unsigned char *fresh) {
+static inline void touch(Src *src, u64 key) {
+    if (!src->watch || !src->touched) return;
+    if (src->ntouched < TOUCH_CAP) src->touched[src->ntouched++] = key;
+    else src->touched_over = 1;
+}
+
+/* An engine hash now resolves to another key (its true parent became known): the source's
+ * residencies of the old key, on every medium and with their counts, become the new key's. They
+ * are the same engine blocks (a hash names a block's content); dropping them instead lost the
+ * references of blocks the engine still held, and a later removal ended a residency it still had. */
+static void move_refs(Store *s, Src *src, i64 sidx, u64 from, u64 to) {
+    int w = (int)(sidx >> 6);
+    u64 bit = 1ULL << (sidx & 63);
+    i64 r = kt_find(s, from);
+    if (r < 0) return;
+    i64 count[MAX_MEDIA];
+    int any = 0;
+    for (int mm = 0; mm < s->nm; mm++) {
+        i64 c = COL(s, mm, w);
+        count[mm] = 0;
+        if (c >= 0 && (KT(s, r, c) & bit)) {
+            count[mm] = 1;
+            KT(s, r, c) &= ~bit;
+            src->cnt[mm]--;
+            s->g[G_TOTAL]--;
+            any = 1;
+        }
+        if (src->ss[S_REFS]) {
+            i64 extra = rt_pop(s, from, tag_of(sidx, mm));
+            src->ss[S_REFS] -= extra;
+            if (count[mm]) count[mm] += extra;
+        }
+    }
+    kt_settle(s, (size_t)r);
+    if (!any) return;
+    size_t r2 = kt_insert(s, to);
+    for (int mm = 0; mm < s->nm; mm++) {
+        i64 n = count[mm];
+        if (!n) continue;
+        i64 c = COL(s, mm, w);
+        if (!(KT(s, r2, c) & bit)) {
+            KT(s, r2, c) |= bit;
+            src->cnt[mm]++;
+            s->g[G_TOTAL]++;
+            n--;
+        }
+        /* (a refs table all but full keeps the count it has: rt_add needs a free slot) */
+        if (n && (size_t)(s->g[G_RT_USED] + 2) < s->rcap) {
+            rt_add(s, to, tag_of(sidx, mm), (u64)n);
+            src->ss[S_REFS] += n;
+        }
+    }
+}
+
+/* One BlockStored (room already made): returns 1 when the total went over the cap. `keep`: a KV
+ * cache group whose chain may be uncertain (sliding-window and Mamba groups announce only the blocks
+ * they keep, and a null block before them leaves no parent): a hash already mapped keeps its key,
+ * the event's own key is taken only for a hash not seen before. */
+static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *keys, i64 n, unsigned char *fresh,
+                       int keep) {
     Src *src = s->src[sidx];
     i64 col = COL(s, m, sidx >> 6);
     size_t emask = src->ecap - 1;
@@ -555,14 +619,18 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
         nfresh++;
     }
     src->ss[S_TAIL] = tail;
-    int remapped = 0;
+    int remapped = 0, kept = 0;
     if (nfresh != n) {
         for (i64 j = 0; j < n; j++) {
             if (fresh[j]) continue;
             i64 i = em_find(src, ehs[j]);
             u64 cur = em[i * 3 + 1];
             if (cur != keys[j]) {
-                forget(s, src, sidx, cur);
+                if (keep) {
+                    kept = 1;
+                    continue;
+                }
+                move_refs(s, src, sidx, cur, keys[j]);
                 em[i * 3 + 1] = keys[j];
                 remapped = 1;
             }
@@ -573,13 +641,16 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
     i64 added = 0;
     for (i64 j = 0; j < n; j++) {
         u64 key = keys[j];
+        if (kept) /* every listing adds to the key its hash resolves to */
+            key = em[em_find(src, ehs[j]) * 3 + 1];
         /* a hash listed twice in the event with different keys: its last listing decides, and a
          * listing with another key adds nothing (else that key would be held with no engine hash
          * leading to it: no removal, clear or drop could end it) */
-        if (remapped) {
+        else if (remapped) {
             i64 i = em_find(src, ehs[j]);
             if (i >= 0 && em[i * 3 + 1] != key) continue;
         }
+        touch(src, key);
         size_t r = kt_insert(s, key);
         if (KT(s, r, col) & bit) {
             rt_add(s, key, tag, 1);
@@ -609,6 +680,7 @@ static i64 remove_event(Store *s, i64 sidx, i64 m, const u64 *ehs, i64 n) {
             src->ss[S_UNKNOWN]++;
             continue;
         }
+        touch(src, src->em[i * 3 + 1]);
         if (src->ss[S_REFS]) {
             i64 q = rt_find(s, src->em[i * 3 + 1], tag);
             if (q >= 0) {
@@ -671,14 +743,14 @@ static void evict(Store *s) {
 }
 
 /* a store with room made first, and eviction after: what PrefixStore.store does */
-static int do_store(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *keys, i64 n) {
+static int do_store(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *keys, i64 n, int keep) {
     Src *src = s->src[sidx];
     if (!has_room(s, src, sidx, m, n) && room(s, sidx, m, n)) return -1;
     unsigned char small[256];
     unsigned char *fresh = n <= 256 ? small : malloc((size_t)n);
     if (!fresh) return -1;
     lock(s);
-    int over = store_event(s, sidx, m, ehs, keys, n, fresh);
+    int over = store_event(s, sidx, m, ehs, keys, n, fresh, keep);
     unlock(s);
     if (fresh != small) free(fresh);
     if (over) evict(s);
@@ -785,6 +857,8 @@ static i64 do_drop(Store *s, i64 sidx) {
     lock(s);
     drop_refs(s, src, sidx, -1);
     memset(src->cnt, 0, sizeof(src->cnt));
+    src->ntouched = 0;
+    src->touched_over = 0;
     unlock(s);
     if (src_reset_map(s, src)) return -1;
     if (maybe_shrink(s)) return -1;
@@ -800,6 +874,7 @@ static void Store_dealloc(Store *s) {
         Src *src = s->src[i];
         zfree(src->em, src->ecap * 3 * sizeof(u64));
         zfree(src->log, src->logcap * sizeof(u64));
+        free(src->touched);
         free(src);
     }
     free(s->src);
@@ -842,6 +917,7 @@ static int Store_init(Store *s, PyObject *args, PyObject *kw) {
     for (int i = 0; i < 3; i++) {
         s->media_len[i] = (int)strlen(names[i]);
         memcpy(s->media[i], names[i], (size_t)s->media_len[i]);
+        s->family[i] = i;
     }
     return 0;
 }
@@ -893,16 +969,24 @@ static PyObject *Store_reset_counters(Store *s, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Store_add_medium(Store *s, PyObject *arg) {
+/* add_medium(name, family=-1): family, the medium a KV cache group's medium belongs to (an
+ * AllBlocksCleared of GPU clears every GPU group); -1: its own */
+static PyObject *Store_add_medium(Store *s, PyObject *args) {
     char *name;
     Py_ssize_t len;
-    if (PyBytes_AsStringAndSize(arg, &name, &len)) return NULL;
+    int family = -1;
+    if (!PyArg_ParseTuple(args, "y#|i", &name, &len, &family)) return NULL;
     if (s->nm >= MAX_MEDIA || len > 31) {
         PyErr_SetString(PyExc_ValueError, "too many media, or a medium name over 31 bytes");
         return NULL;
     }
+    if (family >= s->nm) {
+        PyErr_SetString(PyExc_ValueError, "no such family medium");
+        return NULL;
+    }
     memcpy(s->media[s->nm], name, (size_t)len);
     s->media_len[s->nm] = (int)len;
+    s->family[s->nm] = family < 0 ? s->nm : family;
     s->nm++; /* the column entries are -1 already; cnt arrays are MAX_MEDIA long */
     return PyLong_FromLong(s->nm - 1);
 }
@@ -973,7 +1057,8 @@ static void u64arg_free(U64Arg *a) {
 static PyObject *Store_store(Store *s, PyObject *args) {
     long long sidx, m;
     PyObject *eo, *ko;
-    if (!PyArg_ParseTuple(args, "LLOO", &sidx, &m, &eo, &ko)) return NULL;
+    int keep = 0;
+    if (!PyArg_ParseTuple(args, "LLOO|p", &sidx, &m, &eo, &ko, &keep)) return NULL;
     if (check_sidx(s, sidx) || check_medium(s, m)) return NULL;
     U64Arg e, k;
     if (u64arg(eo, &e)) return NULL;
@@ -989,7 +1074,7 @@ static PyObject *Store_store(Store *s, PyObject *args) {
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = do_store(s, sidx, m, e.data, k.data, e.n);
+    rc = do_store(s, sidx, m, e.data, k.data, e.n, keep);
     Py_END_ALLOW_THREADS
     u64arg_free(&e);
     u64arg_free(&k);
@@ -1012,7 +1097,8 @@ static PyObject *Store_remove(Store *s, PyObject *args) {
     return PyLong_FromLongLong(ended);
 }
 
-/* apply_ops(sidx, ops(int64 rows of `width`: kind, medium, first, count, ...), width, ehs, keys, rems) */
+/* apply_ops(sidx, ops(int64 rows of `width`: kind, medium, first, count, ...), width, ehs, keys, rems);
+ * kind 0 store, 1 remove, 2 store keeping existing mappings (store_event's `keep`) */
 static PyObject *Store_apply_ops(Store *s, PyObject *args) {
     long long sidx, width;
     PyObject *oo, *eo, *ko, *ro;
@@ -1031,9 +1117,9 @@ static PyObject *Store_apply_ops(Store *s, PyObject *args) {
     const i64 *ops = (const i64 *)o.data;
     for (i64 j = 0; j < nops; j++) { /* validate everything before changing anything */
         const i64 *row = ops + j * width;
-        i64 lim = row[0] == 0 ? (e.n < k.n ? e.n : k.n) : r.n;
+        i64 lim = row[0] != 1 ? (e.n < k.n ? e.n : k.n) : r.n;
         /* (first and count each within lim before their sum: no overflow) */
-        if ((row[0] != 0 && row[0] != 1) || row[1] < 0 || row[1] >= s->nm || row[2] < 0 || row[3] < 0 ||
+        if ((row[0] < 0 || row[0] > 2) || row[1] < 0 || row[1] >= s->nm || row[2] < 0 || row[3] < 0 ||
             row[2] > lim || row[3] > lim - row[2]) {
             PyErr_Format(PyExc_ValueError, "bad op row %lld", (long long)j);
             goto fail_r;
@@ -1043,8 +1129,8 @@ static PyObject *Store_apply_ops(Store *s, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (i64 j = 0; j < nops && !rc; j++) {
         const i64 *row = ops + j * width;
-        if (row[0] == 0) rc = do_store(s, sidx, row[1], e.data + row[2], k.data + row[2], row[3]);
-        else do_remove(s, sidx, row[1], r.data + row[2], row[3]);
+        if (row[0] == 1) do_remove(s, sidx, row[1], r.data + row[2], row[3]);
+        else rc = do_store(s, sidx, row[1], e.data + row[2], k.data + row[2], row[3], row[0] == 2);
     }
     Py_END_ALLOW_THREADS
     u64arg_free(&o);
@@ -1476,6 +1562,117 @@ static PyObject *Store_take_stats(Store *s, PyObject *noarg) {
     return out;
 }
 
+/* watch(sidx, on): while on, the keys the source stores or removes are recorded (at most TOUCH_CAP
+ * between two take_touched calls; beyond, it is marked overflowed) */
+static PyObject *Store_watch(Store *s, PyObject *args) {
+    long long sidx;
+    int on;
+    if (!PyArg_ParseTuple(args, "Lp", &sidx, &on)) return NULL;
+    if (check_sidx(s, sidx)) return NULL;
+    Src *src = s->src[sidx];
+    u64 *buf = NULL;
+    if (on && !src->touched && !(buf = malloc(TOUCH_CAP * sizeof(u64)))) return PyErr_NoMemory();
+    lock(s);
+    if (buf) src->touched = buf;
+    src->watch = on;
+    if (!on) {
+        src->ntouched = 0;
+        src->touched_over = 0;
+    }
+    unlock(s);
+    Py_RETURN_NONE;
+}
+
+/* take_touched() -> [(sidx, uint64 keys as bytes, overflowed)] for the watched sources that stored
+ * or removed blocks since the last call */
+static PyObject *Store_take_touched(Store *s, PyObject *noarg) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (int i = 0; i < s->nsrc; i++) {
+        Src *src = s->src[i];
+        if (!src->ntouched && !src->touched_over) continue;
+        lock(s);
+        PyObject *keys = PyBytes_FromStringAndSize((const char *)src->touched, (Py_ssize_t)(src->ntouched * 8));
+        int over = src->touched_over;
+        src->ntouched = 0;
+        src->touched_over = 0;
+        unlock(s);
+        PyObject *t = keys ? Py_BuildValue("(iNO)", i, keys, over ? Py_True : Py_False) : NULL;
+        if (!t || PyList_Append(out, t)) {
+            Py_XDECREF(t);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(t);
+    }
+    return out;
+}
+
+/* group_bits(keys, sidx, media, need, limit) -> [bits per block]: for the prompt's blocks from the
+ * first on, a bitmask of which of `media` (a KV cache group's medium each, at most 64) the source
+ * holds the block on; stops after `limit` blocks, or at the first block lacking one of the media in
+ * the mask `need` (the full-attention groups: no hit can reach past it). */
+static PyObject *Store_group_bits(Store *s, PyObject *args) {
+    PyObject *ko, *mo;
+    long long sidx, limit;
+    unsigned long long need;
+    if (!PyArg_ParseTuple(args, "OLOKL", &ko, &sidx, &mo, &need, &limit)) return NULL;
+    if (check_sidx(s, sidx)) return NULL;
+    PyObject *mseq = PySequence_Fast(mo, "media must be a sequence");
+    if (!mseq) return NULL;
+    Py_ssize_t ng = PySequence_Fast_GET_SIZE(mseq);
+    if (ng > 64) {
+        Py_DECREF(mseq);
+        PyErr_SetString(PyExc_ValueError, "at most 64 groups");
+        return NULL;
+    }
+    int media[64];
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        long m = PyLong_AsLong(PySequence_Fast_GET_ITEM(mseq, g));
+        if ((m == -1 && PyErr_Occurred()) || check_medium(s, m)) {
+            Py_DECREF(mseq);
+            return NULL;
+        }
+        media[g] = (int)m;
+    }
+    Py_DECREF(mseq);
+    U64Arg k;
+    if (u64arg(ko, &k)) return NULL;
+    i64 n = k.n < limit ? k.n : (limit > 0 ? limit : 0);
+    u64 *bits = malloc(sizeof(u64) * (size_t)(n ? n : 1));
+    if (!bits) {
+        u64arg_free(&k);
+        return PyErr_NoMemory();
+    }
+    int w = (int)(sidx >> 6);
+    u64 bit = 1ULL << (sidx & 63);
+    i64 j = 0;
+    Py_BEGIN_ALLOW_THREADS
+    lock(s);
+    for (; j < n; j++) {
+        i64 r = kt_find(s, k.data[j]);
+        u64 b = 0;
+        if (r >= 0 && w < s->nw)
+            for (Py_ssize_t g = 0; g < ng; g++) {
+                i64 c = COL(s, media[g], w);
+                if (c >= 0 && (KT(s, r, c) & bit)) b |= 1ULL << g;
+            }
+        if ((b & need) != need) break;
+        bits[j] = b;
+    }
+    unlock(s);
+    Py_END_ALLOW_THREADS
+    u64arg_free(&k);
+    PyObject *out = PyList_New(j);
+    for (i64 i = 0; out && i < j; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(bits[i]);
+        if (!v) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, v);
+    }
+    free(bits);
+    return out;
+}
+
 #include "_kvingest.h"
 #include "_kvrecv.h"
 #include "_kvzmq.h"
@@ -1483,7 +1680,10 @@ static PyObject *Store_take_stats(Store *s, PyObject *noarg) {
 static PyMethodDef Store_methods[] = {
     {"new_slot", (PyCFunction)Store_new_slot, METH_NOARGS, "Add a source slot; returns its index."},
     {"reset_counters", (PyCFunction)Store_reset_counters, METH_O, "Zero a slot's housekeeping counters."},
-    {"add_medium", (PyCFunction)Store_add_medium, METH_O, "Register a medium name (bytes); returns its index."},
+    {"add_medium", (PyCFunction)Store_add_medium, METH_VARARGS, "add_medium(name, family=-1) -> its index"},
+    {"watch", (PyCFunction)Store_watch, METH_VARARGS, "watch(sidx, on): record the keys it stores and removes"},
+    {"take_touched", (PyCFunction)Store_take_touched, METH_NOARGS, "[(sidx, keys, overflowed)] since the last call"},
+    {"group_bits", (PyCFunction)Store_group_bits, METH_VARARGS, "group_bits(keys, sidx, media, need, limit)"},
     {"store", (PyCFunction)Store_store, METH_VARARGS, "store(sidx, medium, engine_hashes, keys)"},
     {"remove", (PyCFunction)Store_remove, METH_VARARGS, "remove(sidx, medium, engine_hashes) -> ended"},
     {"apply_ops", (PyCFunction)Store_apply_ops, METH_VARARGS, "apply_ops(sidx, ops, width, ehs, keys, rems)"},

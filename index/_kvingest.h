@@ -345,7 +345,7 @@ static P rd_plain_extras(P p, P end) {
     return p;
 }
 
-enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP, F_N };
+enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP, F_KIND, F_N };
 
 /* the fields of an event, by position (legacy arrays) or by name (maps): positions of the values */
 /* `pre`: the hashes and tokens were parsed already (map events parse them while walking the keys) */
@@ -479,6 +479,7 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
                 else if (str_is(key, klen, "lora_name")) idx = F_LORA_NAME;
                 else if (str_is(key, klen, "extra_keys")) idx = F_EXTRA;
                 else if (str_is(key, klen, "group_idx")) idx = F_GROUP;
+                else if (str_is(key, klen, "kv_cache_spec_kind")) idx = F_KIND;
                 if (idx >= 0) {
                     if (f[idx]) return -1; /* a field twice */
                     f[idx] = v;
@@ -494,7 +495,8 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
                 if (!q) return -1;
             }
             if (kind < 0) return -1;
-            if (kind != 0) f[F_PARENT] = f[F_TOKENS] = f[F_BS] = f[F_LORA_ID] = f[F_LORA_NAME] = f[F_EXTRA] = NULL;
+            if (kind != 0)
+                f[F_PARENT] = f[F_TOKENS] = f[F_BS] = f[F_LORA_ID] = f[F_LORA_NAME] = f[F_EXTRA] = f[F_KIND] = NULL;
             if (kind == 2) f[F_HASHES] = f[F_MEDIUM] = f[F_GROUP] = NULL;
         } else {
             if (shape == 0) return -1;
@@ -507,21 +509,28 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
             if (!cur) return -1;
             kind = tag_kind(t, tl);
             if (kind < 0) return -1;
-            static const int stored_pos[] = {F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID,
-                                             F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP};
+            static const int stored_pos[] = {F_HASHES,    F_PARENT, F_TOKENS, F_BS,    F_LORA_ID,
+                                             F_MEDIUM,    F_LORA_NAME, F_EXTRA, F_GROUP, F_KIND};
             static const int removed_pos[] = {F_HASHES, F_MEDIUM, F_GROUP};
             for (u64 i = 1; i < n; i++) {
-                if (kind == 0 && i - 1 < 9) f[stored_pos[i - 1]] = cur;
+                if (kind == 0 && i - 1 < 10) f[stored_pos[i - 1]] = cur;
                 else if (kind == 1 && i - 1 < 3) f[removed_pos[i - 1]] = cur;
                 cur = rd_skip(cur, end);
                 if (!cur) return -1;
             }
             q = cur;
         }
+        /* a KV cache group other than the first, or a group of another kind than full attention (a
+         * hybrid model): the Python path, which keeps each group's residency apart */
         if (f[F_GROUP] && !is_nil(f[F_GROUP], end)) {
             u64 g;
             int neg;
-            if (!rd_int(f[F_GROUP], end, &g, &neg)) return -1;
+            if (!rd_int(f[F_GROUP], end, &g, &neg) || neg || g != 0) return -1;
+        }
+        if (f[F_KIND] && !is_nil(f[F_KIND], end)) {
+            P t;
+            u64 tl;
+            if (!rd_str(f[F_KIND], end, &t, &tl) || !str_is(t, tl, "full_attention")) return -1;
         }
         if (kind == 0) {
             if (stored_from(s, ps, f, end, &ev, pre)) return -1;
@@ -595,7 +604,7 @@ static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf,
                  * blocks after it runs while it comes (a hint: a table rebuilt meanwhile only wastes it) */
                 __builtin_prefetch(&KT(s, home(sm, s->kshift) & kmask, 0), 1);
             }
-            if (do_store(s, sidx, ev->medium, ps->buf + ev->h0, keys, (i64)ev->nh)) return -1;
+            if (do_store(s, sidx, ev->medium, ps->buf + ev->h0, keys, (i64)ev->nh, 0)) return -1;
             se++;
             sb += (i64)ev->nh;
         } else if (ev->kind == EV_REMOVED) {
@@ -603,7 +612,8 @@ static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf,
             re++;
             rb += (i64)ev->nh;
         } else if (ev->kind == EV_CLEARED) {
-            if (do_clear(s, sidx, 0) < 0) return -1;
+            for (int m = 0; m < s->nm; m++) /* GPU and every KV cache group's GPU medium */
+                if (s->family[m] == 0 && (m == 0 || src->cnt[m]) && do_clear(s, sidx, m) < 0) return -1;
             src->st[T_CLEARED]++;
         }
     }

@@ -24,6 +24,18 @@ Decisions (each counted per source, see :class:`SourceStats`):
 - **LoRA**: ``lora_name`` salts the chain root, and is stripped from per-block extra keys; the other
   extra keys (cache_salt, multimodal ids) salt their block. With only the deprecated ``lora_id``
   (vLLM 0.11-0.13) the root is salted by the id, which no request name can match.
+- **KV cache groups** (hybrid models: sliding-window or Mamba layers beside full attention): each
+  group's residencies are kept under a medium of its own (:func:`index.store.group_medium`), and
+  the group's kind, window and block size are learned per source (:class:`GroupSpec`), for the
+  lookup's hybrid rule. A sliding-window group announces only the blocks it keeps, over the whole
+  newly cached token range (fewer hashes than blocks: the hashes are the range's last blocks; 0
+  hashes when it keeps none), a Mamba group one hash, the block where its state was saved: every
+  block's key is chained over the whole range and the hashes take the last ones. Such a group's
+  chain may start after a block it dropped (no parent then), so a hash already mapped (by the
+  full-attention group, whose events carry the same hashes) keeps its key
+  (:data:`index.store.OP_STORE_KEEP`). Malformed group metadata (a group index out of range, a
+  group whose kind, window or block size changes, groups of different block sizes) is counted and
+  makes the source's matches 0 until it restarts: conservative, never larger than the engine's.
 """
 
 from __future__ import annotations
@@ -34,6 +46,8 @@ import time
 from array import array
 from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
 
 from index._lazy import LazyModule
 from index.keys import (
@@ -49,14 +63,18 @@ from index.keys import (
     unknown_root,
 )
 from index.rawtokens import TokenIds
-from index.store import MEDIA, OP_REMOVE, OP_STORE, PrefixStore, SourceId
+from index.store import MEDIA, OP_REMOVE, OP_STORE, OP_STORE_KEEP, PrefixStore, SourceId, group_medium
 from index.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, WireError, decode_payload
 
 log = logging.getLogger("kvrouter.index")
 
 _OP_STORE = OP_STORE
 _OP_REMOVE = OP_REMOVE
-_OP_CLEAR = 2  # an AllBlocksCleared: a row that marks where the store clears (never given to the store)
+_OP_KEEP = OP_STORE_KEEP
+_OP_CLEAR = 3  # an AllBlocksCleared: a row that marks where the store clears (never given to the store)
+MAX_GROUPS = 16
+"""KV cache groups a source may announce (indices 0..15); an index beyond is malformed metadata."""
+FULL, SLIDING, MAMBA = "full_attention", "sliding_window", "mamba"
 _ROW = 5  # op row: kind, medium, first, count, group number (the store reads the first four)
 if TYPE_CHECKING:
     import numpy as np
@@ -68,6 +86,34 @@ _NO_COUNTS = (0, 0, 0, 0)
 
 
 _BUILTIN_MEDIA = frozenset(MEDIA)
+
+
+class GroupSpec(msgspec.Struct, frozen=True, gc=False):
+    """One KV cache group of a source, as its events describe it, and the hit rule it gets
+    (:meth:`of`: ``rule`` from the kind)."""
+
+    kind: str
+    """The kind as announced (``kv_cache_spec_kind``)."""
+    window: int | None
+    block_size: int
+    rule: str
+    """FULL, SLIDING or MAMBA: full attention, and any kind not known, get the strictest rule (every
+    block of the prefix), as does a sliding window without a usable window size."""
+
+    @classmethod
+    def of(cls, kind: str, window: int | None, block_size: int) -> GroupSpec:
+        if "sliding" in kind:
+            rule = SLIDING if window is not None and window > 0 else FULL
+        elif "mamba" in kind:
+            rule = MAMBA
+        else:
+            rule = FULL
+        return cls(kind, window, block_size, rule)
+
+    def need(self) -> int:
+        """Blocks a sliding-window group needs cached just before a hit (the window's tail)."""
+        w = self.window or 1
+        return max(1, -(-(w - 1) // self.block_size))
 
 
 class SourceStats:
@@ -82,6 +128,9 @@ class SourceStats:
         "blocks_stored",
         "cleared",
         "decode_errors",
+        "group_faults",
+        "groups",
+        "groups_bad",
         "last_applied",
         "last_ts",
         "placeholders",
@@ -105,6 +154,12 @@ class SourceStats:
         self.block_size_mismatch = 0
         self.last_ts = 0.0
         self.last_applied = 0.0
+        self.groups: dict[int, GroupSpec] = {}
+        """KV cache groups other than a first full-attention one (empty: a one-group engine, whose
+        events the C core applies; group 0 is full attention unless learned otherwise)."""
+        self.group_faults = 0
+        self.groups_bad = False
+        """Malformed group metadata seen since the source's last restart: its matches are 0."""
 
 
 def _ints(hashes: list[int | bytes]) -> list[int]:
@@ -139,6 +194,10 @@ def _block_extras(ev: BlockStored, n: int) -> list[tuple[int, list[Any]]]:
         if rest:
             out.append((i, rest))
     return out
+
+
+_Step = tuple["_Group", int, int, str, bool]
+"""A BlockStored's place in pass 2: group, first block, blocks, medium name, keep (OP_STORE_KEEP)."""
 
 
 class _Group:
@@ -244,7 +303,8 @@ class _Group:
             m = u64_block_contents(np.concatenate(parts), self.block_size)
         for e in self.extras:
             ev = self.events[e]
-            start = self.starts[e]
+            # (extra keys are per hash: the event's last blocks when it has fewer hashes than blocks)
+            start = self.starts[e] + self.sizes[e] - len(ev.block_hashes)
             for i, items in _block_extras(ev, len(ev.block_hashes)):
                 m[start + i] ^= np.uint64(extra_hash(items))
         n = len(m)
@@ -336,6 +396,9 @@ class Ingestor:
         """Called with now - batch.ts for every applied batch (metrics)."""
         self.on_reset: Callable[[int], None] | None = None
         """Called with the source index when a source's GPU blocks are cleared or the source restarted."""
+        self.on_touched: Callable[[int, bytes | None], None] | None = None
+        """Called after each chunk with the keys (uint64 bytes; None: too many to list) a source the
+        store watches (:meth:`index.store.PrefixStore.watch`) stored or removed in it."""
         self._core: Any = getattr(store, "core", None)
         """The compiled store the raw payloads go to (None: the dict store; everything is decoded)."""
         self.batched = callable(getattr(store, "apply_ops", None))
@@ -361,6 +424,14 @@ class Ingestor:
         self.apply_chunk([(sidx, batch)])
 
     def apply_chunk(self, items: Sequence[tuple[int, Batch | bytes | None]]) -> None:
+        """Apply items in stream order (:meth:`_apply_chunk`), then tell :attr:`on_touched` which
+        watched sources' blocks the chunk stored or removed."""
+        self._apply_chunk(items)
+        if self.on_touched is not None and self._core is not None:
+            for sidx, keys, over in self._core.take_touched():
+                self.on_touched(sidx, None if over else keys)
+
+    def _apply_chunk(self, items: Sequence[tuple[int, Batch | bytes | None]]) -> None:
         """Apply items in stream order: a raw payload (bytes), a decoded batch, or ``None`` (that
         source restarted: its residencies are dropped).
 
@@ -436,6 +507,8 @@ class Ingestor:
         known = self._known_media
         for ev in batch.events:
             if type(ev) is BlockStored:
+                if ev.group_idx or ev.kv_cache_spec_kind not in (None, FULL):
+                    return False  # (a hybrid model's group: the Python path, always)
                 medium = ev.medium or "GPU"
                 new = medium not in known
                 tokens = ev.token_ids
@@ -446,6 +519,8 @@ class Ingestor:
                     return False  # (the Python path skips it)
                 sizes.add(ev.block_size)
             elif type(ev) is BlockRemoved:
+                if ev.group_idx:
+                    return False
                 medium = ev.medium or "GPU"
                 new = medium not in known
                 if new and not self._registers(medium):
@@ -516,7 +591,7 @@ class Ingestor:
         # to a block of an earlier event of this chunk, resolved once the groups are prepared; and
         # one op row per event for the store
         groups: dict[int, _Group] = {}
-        plan: list[tuple[_Group, int, int] | None] = []  # per BlockStored: (group, first block, blocks)
+        plan: list[_Step | None] = []  # per BlockStored: (group, first block, blocks, medium, keep)
         local: dict[tuple[int, int], _Seen] = {}  # (source, block size) -> earlier blocks of the chunk
         store = self.store
         stats = self.stats
@@ -533,6 +608,7 @@ class Ingestor:
                     del local[key]
                 ends.append(len(ops) // _ROW)
                 counts.append(_NO_COUNTS)
+                self._forget_groups(stats[sidx])
                 continue
             st = stats[sidx]
             se = sb = re = rb = 0
@@ -542,6 +618,12 @@ class Ingestor:
                     if kind is BlockRemoved:
                         hashes: list[int] = ev.block_hashes  # type: ignore[union-attr,assignment]  # (kind)
                         medium = ev.medium or "GPU"  # type: ignore[union-attr]
+                        group = ev.group_idx  # type: ignore[union-attr]
+                        if group:
+                            if not 0 <= group < MAX_GROUPS:
+                                self._group_fault(sidx, st, f"BlockRemoved of KV cache group {group}")
+                                continue
+                            medium = group_medium(medium, group)
                         mi = media.get(medium)
                         if mi is None:
                             if not self._registers(medium):
@@ -573,9 +655,25 @@ class Ingestor:
                     plan.append(None)
                     continue
                 medium = stored.medium or "GPU"
+                group = stored.group_idx
+                grouped = bool(group) or stored.kv_cache_spec_kind not in (None, FULL)
+                if group and 0 <= group < MAX_GROUPS:
+                    medium = group_medium(medium, group)
                 why = self._stored_fault(stored, n, ntokens, medium, media)
                 if why is not None:
                     self._bad_event(sidx, st, _stored_what(n, bs, ntokens, why))
+                    plan.append(None)
+                    continue
+                op = _OP_STORE
+                if grouped:
+                    learned = self._learn_group(sidx, st, stored)
+                    if learned is None:
+                        plan.append(None)
+                        continue
+                    if learned.rule != FULL:
+                        op = _OP_KEEP
+                elif st.groups and any(g.block_size != bs for g in st.groups.values()):
+                    self._group_fault(sidx, st, f"KV cache group 0 with block size {bs}")
                     plan.append(None)
                     continue
                 if st.block_size != bs:
@@ -584,6 +682,13 @@ class Ingestor:
                         plan.append(None)
                         continue
                     self._learn_block_size(sidx, st, bs)
+                if not n:  # a group that keeps none of the blocks it computed (sliding window)
+                    plan.append(None)
+                    continue
+                k = ntokens // bs  # blocks of tokens: the hashes are the last n of them
+                skip = k - n
+                if skip:
+                    op = _OP_KEEP
                 g = groups.get(bs)
                 if g is None:
                     g = groups[bs] = _Group(bs, len(groups))
@@ -593,27 +698,29 @@ class Ingestor:
                     start = g.blocks
                     g.runs.append([tokens.buf, tokens.off, tokens.off + ntokens])
                     g.starts.append(start)
-                    g.sizes.append(n)
-                    g.blocks = start + n
+                    g.sizes.append(k)
+                    g.blocks = start + k
                     g.events.append(stored)
-                elif g.add(stored, n):
+                elif g.add(stored, k):
                     start = g.starts[e]
                 else:
                     self._bad_event(sidx, st, _stored_what(n, bs, ntokens, "token ids outside 0..2^64-1"))
                     plan.append(None)
                     continue
+                if skip:
+                    g.hashes.fromlist([0] * skip)  # (blocks without a hash: keyed, never stored)
                 try:
                     g.hashes.fromlist(hashes)  # all or nothing
                 except (OverflowError, TypeError):
                     g.hashes.fromlist([0] * n)  # the store converts (and rejects) the list itself
-                    plan.append((g, -1 - start, n))
+                    plan.append((g, -1 - start - skip, n, medium, op == _OP_KEEP))
                     batched = False
                 else:
-                    plan.append((g, start, n))
+                    plan.append((g, start + skip, n, medium, op == _OP_KEEP))
                 mi = media.get(medium)
                 if mi is None:
                     mi = media[medium] = len(media)
-                ops.extend((_OP_STORE, mi, start, n, g.number))
+                ops.extend((op, mi, start + skip, n, g.number))
                 se += 1
                 sb += n
                 parent: int | None = stored.parent_block_hash  # type: ignore[assignment]  # as above
@@ -639,9 +746,9 @@ class Ingestor:
                         else:
                             root = known
                 g.roots.append(root)
-                seen.pending.append((hashes, start))  # _Seen.add, inlined
+                seen.pending.append((hashes, start + skip))  # _Seen.add, inlined
                 seen.last_hash = hashes[-1]
-                seen.last_b = start + n - 1
+                seen.last_b = start + k - 1
                 seen.last_e = e
             ends.append(len(ops) // _ROW)
             counts.append((se, sb, re, rb))
@@ -665,7 +772,7 @@ class Ingestor:
             ehs = np.concatenate([g.ehs for g in groups.values()])
             keys = np.concatenate([g.keys for g in groups.values()])
             offsets = np.cumsum([0] + [g.blocks for g in groups.values()], dtype=np.int64)
-            is_store = rows[:, 0] == _OP_STORE
+            is_store = (rows[:, 0] == _OP_STORE) | (rows[:, 0] == _OP_KEEP)
             rows[is_store, 2] += offsets[rows[is_store, 4]]
         else:
             ehs = keys = np.empty(0, dtype=np.uint64)
@@ -680,7 +787,7 @@ class Ingestor:
                     store.apply_ops(run, rows[lo:upto], ehs, keys, removed)
                 lo = upto
                 run = -1
-                store.drop(sidx)
+                store.drop(sidx)  # (its groups were forgotten in pass 1)
                 if self.on_reset is not None:
                     self.on_reset(sidx)
                 continue
@@ -713,9 +820,7 @@ class Ingestor:
         if upto > lo:
             store.apply_ops(run, rows[lo:upto], ehs, keys, removed)
 
-    def _apply_events(
-        self, items: Sequence[tuple[int, Batch | None]], plan: list[tuple[_Group, int, int] | None]
-    ) -> None:
+    def _apply_events(self, items: Sequence[tuple[int, Batch | None]], plan: list[_Step | None]) -> None:
         """Pass 2 event by event: one store call per event (stores without :meth:`PrefixStore.apply_ops`,
         and chunks holding engine hashes that do not fit a uint64 array)."""
         store = self.store
@@ -736,20 +841,23 @@ class Ingestor:
                     step = next(steps)
                     if step is None:
                         continue
-                    g, start, n = step
-                    medium = ev.medium or "GPU"
+                    g, start, n, medium, keep = step
                     midx = media.get(medium)
                     if midx is None:
                         midx = media[medium] = store.medium_index(medium)
                     if start >= 0:
-                        store.store(sidx, midx, g.ehs[start : start + n], g.keys[start : start + n])
+                        store.store(sidx, midx, g.ehs[start : start + n], g.keys[start : start + n], keep)
                     else:
                         start = -1 - start
-                        store.store(sidx, midx, _ints(ev.block_hashes), g.keys[start : start + n])
+                        store.store(sidx, midx, _ints(ev.block_hashes), g.keys[start : start + n], keep)
                     st.stored_events += 1
                     st.blocks_stored += n
                 elif type(ev) is BlockRemoved:
                     medium = ev.medium or "GPU"
+                    if ev.group_idx:
+                        if not 0 <= ev.group_idx < MAX_GROUPS:
+                            continue  # (counted in pass 1)
+                        medium = group_medium(medium, ev.group_idx)
                     midx = media.get(medium)
                     if midx is None:
                         if not self._registers(medium):
@@ -768,6 +876,62 @@ class Ingestor:
             if self.lag_observer is not None:
                 self.lag_observer(max(0.0, now - batch.ts))
 
+    def _learn_group(self, sidx: int, st: SourceStats, ev: BlockStored) -> GroupSpec | None:
+        """The spec of the KV cache group a BlockStored belongs to, learned on its first event; None
+        when the event cannot be kept apart (a group index out of range: its matches go to 0)."""
+        group = ev.group_idx or 0
+        if not 0 <= group < MAX_GROUPS:
+            self._group_fault(sidx, st, f"BlockStored of KV cache group {group}")
+            return None
+        kind = ev.kv_cache_spec_kind if isinstance(ev.kv_cache_spec_kind, str) else FULL
+        window = ev.kv_cache_spec_sliding_window
+        spec = GroupSpec.of(kind[:40], window if type(window) is int else None, ev.block_size)
+        known = st.groups.get(group)
+        if known is None:
+            if spec.kind not in (FULL, SLIDING, MAMBA) or (spec.kind == SLIDING and spec.rule != SLIDING):
+                st.group_faults += 1
+                log.warning(
+                    "source %s: KV cache group %d of kind %r (window %r) is matched as full attention "
+                    "(the strictest rule)",
+                    self.source_name(sidx),
+                    group,
+                    spec.kind,
+                    window,
+                )
+            others = {g.block_size for g in st.groups.values()}
+            if others and others != {spec.block_size}:
+                self._group_fault(sidx, st, f"KV cache group {group} with block size {spec.block_size}")
+                return None
+            st.groups[group] = spec
+            log.info(
+                "source %s: KV cache group %d is %s%s, %d-token blocks",
+                self.source_name(sidx),
+                group,
+                spec.kind,
+                f" (window {spec.window})" if spec.rule == SLIDING else "",
+                spec.block_size,
+            )
+            return spec
+        if known != spec:
+            self._group_fault(sidx, st, f"KV cache group {group} changing to {spec.kind} {spec.block_size}")
+            return None
+        return known
+
+    def _group_fault(self, sidx: int, st: SourceStats, what: str) -> None:
+        """Malformed KV cache group metadata: the event is skipped and the source's matches are 0
+        until it restarts (a group the index cannot follow could hold less than the others say)."""
+        st.group_faults += 1
+        if not st.groups_bad:
+            log.warning("source %s: %s: its matches are 0 until it restarts", self.source_name(sidx), what)
+        st.groups_bad = True
+        self._bad_event(sidx, st, what)
+
+    @staticmethod
+    def _forget_groups(st: SourceStats) -> None:
+        """An engine restart: the new process announces its groups again (another model may run)."""
+        st.groups = {}
+        st.groups_bad = False
+
     def _bad_event(self, sidx: int, st: SourceStats, what: str) -> None:
         st.bad_events += 1
         if st.bad_events <= 3 or st.bad_events % 1000 == 0:
@@ -779,7 +943,7 @@ class Ingestor:
         """Why a BlockStored of ``n`` hashes and ``ntokens`` token ids is a bad event, None when it is
         not; registers its medium when new (``known``: the names known registered)."""
         bs = ev.block_size
-        if n == 0 or bs <= 0 or ntokens != bs * n:
+        if bs <= 0 or not ntokens or ntokens % bs or ntokens < bs * n:
             return "bad shape"
         if bs > MAX_BLOCK_SIZE:
             return f"block_size over {MAX_BLOCK_SIZE}"

@@ -8,20 +8,31 @@ source short-lived *predicted* residencies for the prompt's blocks, so a burst o
 prefix lands together before the engine's BlockStored arrives (~one scheduler step plus network).
 Predictions are kept apart from event-fed residencies: they never change a reference count, expire
 after ``predict_ttl_s``, and a source's predictions are dropped when it restarts or clears its
-cache, so they never outlive or override what the engine reported.
+cache, so they never outlive or override what the engine reported. A predicted block also ends when
+the engine's events speak of it (its BlockStored or BlockRemoved: the store records the keys a
+source with predictions stores and removes), so a prediction never outlives the block's eviction.
+
+Hybrid models (KV cache groups of several kinds: sliding window, Mamba, beside full attention) are
+matched by vLLM's hybrid rule (:meth:`KVIndex._match_groups`): the longest prefix every
+full-attention group holds, within which each sliding-window group needs the blocks of its window
+just before the hit, and each Mamba group a state saved exactly at the hit's end; and at most
+``prompt_tokens - 1`` tokens, as vLLM always computes one. A prediction on such a source is the
+prompt's last full block only: the prompt's whole prefix, which its prefill leaves servable.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
-from index.ingest import Ingestor
+from index.ingest import FULL, MAMBA, SLIDING, GroupSpec, Ingestor, SourceStats
 from index.keys import prompt_keys, prompt_keys_both, prompt_keys_raw
-from index.store import PrefixStore, SourceId, SourceMatch
+from index.store import GroupMatch, PrefixStore, SourceId, SourceMatch, group_medium
 from index.subscriber import EventSubscriber, SourceConfig, SourceStatus, SubscriberConfig
 
 PREDICTED = "PREDICTED"
@@ -66,7 +77,12 @@ class KVIndex:
         self.ingestor = Ingestor(self.store, self.config.block_size)
         self.subscriber = EventSubscriber(self.ingestor, config=self.config.subscriber, ctx=ctx)
         self.ingestor.on_reset = self._forget_predictions
+        self.ingestor.on_touched = self._touched
         self._predicted: dict[int, dict[int, float]] = {}
+        self._plock = threading.Lock()
+        """Guards changes to the predictions (the event loop adds them, the ingest thread ends them)."""
+        self._watched: set[int] = set()
+        """Sources whose stored and removed keys the store records (those with predictions)."""
         self.prediction_listener: PredictionListener | None = None
         """Told of every prediction this process makes (router replicas share them); not of the ones
         added with :meth:`predict_keys`."""
@@ -132,12 +148,15 @@ class KVIndex:
         default_size = self.config.block_size or 16
         index_of = self.store.source_index
         stats = self.ingestor.stats
+        grouped: list[int] | None = None
         for source in candidates:  # one dict lookup or two per candidate: this loop is O(fleet)
             sidx = index_of(source)
             if sidx is not None:
                 st = stats.get(sidx)
                 size = st.block_size if st is not None and st.block_size else default_size
                 by_size.setdefault(size, []).append(sidx)
+                if st is not None and (st.groups or st.groups_bad):
+                    grouped = [*(grouped or ()), sidx]
         main_size = self.config.block_size or (next(iter(by_size)) if by_size else 16)
         extra: dict[int, Sequence[Any]] | None = {0: [cache_salt]} if cache_salt else None
         keys: dict[int, list[int]] = {}
@@ -147,6 +166,13 @@ class KVIndex:
         for size, sidxs in by_size.items():
             ks, arr = prompt_keys_both(tokens, size, lora_name=lora_name, extra_keys=extra)
             keys[size] = ks
+            if grouped:  # hybrid models: vLLM's hybrid rule, source by source
+                for sidx in grouped:
+                    if sidx in sidxs:
+                        hm = self._match_groups(sidx, stats[sidx], size, arr, ks, len(tokens), now)
+                        if hm is not None:
+                            matches[hm.source] = hm
+                sidxs = [x for x in sidxs if x not in grouped]
             for m in self.store.lookup(arr, sidxs):  # skips a source removed meanwhile
                 if predictions:
                     sidx = index_of(m.source)
@@ -184,9 +210,9 @@ class KVIndex:
             sidx = index_of(source)
             if sidx is not None:
                 st = stats.get(sidx)
-                if (st is not None and st.block_size and st.block_size != size) or (
-                    predictions and predictions.get(sidx)
-                ):
+                if st is not None and (st.groups or st.groups_bad or st.block_size not in (None, size)):
+                    return None  # (another block size, or a hybrid model: the report's path)
+                if predictions and predictions.get(sidx):
                     return None
                 sidxs.append(sidx)
                 where.append(i)
@@ -202,6 +228,66 @@ class KVIndex:
                 matched[i] = b
                 media[i] = offs[j] if offs is not None else None
         return size, matched, media
+
+    def _match_groups(
+        self,
+        sidx: int,
+        st: SourceStats,
+        size: int,
+        arr: bytes,
+        keys: list[int],
+        ntokens: int,
+        now: float,
+    ) -> SourceMatch | None:
+        """A hybrid model's match: the longest prefix every KV cache group would serve, as vLLM's
+        hybrid coordinator finds it (each group in turn lowers the hit to what it can serve, until
+        none lowers it), capped at ``ntokens - 1`` tokens. Its CPU and storage tiers earn nothing:
+        vLLM's offloading covers only the full-attention groups, so a hit needs the others' blocks
+        on the GPU anyway."""
+        source = self.store.source_of(sidx)
+        if source is None:
+            return None
+        if st.groups_bad:
+            return SourceMatch(source, 0, {"GPU": 0}, [])
+        specs = dict(st.groups)
+        if 0 not in specs:  # (its events went the C way, which takes full attention only)
+            specs[0] = GroupSpec.of(FULL, None, size)
+        order = sorted(specs)
+        media = [self.store.medium_lookup(group_medium("GPU", g)) for g in order]
+        cap = max(ntokens - 1, 0) // size
+        if any(m is None for m in media):  # a group that never stored a block serves nothing
+            bits: list[int] = []
+        else:
+            need = sum(1 << i for i, g in enumerate(order) if specs[g].rule == FULL)
+            bits = self.store.group_bits(arr, sidx, media, need, cap)  # type: ignore[arg-type]  # (not None)
+        depth = len(bits)
+        own = [_group_hit(bits, i, specs[g], depth) for i, g in enumerate(order)]
+        hit = min(own, default=depth)
+        sparse = [i for i, g in enumerate(order) if specs[g].rule != FULL]
+        moved = True
+        while moved and hit:
+            moved = False
+            for i in sparse:
+                h = _group_hit(bits, i, specs[order[i]], hit)
+                if h < hit:
+                    hit, moved = h, True
+        by_medium = {"GPU": hit}
+        predicted = self._predicted.get(sidx)
+        if predicted:  # a predicted prompt's end: its whole prefix
+            for j in range(min(cap, len(keys)), hit, -1):
+                if predicted.get(keys[j - 1], 0.0) > now:
+                    by_medium[PREDICTED] = j - hit
+                    hit = j
+                    break
+        groups = [
+            GroupMatch(g, specs[g].rule, own[i], specs[g].window if specs[g].rule == SLIDING else None)
+            for i, g in enumerate(order)
+        ]
+        return SourceMatch(source, hit, by_medium, groups)
+
+    def _grouped(self, sidx: int) -> bool:
+        st = self.ingestor.stats.get(sidx)
+        return st is not None and bool(st.groups or st.groups_bad)
 
     @staticmethod
     def _extend_with_predictions(
@@ -225,18 +311,19 @@ class KVIndex:
         keys = report.keys.get(size)
         if not keys:
             return
-        pred = self._predicted.get(sidx)
-        if pred is None:
-            pred = self._predicted[sidx] = {}
         now = time.monotonic()
-        if len(pred) + len(keys) > self.config.max_predicted_per_source:
-            self._purge(sidx, now)
-            pred = self._predicted[sidx]
-            if len(pred) + len(keys) > self.config.max_predicted_per_source:
-                return
         expiry = now + ttl
-        for k in keys:
-            pred[k] = expiry
+        with self._plock:
+            pred = self._predicted.get(sidx)
+            if pred is None:
+                pred = self._predicted[sidx] = {}
+            if len(pred) + len(keys) > self.config.max_predicted_per_source:
+                pred = self._purge(sidx, now)
+                if len(pred) + len(keys) > self.config.max_predicted_per_source:
+                    return
+            for k in keys[-1:] if self._grouped(sidx) else keys:
+                pred[k] = expiry
+            self._watch(sidx)
         if self.prediction_listener is not None:
             # the blocks the source's events already confirmed are known to every process that follows
             # the same streams: only the rest is news to them
@@ -256,36 +343,66 @@ class KVIndex:
         now = time.monotonic()
         if expiry <= now or not keys:
             return False
-        pred = self._predicted.get(sidx)
-        if pred is None:
-            pred = self._predicted[sidx] = {}
-        if len(pred) + len(keys) > self.config.max_predicted_per_source:
-            self._purge(sidx, now)
-            pred = self._predicted[sidx]
+        with self._plock:
+            pred = self._predicted.get(sidx)
+            if pred is None:
+                pred = self._predicted[sidx] = {}
             if len(pred) + len(keys) > self.config.max_predicted_per_source:
-                return False
-        for k in keys:
-            if pred.get(k, 0.0) < expiry:
-                pred[k] = expiry
+                pred = self._purge(sidx, now)
+                if len(pred) + len(keys) > self.config.max_predicted_per_source:
+                    return False
+            for k in keys[-1:] if self._grouped(sidx) else keys:
+                if pred.get(k, 0.0) < expiry:
+                    pred[k] = expiry
+            self._watch(sidx)
         return True
 
-    def _purge(self, sidx: int, now: float) -> None:
+    def _purge(self, sidx: int, now: float) -> dict[int, float]:
+        """(under _plock) The source's live predictions only."""
         pred = self._predicted.get(sidx, {})
-        self._predicted[sidx] = {k: t for k, t in pred.items() if t > now}
+        live = self._predicted[sidx] = {k: t for k, t in pred.items() if t > now}
+        return live
+
+    def _watch(self, sidx: int) -> None:
+        """(under _plock) Have the store record the keys the source stores and removes."""
+        if sidx not in self._watched:
+            self._watched.add(sidx)
+            self.store.watch(sidx, True)
+
+    def _touched(self, sidx: int, keys: bytes | None) -> None:
+        """The engine's events spoke of these blocks (stored or removed; None: of too many to list):
+        its events say what it holds now, so their predictions end."""
+        with self._plock:
+            pred = self._predicted.get(sidx)
+            if not pred:
+                return
+            if keys is None:
+                pred.clear()
+                return
+            ids = array("Q")
+            ids.frombytes(keys)
+            for k in pred.keys() & set(ids):
+                del pred[k]
 
     def purge_predictions(self) -> None:
-        """Drop expired predictions (the router calls this periodically to bound memory)."""
+        """Drop expired predictions (the router calls this periodically to bound memory); a source
+        left without any is no longer watched."""
         now = time.monotonic()
-        for sidx in list(self._predicted):
-            self._purge(sidx, now)
+        with self._plock:
+            for sidx in list(self._predicted):
+                if not self._purge(sidx, now) and sidx in self._watched:
+                    self._watched.discard(sidx)
+                    if self.store.source_of(sidx) is not None:
+                        self.store.watch(sidx, False)
 
     def predicted_blocks(self) -> int:
         """Predicted residencies currently held (expired ones included until purged)."""
         return sum(len(p) for p in list(self._predicted.values()))
 
     def _forget_predictions(self, sidx: int) -> None:
-        if sidx in self._predicted:
-            self._predicted[sidx] = {}
+        with self._plock:
+            if sidx in self._predicted:
+                self._predicted[sidx] = {}
 
     def status(self) -> list[SourceStatus]:
         """Per-source event stream health and block counts."""
@@ -295,3 +412,29 @@ class KVIndex:
     def evictions(self) -> int:
         """Residencies evicted because the memory cap bit."""
         return self.store.evictions
+
+
+def _group_hit(bits: Sequence[int], i: int, spec: GroupSpec, limit: int) -> int:
+    """The longest prefix of at most ``limit`` blocks KV cache group ``i`` serves, given which
+    blocks it holds (``bits[j] >> i & 1``), by vLLM's rule for its kind: full attention every block
+    (``bits`` stops at the first block a full-attention group lacks); a sliding window the
+    ``spec.need()`` blocks just before the hit, or every block of a shorter prefix; Mamba the block
+    that ends at the hit (its saved state)."""
+    if spec.rule == FULL:
+        return limit
+    bit = 1 << i
+    if spec.rule == MAMBA:
+        for j in range(limit - 1, -1, -1):
+            if bits[j] & bit:
+                return j + 1
+        return 0
+    need = spec.need()
+    run = 0
+    for j in range(limit - 1, -1, -1):
+        if bits[j] & bit:
+            run += 1
+            if run >= need:
+                return j + need
+        else:
+            run = 0
+    return run

@@ -49,6 +49,29 @@ MAX_MEDIUM_NAME = 31
 
 OP_STORE = 0
 OP_REMOVE = 1
+OP_STORE_KEEP = 2
+"""A store whose engine hashes keep the key they already resolve to (a sliding-window or Mamba KV
+cache group's event: its chain may be uncertain, the full-attention group's is not)."""
+
+
+def group_medium(medium: str, group: int | None) -> str:
+    """The medium name a KV cache group's residencies are kept under: the medium itself for the
+    first group (a one-group engine's only one), ``GPU#1`` for group 1 on GPU, and so on. Groups of a
+    hybrid model hold different blocks (a sliding-window group only the window's tail, a Mamba group
+    only the states it saved), so each needs residencies of its own."""
+    return medium if not group else f"{medium}#{group}"
+
+
+class GroupMatch(msgspec.Struct, gc=False):
+    """What one KV cache group of a hybrid model allows of a prompt's prefix (``/route`` shows it)."""
+
+    group: int
+    kind: str
+    """``full_attention``, ``sliding_window`` or ``mamba`` (the rule applied; an unknown kind is
+    matched as full attention: the strictest rule, never more than the engine would serve)."""
+    blocks: int
+    """The longest prefix this group alone would serve (within the full-attention groups' prefix)."""
+    window: int | None = None
 
 
 class SourceMatch(msgspec.Struct, gc=False):
@@ -61,6 +84,9 @@ class SourceMatch(msgspec.Struct, gc=False):
     source: SourceId
     blocks: int
     by_medium: dict[str, int]
+    groups: list[GroupMatch] | None = None
+    """A hybrid model's KV cache groups (None for one group): what each allows; ``blocks`` is the
+    longest prefix all of them serve, as vLLM's hybrid coordinator computes it."""
 
 
 class SourceCounts(msgspec.Struct):
@@ -81,6 +107,7 @@ class PrefixStore:
             raise ValueError("max_residencies must be positive")
         self._core = _kvcore.Store(max_residencies, BASE_ROOT)
         self._media_names: list[str] = list(MEDIA)
+        self._families: list[int] = list(range(len(MEDIA)))
         self._sources: list[SourceId | None] = []
         self._index_of: dict[SourceId, int] = {}
         self._retiring: set[int] = set()
@@ -166,13 +193,28 @@ class PrefixStore:
 
     def medium_index(self, medium: str) -> int:
         """Index of a medium name, registering names beyond GPU/CPU/STORAGE on first use (at most
-        :data:`index._kvcore.MAX_MEDIA`; ValueError beyond)."""
+        :data:`index._kvcore.MAX_MEDIA`; ValueError beyond). A KV cache group's name
+        (:func:`group_medium`, ``GPU#1``) belongs to its medium's family: a clear of the medium
+        clears it too."""
         try:
             return self._media_names.index(medium)
         except ValueError:
-            m = int(self._core.add_medium(medium.encode()))
+            base, sep, _ = medium.partition("#")
+            family = self.medium_index(base) if sep and base else -1
+            m = int(self._core.add_medium(medium.encode(), family))
             self._media_names.append(medium)
+            self._families.append(m if family < 0 else family)
             return m
+
+    def medium_lookup(self, medium: str) -> int | None:
+        """Index of a medium name already registered; None when it is not (registers nothing: safe
+        from the request path while the ingest thread registers names)."""
+        names = self._media_names
+        return names.index(medium) if medium in names else None
+
+    def family_of(self, midx: int) -> int:
+        """The medium a medium index belongs to (its own for GPU, CPU, STORAGE and other names)."""
+        return self._families[midx]
 
     # --- writes (one writer thread) -----------------------------------------------------------
     def key_of(self, sidx: int, engine_hash: int) -> int | None:
@@ -181,22 +223,29 @@ class PrefixStore:
         return key
 
     def store(
-        self, sidx: int, midx: int, engine_hashes: Sequence[int] | Any, keys: Sequence[int] | Any
+        self,
+        sidx: int,
+        midx: int,
+        engine_hashes: Sequence[int] | Any,
+        keys: Sequence[int] | Any,
+        keep: bool = False,
     ) -> None:
         """Add one reference per (engine hash, key) pair to the source's residency on a medium.
 
-        A hash already mapped to another key (its parent became known) retires the old key's
-        residencies first, so nothing stale survives.
+        A hash already mapped to another key (its parent became known) moves the old key's
+        residencies, with their counts, to the new key: they are the same engine blocks. With
+        ``keep`` (:data:`OP_STORE_KEEP`) a hash already mapped keeps its key instead.
         """
-        self._core.store(sidx, midx, engine_hashes, keys)
+        self._core.store(sidx, midx, engine_hashes, keys, keep)
 
     def apply_ops(self, sidx: int, ops: Any, ehs: Any, keys: Any, rems: Any) -> None:
         """A run of one source's events, in order, as :meth:`store` and :meth:`remove` one by one
         would apply them, in one call.
 
         ``ops`` is an int64 array ``[n, 4 or more]``, one row per event: (:data:`OP_STORE`, medium
-        index, first, count) stores ``ehs[first:first+count]`` with ``keys[first:first+count]``,
-        (:data:`OP_REMOVE`, medium index, first, count) removes ``rems[first:first+count]``.
+        index, first, count) stores ``ehs[first:first+count]`` with ``keys[first:first+count]``
+        (:data:`OP_STORE_KEEP`: with ``keep``), (:data:`OP_REMOVE`, medium index, first, count)
+        removes ``rems[first:first+count]``.
         """
         self._core.apply_ops(sidx, ops, int(ops.shape[1]), ehs, keys, rems)
 
@@ -206,8 +255,14 @@ class PrefixStore:
         return ended
 
     def clear(self, sidx: int, medium: str = "GPU") -> int:
-        """Wipe a source's residencies on one medium (AllBlocksCleared); returns how many."""
-        ended: int = self._core.clear(sidx, self.medium_index(medium))
+        """Wipe a source's residencies on one medium (AllBlocksCleared): every KV cache group's on
+        that medium; returns how many."""
+        family = self.medium_index(medium)
+        counts = self._core.source_info(sidx)[0]
+        ended = 0
+        for midx, fam in enumerate(self._families):
+            if fam == family and (midx == family or counts[midx]):
+                ended += int(self._core.clear(sidx, midx))
         return ended
 
     def drop(self, sidx: int) -> int:
@@ -266,6 +321,25 @@ class PrefixStore:
             return blocks, None
         media = [self._by_medium(b, off) if any(off) else None for b, off in zip(blocks, offs, strict=True)]
         return blocks, media
+
+    def group_bits(
+        self, keys: Sequence[int] | Any, sidx: int, media: Sequence[int], need: int, limit: int
+    ) -> list[int]:
+        """Per prompt block from the first, which of ``media`` (a KV cache group's medium index
+        each) the source holds it on, as a bitmask; at most ``limit`` blocks, and none past the
+        first block lacking one of the media in the mask ``need``."""
+        bits: list[int] = self._core.group_bits(keys, sidx, media, need, limit)
+        return bits
+
+    def watch(self, sidx: int, on: bool) -> None:
+        """Record (or stop recording) the keys a source stores and removes: :meth:`take_touched`."""
+        self._core.watch(sidx, on)
+
+    def take_touched(self) -> list[tuple[int, bytes, bool]]:
+        """(source index, uint64 keys, overflowed) of the watched sources that stored or removed
+        blocks since the last call; overflowed: more than could be recorded (all of them count)."""
+        out: list[tuple[int, bytes, bool]] = self._core.take_touched()
+        return out
 
     def holders(self, key: int) -> dict[SourceId, list[str]]:
         """Which sources hold one key, on which media (debugging and tests)."""

@@ -57,6 +57,7 @@ class DictPrefixStore:
             raise ValueError("max_residencies must be positive")
         self.max_residencies = max_residencies
         self._media_names: list[str] = list(MEDIA)
+        self._families: list[int] = list(range(len(MEDIA)))
         self._media: list[dict[int, int]] = [{} for _ in self._media_names]
         self._refs: dict[tuple[int, int, int], int] = {}
         self._refs_by_source: list[int] = []
@@ -134,7 +135,10 @@ class DictPrefixStore:
         except ValueError:
             if len(self._media_names) >= MAX_MEDIA or len(medium.encode()) > MAX_MEDIUM_NAME:
                 raise ValueError("too many media, or a medium name over 31 bytes") from None
+            base, sep, _ = medium.partition("#")
+            family = self.medium_index(base) if sep and base else len(self._media_names)
             self._media_names.append(medium)
+            self._families.append(family)
             self._media.append({})
             for counts in self._counts:
                 counts.append(0)
@@ -146,7 +150,12 @@ class DictPrefixStore:
         return self._emaps[sidx].get(engine_hash)
 
     def store(
-        self, sidx: int, midx: int, engine_hashes: Sequence[int], keys: Sequence[int] | npt.NDArray[np.uint64]
+        self,
+        sidx: int,
+        midx: int,
+        engine_hashes: Sequence[int],
+        keys: Sequence[int] | npt.NDArray[np.uint64],
+        keep: bool = False,
     ) -> None:
         """Add one reference per (engine hash, key) pair to the source's residency on a medium.
 
@@ -161,6 +170,8 @@ class DictPrefixStore:
         bit = 1 << sidx
         if len(engine_hashes) != len(keys):
             raise ValueError("one key per engine hash")
+        if keep:  # every listing adds to the key its hash already resolves to, if any
+            keys = [emap.setdefault(eh, key) for eh, key in zip(engine_hashes, keys, strict=True)]
         # one probe per block: setdefault inserts the new mappings (in order); when some hashes were
         # mapped already (the dict grew by less), the loop below settles every listing in order
         before = len(emap)
@@ -171,8 +182,8 @@ class DictPrefixStore:
                 current = emap[eh]  # not setdefault's answer: a hash listed twice may have moved on since
                 if current != key:
                     # the same engine block now resolves to another key (its parent became known):
-                    # retire the old key's residencies so nothing stale survives.
-                    self._forget(sidx, current)
+                    # its residencies, with their counts, move to that key
+                    self._move(sidx, current, key)
                     emap[eh] = key
                     remapped = True
             if remapped:
@@ -254,8 +265,16 @@ class DictPrefixStore:
         return ended
 
     def clear(self, sidx: int, medium: str = "GPU") -> int:
-        """Wipe a source's residencies on one medium (AllBlocksCleared); returns how many."""
-        midx = self.medium_index(medium)
+        """Wipe a source's residencies on one medium (AllBlocksCleared), every KV cache group's;
+        returns how many."""
+        family = self.medium_index(medium)
+        return sum(
+            self._clear_one(sidx, midx)
+            for midx, fam in enumerate(self._families)
+            if fam == family and (midx == family or self._counts[sidx][midx])
+        )
+
+    def _clear_one(self, sidx: int, midx: int) -> int:
         media = self._media[midx]
         emap = self._emaps[sidx]
         bit = 1 << sidx
@@ -288,6 +307,28 @@ class DictPrefixStore:
     def _held_elsewhere(self, sidx: int, key: int, skip: int) -> bool:
         bit = 1 << sidx
         return any(i != skip and media.get(key, 0) & bit for i, media in enumerate(self._media))
+
+    def _move(self, sidx: int, old: int, new: int) -> None:
+        """The source's residencies of ``old``, on every medium and with their counts, become ``new``'s."""
+        bit = 1 << sidx
+        for midx, media in enumerate(self._media):
+            extra = self._refs.pop((old, sidx, midx), 0) if self._refs_by_source[sidx] else 0
+            if not _unset(media, old, bit):
+                self._refs_by_source[sidx] -= extra
+                continue
+            count = 1 + extra
+            held = media.get(new, 0)
+            if not held & bit:
+                media[new] = held | bit
+                count -= 1
+            else:
+                self._counts[sidx][midx] -= 1
+                self.total -= 1
+            self._refs_by_source[sidx] -= extra
+            if count:
+                rk = (new, sidx, midx)
+                self._refs[rk] = self._refs.get(rk, 0) + count
+                self._refs_by_source[sidx] += count
 
     def _forget(self, sidx: int, key: int) -> None:
         bit = 1 << sidx

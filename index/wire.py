@@ -49,6 +49,10 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False)
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: Any = None
+    """The KV cache group's kind (``full_attention``, ``sliding_window``, ``mamba``...): any value is
+    decoded, the ingest judges it (a malformed one makes that engine's matches conservative)."""
+    kv_cache_spec_sliding_window: Any = None
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
@@ -86,6 +90,8 @@ class _LegacyStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
 
 
 class _LegacyRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
@@ -181,6 +187,8 @@ def _from_legacy(old: _LegacyBatch) -> Batch:
                     ev.lora_name,
                     ev.extra_keys,
                     ev.group_idx,
+                    ev.kv_cache_spec_kind,
+                    ev.kv_cache_spec_sliding_window,
                 )
             )
         elif type(ev) is _LegacyRemoved:
@@ -201,6 +209,8 @@ _STORED_FIELDS = (
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
 )
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
@@ -253,6 +263,8 @@ def _tolerant_event(raw: Any) -> Event | None:
             lora_name if isinstance(lora_name, str) else None,
             extra if isinstance(extra, list) else None,
             group if type(group) is int else None,
+            f.get("kv_cache_spec_kind"),
+            f.get("kv_cache_spec_sliding_window"),
         )
     if tag == "BlockRemoved":
         f = _as_fields(raw, _REMOVED_FIELDS)

@@ -35,7 +35,7 @@ from kvfuzz import Message, Target, encode
 
 from index.ingest import Ingestor
 from index.keys import prompt_keys
-from index.store import PrefixStore
+from index.store import MAX_MEDIA, PrefixStore
 from index.store_dict import DictPrefixStore
 from index.wire import WireError, decode_payload, peek_message
 
@@ -267,9 +267,10 @@ def test_a_malformed_event_is_counted_and_the_rest_of_the_chunk_applies(
 @pytest.mark.parametrize("store_type", STORES)
 def test_media_beyond_the_store_limit_are_bad_events(store_type: type) -> None:
     ing, a, _ = _both(store_type())
-    events = [_stored(block_hashes=[i], medium=f"M{i}") for i in range(20)]  # 3 + 13 names fit
+    fit = MAX_MEDIA - 3  # (GPU, CPU and STORAGE are registered from the start)
+    events = [_stored(block_hashes=[i], medium=f"M{i}") for i in range(fit + 7)]
     ing.apply_chunk([(a, _payload(*events))])
-    assert ing.stats[a].bad_events == 7 and ing.store.total == 13
+    assert ing.stats[a].bad_events == 7 and ing.store.total == fit
 
 
 @pytest.mark.parametrize("store_type", STORES)

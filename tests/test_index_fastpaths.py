@@ -99,7 +99,8 @@ def test_bad_hashes_raise(hashes: list[object]) -> None:
 
 
 def test_remapped_engine_hashes_settle_in_order() -> None:
-    """An engine hash mapped again (here: within one event, then by a later event) retires its old key."""
+    """An engine hash mapped again (here: within one event, then by a later event) moves its old
+    key's references to the new key: the engine blocks behind the hash are the same ones."""
     store = PrefixStore()
     s = store.add_source(("e", 0))
     store.store(s, 0, [1, 1, 1], [10, 20, 30])  # the last listing wins, the others add nothing
@@ -107,9 +108,10 @@ def test_remapped_engine_hashes_settle_in_order() -> None:
     # (10 and 20 used to stay held with no engine hash leading to them: tests/test_fuzz_ingest.py)
     assert store._media[0] == {30: 1} and store.total == 1
     store.store(s, 0, [2, 3], [40, 50])
-    store.store(s, 0, [4, 2], [60, 41])  # 2 now resolves to 41: 40 is retired
+    store.store(s, 0, [4, 2], [60, 41])  # 2 now resolves to 41: 40's reference moves there
     assert store.key_of(s, 2) == 41 and 40 not in store._media[0]
-    assert store.refcount(s, 41) == 1 and store.total == 4
+    # (the engine holds two blocks of hash 2 now: one removal must not end the residency)
+    assert store.refcount(s, 41) == 2 and store.total == 4
     assert list(store._emaps[s]) == [1, 2, 3, 4]  # insertion order (the eviction order) kept
 
 
