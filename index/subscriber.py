@@ -155,6 +155,11 @@ class SourceStatus(msgspec.Struct):
     error: str | None = None
     """Why the stream's socket could not be opened (e.g. the address to bind is taken), retried
     every ``open_retry_s`` meanwhile; None once it is open."""
+    kv_groups: dict[int, str] | None = None
+    """A hybrid model's KV cache groups as its events describe them (``{0: "sliding_window 64",
+    1: "full_attention"}``); None for a one-group engine."""
+    group_faults: int = 0
+    """Malformed KV cache group metadata (each makes matches conservative; logged)."""
 
 
 _STATUS_COUNTERS = (
@@ -360,10 +365,16 @@ class EventSubscriber:
                     block_size_mismatch=st.block_size_mismatch > 0,
                     blocks=self.ingestor.store.source_blocks(src.sidx),
                     bootstrap=src.bootstrap,
+                    kv_groups={
+                        g: f"{spec.kind} {spec.window}" if spec.rule == "sliding_window" else spec.kind
+                        for g, spec in sorted(st.groups.items())
+                    }
+                    or None,
+                    group_faults=st.group_faults,
                 )
             )
         for cfg, error, _ in list(self._failed.values()):
-            zero = dict.fromkeys(_STATUS_COUNTERS, 0)
+            zero: dict[str, Any] = dict.fromkeys(_STATUS_COUNTERS, 0)
             out.append(
                 SourceStatus(
                     source=f"{cfg.instance}/dp{cfg.dp_rank}",

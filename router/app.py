@@ -232,6 +232,8 @@ class KVRouter:
                 out.connected = out.connected or s.connected
                 out.lost += s.lost_batches
                 out.block_size = out.block_size or s.block_size
+                out.kv_groups = out.kv_groups or s.kv_groups
+                out.group_faults += s.group_faults
         return out
 
     def _apply_config(self, new: RouterConfig) -> None:

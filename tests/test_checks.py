@@ -333,3 +333,20 @@ def test_the_dashboard_names_the_misconfiguration(fleet_router: Any, tokdir: Pat
             assert "no KV events arrive" in (page.locator("#diagnoses").text_content() or "")
         finally:
             browser.close()
+
+
+def test_over_predictions_on_a_hybrid_model_name_its_groups_not_a_stale_index() -> None:
+    """A hybrid model (KV cache groups of several kinds) over-predicted with no events lost: the
+    cause is the group rule, not a stale index; with events lost, a stale index it may well be."""
+    c = PredictionChecks(ChecksConfig(min_checks=10, window=20, threshold=0.5))
+    groups = {0: "sliding_window 64", 1: "full_attention"}
+    c.streams = lambda name: StreamStats(batches=100, connected=True, kv_groups=groups)
+    bad = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 0}}
+    for _ in range(20):
+        c.observe("a", 0, "completions", 100, 16, {"GPU": 3}, bad)
+    said = c.diagnosis("a") or ""
+    assert "hybrid model" in said and "0: sliding_window 64" in said and "stale" not in said
+    c.streams = lambda name: StreamStats(batches=100, connected=True, lost=3, kv_groups=groups)
+    for _ in range(20):
+        c.observe("a", 0, "completions", 100, 16, {"GPU": 3}, bad)
+    assert "stale" in (c.diagnosis("a") or "")

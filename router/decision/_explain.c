@@ -541,7 +541,7 @@ static PyObject *explain_kv(PyObject *self, PyObject *args) {
         put_rounded(&b, (t3 - t2) * 1e6, 1, encode) || PUTS(&b, ",\"total\":") ||
         put_rounded(&b, (t3 - t0) * 1e6, 1, encode) ||
         PUTS(&b, ",\"held\":0.0},\"time\":") || put_double(&b, now_s(CLOCK_REALTIME), encode) ||
-        PUTS(&b, ",\"policy\":\"kv\",\"affinity\":\"\",\"pd\":null}"))
+        PUTS(&b, ",\"policy\":\"kv\",\"affinity\":\"\",\"pd\":null,\"kv_groups\":null}"))
         goto done;
     out = PyBytes_FromStringAndSize(b.p, (Py_ssize_t)b.n);
 done:

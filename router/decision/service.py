@@ -17,7 +17,7 @@ import msgspec
 
 from index.keys import TokenBuffer
 from index.kvindex import KVIndex, MatchReport
-from index.store import SourceMatch
+from index.store import GroupMatch, SourceMatch
 from router.decision._explain import explain_kv
 from router.decision.pd import PDPlan, PDPlanner
 from router.decision.policy import Candidate, CandidateScore, Decision, Policy, PolicyConfig, explain
@@ -34,6 +34,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvrouter.route")
 
 Endpoint = Literal["completions", "chat"]
+
+
+class TargetGroups(msgspec.Struct):
+    """A hybrid model's candidate (KV cache groups of several kinds): what each group allows of the
+    prompt's prefix; ``matched_blocks`` is what all of them serve together (vLLM's hybrid rule)."""
+
+    backend: str
+    dp_rank: int
+    matched_blocks: int
+    groups: list[GroupMatch]
+    limited_by: list[int]
+    """The groups that allow the least: what limited the match."""
 
 
 class RouteView(msgspec.Struct):
@@ -58,6 +70,9 @@ class RouteView(msgspec.Struct):
     pd: PDPlan | None = None
     """Prefill/decode disaggregation: the prefill choice and whether its leg runs (None: the model
     is not disaggregated). ``backend``/``candidates`` are then the decode choice."""
+    kv_groups: list[TargetGroups] | None = None
+    """Candidates that serve a hybrid model (None when none does): per KV cache group, what it
+    allows of the prefix and which groups limited the match."""
 
 
 _SHOWN = len(RouteView.__struct_fields__)
@@ -87,6 +102,8 @@ class Route(RouteView):
             explain(self.policy, self.candidates, self.outcome)
         if self.pd is not None:
             self.pd.explain()
+        if self.report is not None and self.kv_groups is None:
+            self.kv_groups = _kv_groups(self.report) or None
         view = RouteView(*msgspec.structs.astuple(self)[:_SHOWN])
         view.timings_us = {k: round(v, 1) for k, v in self.timings_us.items()}  # off the hot path
         return view
@@ -95,6 +112,16 @@ class Route(RouteView):
         """Targets from best to worst score, the chosen one first (for failover)."""
         rest = sorted((c for c in self.candidates if not c.chosen), key=lambda c: c.score)
         return [(self.backend, self.dp_rank)] + [(c.backend, c.dp_rank) for c in rest]
+
+
+def _kv_groups(report: MatchReport) -> list[TargetGroups]:
+    out = []
+    for (backend, rank), m in report.matches.items():
+        if m.groups:
+            least = min(g.blocks for g in m.groups)
+            limited = [g.group for g in m.groups if g.blocks == least]
+            out.append(TargetGroups(backend, rank, m.blocks, m.groups, limited))
+    return out
 
 
 def kernel_weights(cfg: PolicyConfig) -> tuple[float | int, ...]:

@@ -90,6 +90,9 @@ class StreamStats(msgspec.Struct):
     lost: int = 0
     block_size: int | None = None
     configured_block_size: int | None = None
+    kv_groups: dict[int, str] | None = None
+    """A hybrid model's KV cache groups (None: one group)."""
+    group_faults: int = 0
 
 
 class PredictionChecks:
@@ -291,6 +294,18 @@ class PredictionChecks:
                 f"({streams.lost} batches lost so far; configure kv_replay)"
             )
         over = [c for c in window if c.result == "over"]
+        if len(over) >= need and streams.kv_groups and not streams.lost:
+            groups = ", ".join(f"{g}: {k}" for g, k in sorted(streams.kv_groups.items()))
+            return (
+                "the router predicted cached blocks the engine did not serve on a hybrid model (KV cache "
+                f"groups {groups}): no events were lost, so the group rule of vLLM's hybrid coordinator "
+                "served less than the index's model of it"
+                + (
+                    f" ({streams.group_faults} malformed group events: see the log)"
+                    if streams.group_faults
+                    else "; a group the engine never announced, or a rule this router version lacks"
+                )
+            )
         if len(over) >= need:
             return (
                 "the router predicted cached blocks the engine did not have: its index is stale (events "
