@@ -345,7 +345,7 @@ static P rd_plain_extras(P p, P end) {
     return p;
 }
 
-enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP, F_KIND, F_N };
+enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP, F_KIND, F_LOCALITY, F_N };
 
 /* the fields of an event, by position (legacy arrays) or by name (maps): positions of the values */
 /* `pre`: the hashes and tokens were parsed already (map events parse them while walking the keys) */
@@ -480,6 +480,7 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
                 else if (str_is(key, klen, "extra_keys")) idx = F_EXTRA;
                 else if (str_is(key, klen, "group_idx")) idx = F_GROUP;
                 else if (str_is(key, klen, "kv_cache_spec_kind")) idx = F_KIND;
+                else if (str_is(key, klen, "locality")) idx = F_LOCALITY;
                 if (idx >= 0) {
                     if (f[idx]) return -1; /* a field twice */
                     f[idx] = v;
@@ -497,7 +498,7 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
             if (kind < 0) return -1;
             if (kind != 0)
                 f[F_PARENT] = f[F_TOKENS] = f[F_BS] = f[F_LORA_ID] = f[F_LORA_NAME] = f[F_EXTRA] = f[F_KIND] = NULL;
-            if (kind == 2) f[F_HASHES] = f[F_MEDIUM] = f[F_GROUP] = NULL;
+            if (kind == 2) f[F_HASHES] = f[F_MEDIUM] = f[F_GROUP] = f[F_LOCALITY] = NULL;
         } else {
             if (shape == 0) return -1;
             shape = 1;
@@ -526,6 +527,12 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
             u64 g;
             int neg;
             if (!rd_int(f[F_GROUP], end, &g, &neg) || neg || g != 0) return -1;
+        }
+        /* a remote tier's residency is kept as STORAGE: the Python path */
+        if (f[F_LOCALITY] && !is_nil(f[F_LOCALITY], end)) {
+            P t;
+            u64 tl;
+            if (!rd_str(f[F_LOCALITY], end, &t, &tl) || !str_is(t, tl, "LOCAL")) return -1;
         }
         if (f[F_KIND] && !is_nil(f[F_KIND], end)) {
             P t;

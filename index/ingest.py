@@ -171,6 +171,14 @@ def _stored_what(n: int, bs: int, ntokens: int, why: str) -> str:
     return f"BlockStored with {n} hashes, block_size {bs} and {ntokens} token ids ({why})"
 
 
+def _medium_of(ev: BlockStored | BlockRemoved) -> str:
+    """The medium a residency is kept under. A ``REMOTE`` tier (an offloading store on another host,
+    e.g. one several engines share) is kept and credited as STORAGE, on the engine that announced
+    it: loading from it costs what storage costs, and which other engines share it the events do
+    not say."""
+    return "STORAGE" if ev.locality == "REMOTE" else ev.medium or "GPU"
+
+
 def _lora_of(ev: BlockStored) -> str | None:
     if ev.lora_name:
         return ev.lora_name
@@ -617,7 +625,7 @@ class Ingestor:
                 if kind is not BlockStored:
                     if kind is BlockRemoved:
                         hashes: list[int] = ev.block_hashes  # type: ignore[union-attr,assignment]  # (kind)
-                        medium = ev.medium or "GPU"  # type: ignore[union-attr]
+                        medium = _medium_of(ev)  # type: ignore[arg-type]
                         group = ev.group_idx  # type: ignore[union-attr]
                         if group:
                             if not 0 <= group < MAX_GROUPS:
@@ -654,7 +662,7 @@ class Ingestor:
                     st.placeholders += 1
                     plan.append(None)
                     continue
-                medium = stored.medium or "GPU"
+                medium = _medium_of(stored)
                 group = stored.group_idx
                 grouped = bool(group) or stored.kv_cache_spec_kind not in (None, FULL)
                 if group and 0 <= group < MAX_GROUPS:
@@ -853,7 +861,7 @@ class Ingestor:
                     st.stored_events += 1
                     st.blocks_stored += n
                 elif type(ev) is BlockRemoved:
-                    medium = ev.medium or "GPU"
+                    medium = _medium_of(ev)
                     if ev.group_idx:
                         if not 0 <= ev.group_idx < MAX_GROUPS:
                             continue  # (counted in pass 1)

@@ -398,7 +398,9 @@ class ProxyHandler:
                 # (not after a P/D prefill leg: the engine's cached count then includes the blocks it
                 # pulled from the prefill engine, which no prediction of its own index covers)
                 transferred = route.pd is not None and route.pd.prefill_status == "ok"
-                if self.checks is not None and status == 200 and route.prompt_tokens and not transferred:
+                # (nor for a media prompt: its tokens are its text before the media)
+                checked = route.prompt_tokens and route.tokenize_error is None and not transferred
+                if self.checks is not None and status == 200 and checked:
                     asyncio.get_running_loop().call_soon(self._check, route, target, usage)
                 self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
                 return
