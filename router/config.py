@@ -186,6 +186,14 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_topic: str = ""
     api_keys: list[str] = []
     """Bearer keys accepted from clients; empty: no authentication."""
+    trusted_api_keys: list[str] = []
+    """Keys of ``api_keys`` whose requests may carry the body fields only the router sets for the
+    engines (``kv_transfer_params``, the P/D legs' transfer parameters), passed on as sent. From
+    every other request the router removes them (counted: kvrouter_client_fields_removed_total):
+    in a NIXL fleet they name blocks for a decode engine to pull from another engine's cache, so any
+    client could have an engine read other tenants' prompts. Only for a component that runs P/D
+    legs of its own through the router; the router's own legs still set their own parameters.
+    Empty (the default): no client is trusted."""
     admin_keys: list[str] = []
     """Bearer keys of the admin API (/admin/...); empty: the admin API is off (404)."""
     auth_exempt_probes: bool = True
@@ -326,6 +334,10 @@ def validate(cfg: RouterConfig) -> None:
     overlap = set(cfg.api_keys) & set(cfg.admin_keys)
     if overlap:
         raise ConfigError("admin_keys: a key is also in api_keys (admin keys must be distinct)")
+    if not set(cfg.trusted_api_keys) <= set(cfg.api_keys):
+        raise ConfigError(
+            "trusted_api_keys: every key must also be in api_keys (trust is given to known clients)"
+        )
     if cfg.block_size is not None and not 1 <= cfg.block_size <= 4096:
         raise ConfigError("block_size: must be between 1 and 4096")
     if not 1 <= cfg.index.subscriber.io_threads <= 64:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -221,15 +221,19 @@ def compare_digest(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 
 
+def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The key of the first ``Authorization: Bearer`` header, or b"" without one."""
+    for key, value in headers:
+        if key == b"authorization" and value[:7].lower() == b"bearer ":
+            return value[7:].strip()
+    return b""
+
+
 def admin_auth(headers: Any, admin_keys: list[bytes], client_keys: list[bytes]) -> None:
     """404 when the admin API is off, 401 without a valid admin key, 403 for a client key."""
     if not admin_keys:
         raise not_found("the admin API is off (no admin_keys configured)")
-    token = b""
-    for key, value in headers:
-        if key == b"authorization" and value[:7].lower() == b"bearer ":
-            token = value[7:].strip()
-            break
+    token = bearer_token(headers)
     if token and any(compare_digest(token, k) for k in admin_keys):
         return
     if token and any(compare_digest(token, k) for k in client_keys):
@@ -237,4 +241,4 @@ def admin_auth(headers: Any, admin_keys: list[bytes], client_keys: list[bytes]) 
     raise unauthorized()
 
 
-__all__ = ["AdminApi", "AdminJournal", "ApiError", "admin_auth"]
+__all__ = ["AdminApi", "AdminJournal", "ApiError", "admin_auth", "bearer_token"]
