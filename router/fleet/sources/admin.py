@@ -6,8 +6,9 @@ client key gets 403, no key 401, and with no admin key configured the endpoints 
 - ``GET /admin/backends``: the membership, each backend with its state, origin and health;
 - ``PUT /admin/backends/NAME``: body = the fields of a ``[[backends]]`` table (``url``, ``kv_events``,
   ``kv_replay``, ``dp_size``, ``models``, ``role``, ...; the name comes from the path): adds the
-  backend (201) or brings an existing one in line with it (200); validated like the config file (400
-  naming the offending field in ``error.param``);
+  backend (201) or brings an existing one in line with it (200); decoded straight into the table's
+  typed fields and validated like the config file (400 naming the offending field in ``error.param``:
+  a wrong type, an unknown key, nesting where a string belongs, a control character);
 - ``DELETE /admin/backends/NAME``: drains it, then removes it once its requests finished;
 - ``POST /admin/backends/NAME/drain``: drains it and keeps it (a PUT readmits it).
 
@@ -38,7 +39,7 @@ from typing import Any
 
 import msgspec
 
-from router.config import BackendConfig, ConfigError, parse_backend
+from router.config import BackendConfig, ConfigError, decode_backend
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
 from router.http.errors import ApiError, bad_request, forbidden, not_found, unauthorized
@@ -134,11 +135,7 @@ class AdminApi:
     def put(self, name: str, body: bytes) -> tuple[int, dict[str, Any]]:
         """PUT /admin/backends/NAME: (201 created | 200 updated, entry)."""
         try:
-            data = msgspec.json.decode(body) if body.strip() else None
-        except msgspec.DecodeError as exc:
-            raise bad_request(f"The body is not valid JSON: {exc}") from None
-        try:
-            spec = parse_backend(data, name, self.workers)
+            spec = decode_backend(body, name, self.workers)
         except ConfigError as exc:
             raise bad_request(str(exc), "invalid_backend", exc.field) from None
         member, created = self.membership.upsert(spec, "admin", "PUT /admin/backends")
