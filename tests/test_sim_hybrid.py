@@ -22,7 +22,7 @@ from harness import TIMEOUT, MockFleet, RouterRunner, wait_for
 from test_sim_engine import Sub, run
 
 from index.kvindex import IndexConfig, KVIndex
-from sim import cli
+from sim import cli, demo
 from sim.engine import EngineConfig, MockEngine
 from sim.kvcache import KVCache, PrefixCache
 from sim.kvgroups import (
@@ -137,6 +137,19 @@ def test_engine_and_cli_take_the_groups() -> None:
         cli._config(parser.parse_args(["mock-engine", "--kv-groups", "gemma9"]))
     with pytest.raises(SystemExit, match="--kv-groups: hybrid KV cache groups take no CPU"):
         cli._config(parser.parse_args(["mock-engine", "--kv-groups", "gemma3", "--cpu-blocks", "64"]))
+
+
+def test_the_demo_runs_a_hybrid_fleet_when_asked() -> None:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    assert demo.config_from_args(parser.parse_args(["demo", "--quick"])).kv_groups == "llama"
+    cfg = demo.config_from_args(parser.parse_args(["demo", "--quick", "--kv-groups", "qwen3_next"]))
+    assert cfg.kv_groups == "qwen3_next" and cfg == msgspec.structs.replace(
+        demo.quick_demo(), kv_groups="qwen3_next"
+    )
+    with pytest.raises(SystemExit, match="--kv-groups: unknown KV cache group preset 'gemma9'"):
+        demo.config_from_args(parser.parse_args(["demo", "--kv-groups", "gemma9"]))
+    assert demo.run_command(parser.parse_args(["demo", "--pd", "--kv-groups", "gemma3"])) == 2
 
 
 # ---- the events real engines published -----------------------------------------------------------
