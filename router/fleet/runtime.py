@@ -22,9 +22,10 @@ from collections.abc import Callable
 
 from index.kvindex import KVIndex
 from index.subscriber import SourceConfig
-from router.config import BackendConfig, HealthConfig, MembershipConfig, rank_endpoint
+from router.config import AUTO, BackendConfig, HealthConfig, MembershipConfig, rank_endpoint
 from router.fleet.breaker import Breakers
 from router.fleet.health import HealthChecker
+from router.fleet.kvsources import KVSourceDiscovery
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
 from router.http.upstream import UpstreamPool
@@ -36,8 +37,9 @@ TICK_S = 0.05
 
 
 def sources_of(spec: BackendConfig, default_topic: str) -> list[SourceConfig]:
-    """One event source per DP rank of a backend with KV events (vLLM's port + rank rule)."""
-    if spec.kv_events is None:
+    """One event source per DP rank of a backend with KV events (vLLM's port + rank rule); none
+    for ``kv_events = "auto"``, whose sources the engine lists (:class:`KVSourceDiscovery`)."""
+    if spec.kv_events is None or spec.kv_events == AUTO:
         return []
     return [
         SourceConfig(
@@ -68,7 +70,8 @@ class FleetRuntime:
         self.loads = loads
         self.default_topic = default_topic
         self.membership = Membership(config)
-        self.health = HealthChecker(self.membership, health, client, loads)
+        self.discovery = KVSourceDiscovery(client, self.follow, health.kv_sources_refresh_s, default_topic)
+        self.health = HealthChecker(self.membership, health, client, loads, self.discovery.probe)
         self.breakers = Breakers(health.breaker)
         self.membership.listeners.append(self)
         self._sources: dict[str, list[SourceConfig]] = {}
@@ -87,6 +90,7 @@ class FleetRuntime:
         self.health.probe_soon(member)
 
     def left(self, member: Member) -> None:
+        self.discovery.forget(member.name)
         for source in self._sources.pop(member.name, []):
             self.index.remove_source(source.source_id)
         if member.same_engine:
@@ -95,9 +99,36 @@ class FleetRuntime:
             self.loads.forget(target)
         self.breakers.forget(member.name)
 
+    def follow(self, member: Member, dp_size: int, sources: list[SourceConfig]) -> None:
+        """An ``auto`` backend's streams as its engine listed them: sources no longer listed (or
+        listed with other endpoints) are dropped with their blocks, new ones subscribed (and
+        bootstrapped from their replay), and a new DP size moves its targets' load records."""
+        if self.membership.get(member.name) is not member:
+            return  # gone meanwhile
+        old = self._sources.get(member.name, [])
+        for source in old:
+            if source not in sources:
+                self.index.remove_source(source.source_id)
+        for source in sources:
+            if source not in old:
+                self.index.add_source(source)
+        self._sources[member.name] = list(sources)
+        before = member.targets
+        self.membership.resize(member, dp_size, f"dp_size {dp_size} listed by /kv_event_sources")
+        after = member.targets
+        for target in before:
+            if target not in after:
+                self.loads.forget(target)
+        for target in after:
+            if target not in before:
+                self.loads.track(target)
+
     # --- what tick() needs -------------------------------------------------------------------------
     def streams_ready(self, member: Member) -> bool:
-        """Every event stream of the member finished its first bootstrap (or has none)."""
+        """Every event stream of the member finished its first bootstrap (or has none); an ``auto``
+        backend's streams are known once its listing was read (or it has none: the fallback)."""
+        if member.kv_sources and member.kv_sources not in ("listed", "fallback"):
+            return False
         return all(self.index.source_ready(s.source_id) for s in self._sources.get(member.name, []))
 
     def inflight(self, member: Member) -> int:

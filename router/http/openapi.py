@@ -95,7 +95,7 @@ def openapi_spec() -> dict[str, Any]:
         "required": ["url"],
         "properties": {
             "url": {"type": "string", "pattern": "^https?://"},
-            "kv_events": {"type": "string", "pattern": "^tcp://"},
+            "kv_events": {"type": "string", "pattern": "^(tcp://|auto$)"},
             "kv_replay": {"type": "string", "pattern": "^tcp://"},
             "dp_size": {"type": "integer", "minimum": 1, "maximum": 8},
             "models": {"type": "array", "items": {"type": "string", "minLength": 1}},

@@ -296,6 +296,16 @@ class ProxyHandler:
         options["include_usage"] = True
         return msgspec.json.encode({**parsed, "stream_options": options}), True
 
+    def _check_soon(
+        self, route: Route, target: tuple[str, int], status: int, usage: dict[str, Any] | None
+    ) -> None:
+        """Schedule the prediction check of a served request (after the response went out)."""
+        # (not after a P/D prefill leg: the engine's cached count then includes the blocks it
+        # pulled from the prefill engine, which no prediction of its own index covers)
+        transferred = route.pd is not None and route.pd.prefill_status == "ok"
+        if self.checks is not None and status == 200 and route.prompt_tokens and not transferred:
+            asyncio.get_running_loop().call_soon(self._check, route, target, usage)
+
     def _check(self, route: Route, target: tuple[str, int], usage: dict[str, Any] | None) -> None:
         """One prediction check, after the response went out (scheduled, off the response path)."""
         if self.checks is None:
@@ -391,15 +401,21 @@ class ProxyHandler:
                     self.metrics.error(backend.name, "upstream_5xx")
                     self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
                     continue
+                seen: dict[str, Any] = {}
                 try:
-                    usage = await self._stream(writer, resp, ticket, backend.name, target[1], started, strip)
+                    usage = await self._stream(
+                        writer, resp, ticket, backend.name, target[1], started, strip, seen
+                    )
+                except asyncio.CancelledError:
+                    # the client left once the engine had reported its usage: the openai client
+                    # closes a stream at [DONE], often before the response's last (chunked) frame,
+                    # so many of its streams end this way; the prompt was served, its check stands
+                    if "usage" in seen:
+                        self._check_soon(route, target, status, seen["usage"])
+                    raise
                 finally:
                     await resp.aclose()
-                # (not after a P/D prefill leg: the engine's cached count then includes the blocks it
-                # pulled from the prefill engine, which no prediction of its own index covers)
-                transferred = route.pd is not None and route.pd.prefill_status == "ok"
-                if self.checks is not None and status == 200 and route.prompt_tokens and not transferred:
-                    asyncio.get_running_loop().call_soon(self._check, route, target, usage)
+                self._check_soon(route, target, status, usage)
                 self.metrics.finished(backend.name, route.model, status, time.perf_counter() - started)
                 return
             finally:
@@ -430,9 +446,12 @@ class ProxyHandler:
         rank: int,
         started: float,
         strip: bool = False,
+        seen: dict[str, Any] | None = None,
     ) -> dict[str, Any] | None:
         """Pass the response through; returns the engine's ``usage`` when it reported one (for the
-        prediction check), after removing it from a stream when the router asked for it (``strip``)."""
+        prediction check), after removing it from a stream when the router asked for it (``strip``).
+        A stream's usage is also put in ``seen["usage"]`` as soon as it passed, for a client that
+        leaves before the stream's end."""
         headers: Headers = [(k, v) for k, v in resp.headers if k not in _HOP_BY_HOP]
         sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
         headers.append((b"x-kvrouter-backend", backend.encode()))
@@ -457,6 +476,8 @@ class ProxyHandler:
                         chunk, partial = _whole_events(partial + chunk if partial else chunk)
                     if b'"usage"' in chunk:
                         usage = _sse_usage(chunk) or usage
+                        if seen is not None and usage is not None:
+                            seen["usage"] = usage
                         if strip:
                             chunk = strip_usage(chunk)
                 elif self.checks is not None:

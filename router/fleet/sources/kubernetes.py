@@ -21,8 +21,10 @@ Where a pod's endpoints come from (README, "Kubernetes discovery", has the table
 and replay ports are container ports named by the settings (``http``, ``kv-events``, ``kv-replay``
 by default) or numbers; annotations ``kvrouter.io/http-port``, ``kvrouter.io/kv-events-port``,
 ``kvrouter.io/kv-replay-port`` override them per pod (a name or a number; ``"none"`` turns a stream
-off), ``kvrouter.io/dp-size``, ``kvrouter.io/role`` (or llm-d's label ``llm-d.ai/role``:
-``prefill`` | ``decode`` | ``prefill-decode``), ``kvrouter.io/models`` (comma-separated) and
+off). A pod with no KV-events port named or annotated gets ``kv_events = "auto"``: the engine's
+``GET /kv_event_sources`` lists its streams (router/fleet/kvsources.py). ``kvrouter.io/dp-size``,
+``kvrouter.io/role`` (or llm-d's label ``llm-d.ai/role``: ``prefill`` | ``decode`` |
+``prefill-decode``), ``kvrouter.io/models`` (comma-separated) and
 ``kvrouter.io/kv-topic`` override the defaults. A pod that cannot be turned into a valid backend
 (no IP yet is normal and waits; a missing port or a bad annotation is not) is skipped with one log
 line naming it and counted in ``kvrouter_discovery_skipped_total{reason}``; discovery goes on.
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from router.config import BackendConfig, ConfigError, KubernetesConfig, Role, validate_backend
+from router.config import AUTO, BackendConfig, ConfigError, KubernetesConfig, Role, validate_backend
 from router.fleet.membership import Membership
 
 log = logging.getLogger("kvrouter.discovery")
@@ -165,7 +167,7 @@ def _port(pod: dict[str, Any], ports: dict[str, int], key: str, default: str, re
         return ports[spec]
     if required or ann is not None:
         raise SkipPod("missing_port", f"no container port named {spec!r} ({key})")
-    return None  # an optional stream the pod does not declare: routed by load only / no replay
+    return None  # an optional stream the pod does not declare: KV events "auto" / no replay
 
 
 def pod_backend(
@@ -187,6 +189,9 @@ def pod_backend(
     http = _port(pod, ports, "http-port", cfg.http_port, required=True)
     kv = _port(pod, ports, "kv-events-port", cfg.kv_events_port, required=False)
     replay = _port(pod, ports, "kv-replay-port", cfg.kv_replay_port, required=False) if kv else None
+    kv_ann = ann.get(f"{ANNOTATION}kv-events-port")
+    # no KV-events port named or annotated (and not turned off): the engine lists its streams
+    auto = kv is None and (kv_ann if isinstance(kv_ann, str) else cfg.kv_events_port) not in ("", "none")
     dp_raw = ann.get(f"{ANNOTATION}dp-size")
     dp_size = cfg.dp_size
     if dp_raw is not None:
@@ -210,7 +215,7 @@ def pod_backend(
     spec = BackendConfig(
         name=name,
         url=f"http://{host}:{http}",
-        kv_events=f"tcp://{host}:{kv}" if kv else None,
+        kv_events=f"tcp://{host}:{kv}" if kv else AUTO if auto else None,
         kv_replay=f"tcp://{host}:{replay}" if kv and replay else None,
         kv_topic=topic if isinstance(topic, str) else default_topic,
         dp_size=dp_size,
@@ -307,7 +312,7 @@ class PodWatcher:
         if m is not None and m.origin != "kubernetes":
             self._skip(name, SkipPod("name_taken", f"a backend named {name!r} comes from {m.origin}"))
             return
-        if m is not None and m.state == "draining" and m.spec == spec:
+        if m is not None and m.state == "draining" and m.declared == spec:
             # drained by the admin API (discovery drains only pods that terminate or go): a status
             # update of the same pod does not readmit it; a PUT, or the pod's new endpoints, do
             if not m.discovery_ready:
