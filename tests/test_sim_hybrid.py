@@ -51,7 +51,9 @@ CAPTURE_MAX_TOKENS = 40
 
 
 def shape(event: dict[str, Any]) -> tuple[Any, ...]:
-    """What the router can tell of an event besides the hash values: kind, group, counts, parent."""
+    """What the router can tell of an event besides the hash values (each engine hashes its own way):
+    kind, group, spec kind and window, counts of hashes and tokens, parent or not, block size, extra
+    keys, medium (tests/vllm/test_mock_parity.py compares real engines' events with it too)."""
     if event["type"] == "BlockStored":
         return (
             "stored",
@@ -63,9 +65,10 @@ def shape(event: dict[str, Any]) -> tuple[Any, ...]:
             event["parent_block_hash"] is not None,
             event["block_size"],
             event.get("extra_keys"),
+            event.get("medium"),
         )
     if event["type"] == "BlockRemoved":
-        return ("removed", event.get("group_idx"), len(event["block_hashes"]))
+        return ("removed", event.get("group_idx"), len(event["block_hashes"]), event.get("medium"))
     return (event["type"],)
 
 
@@ -161,7 +164,7 @@ def test_event_shapes_and_hits_match_the_real_engine(capture: str) -> None:
     published (hash values aside: each engine hashes its own way) and its cached tokens."""
     data = json.loads((FIXTURES / f"{capture}.json").read_text())
     real = [[shape(e) for e in msgspec.msgpack.decode(bytes.fromhex(f[2]))[1]] for f in data["frames"]]
-    block_size = real[0][0][7]
+    block_size = real[0][0][7]  # (the shape's block size)
     cache = new_cache(PRESETS[CAPTURES[capture]], 4096, block_size)
     mock: list[list[tuple[Any, ...]]] = []
     cached = []
