@@ -49,7 +49,7 @@ def load(path: str) -> ModuleType:
     return mod
 
 
-def payloads(blocks: int, sources: int, events: int) -> list[tuple[int, bytes]]:
+def payloads(blocks: int, sources: int, events: int, vllm_fields: bool = False) -> list[tuple[int, bytes]]:
     from sim.publisher import BlockStored, encode_batch
 
     rng = random.Random(1)
@@ -61,7 +61,10 @@ def payloads(blocks: int, sources: int, events: int) -> list[tuple[int, bytes]]:
             n = rng.randint(1, 31)
             toks = [rng.randrange(150_000) for _ in range(n * BS)]
             parent = h - 1 if h > 1 and rng.random() < 0.5 else None
-            evs.append(BlockStored(list(range(h, h + n)), parent, toks, BS, None, "GPU", None))
+            ev = BlockStored(list(range(h, h + n)), parent, toks, BS, None, "GPU", None)
+            if vllm_fields:  # what vLLM >= 0.24 sends with every event of a one-group engine
+                ev.extra_keys, ev.group_idx, ev.kv_cache_spec_kind = [None] * n, 0, "full_attention"
+            evs.append(ev)
             h += n
             made += n
         out.append((len(out) % sources, encode_batch(evs, 1.0, 0)))
@@ -76,13 +79,18 @@ def main() -> int:
     ap.add_argument("--sources", type=int, default=8)
     ap.add_argument("--events", type=int, default=1, help="events per payload")
     ap.add_argument("--pairs", type=int, default=16)
+    ap.add_argument(
+        "--vllm-fields",
+        action="store_true",
+        help="events carry extra_keys, group_idx and kv_cache_spec_kind as vLLM >= 0.24 sends them",
+    )
     args = ap.parse_args()
     mods = {"a": load(args.a), "b": load(args.b)}
     sys.modules["index._kvcore"] = mods["b"]
     import index.store as store_module
     from index.ingest import Ingestor
 
-    items = payloads(args.blocks, args.sources, args.events)
+    items = payloads(args.blocks, args.sources, args.events, args.vllm_fields)
 
     def run(build: str) -> float:
         store_module._kvcore = mods[build]  # type: ignore[attr-defined]

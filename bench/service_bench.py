@@ -136,6 +136,13 @@ class Stream(msgspec.Struct):
     """The latency chains (source 0, published first)."""
     blocks: int
     batches: int
+    hybrid: bool = False
+    """Each full-attention event beside a sliding-window group's, as a hybrid model publishes."""
+
+
+HYBRID_WINDOW_BLOCKS = 4
+"""The sliding-window group's window, in blocks, of the hybrid stream (Gemma3-shaped: that group
+announces only the last blocks of each newly cached range, over the whole range's tokens)."""
 
 
 def _event(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
@@ -154,8 +161,23 @@ def _event(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str
     }
 
 
-def make_stream(sources: int, total_blocks: int, multi: bool, seed: int = 7) -> Stream:
-    """Per source, events of its chains in order, grouped into batches; deterministic."""
+def _sliding(full: dict[str, Any]) -> dict[str, Any]:
+    """The sliding-window group's event beside a full-attention group's (group 1) one."""
+    full["group_idx"] = 1
+    keep = full["block_hashes"][-HYBRID_WINDOW_BLOCKS:]
+    return {
+        **full,
+        "block_hashes": keep,
+        "extra_keys": [None] * len(keep),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "sliding_window",
+        "kv_cache_spec_sliding_window": HYBRID_WINDOW_BLOCKS * BS,
+    }
+
+
+def make_stream(sources: int, total_blocks: int, multi: bool, seed: int = 7, hybrid: bool = False) -> Stream:
+    """Per source, events of its chains in order, grouped into batches; deterministic. ``hybrid``: a
+    sliding-window group's event before each full-attention one, in the same batch."""
     rng = random.Random(seed)
     per_source = total_blocks // sources
     events: list[list[dict[str, Any]]] = [[] for _ in range(sources)]
@@ -184,9 +206,10 @@ def make_stream(sources: int, total_blocks: int, multi: bool, seed: int = 7) -> 
             while first < c.blocks:
                 k = min(rng.randint(1, 31), c.blocks - first)
                 parent = hashes[first - 1] if first else None
-                events[s].append(
-                    _event(hashes[first : first + k], parent, tokens[first * BS : (first + k) * BS])
-                )
+                ev = _event(hashes[first : first + k], parent, tokens[first * BS : (first + k) * BS])
+                if hybrid:
+                    events[s].append(_sliding(ev))
+                events[s].append(ev)
                 cached.update(hashes[first : first + k])
                 blocks += k
                 first += k
@@ -201,12 +224,12 @@ def make_stream(sources: int, total_blocks: int, multi: bool, seed: int = 7) -> 
         evs = events[s]
         i = 0
         while i < len(evs):
-            k = rng.randint(8, 24) if multi else 1
+            k = rng.randint(8, 24) if multi else 2 if hybrid else 1
             out.append(enc.encode([ts, evs[i : i + k], s]))
             i += k
         batches += len(out)
         payloads.append(out)
-    return Stream(sources, payloads, chains, long, blocks, batches)
+    return Stream(sources, payloads, chains, long, blocks, batches, hybrid)
 
 
 def probe_payload(s: int, rank: int = 0) -> tuple[bytes, list[int]]:
@@ -671,7 +694,9 @@ def wait_http(svc: Service, timeout: float = 120) -> float:
 def sentinel_targets(stream: Stream) -> list[tuple[int, list[int], int]]:
     """The drain's one target: the :data:`SENTINEL` chain, on every source (source -1)."""
     family, seed, blocks = SENTINEL
-    return [(-1, chain_tokens(family, seed, blocks), blocks)]
+    tokens = chain_tokens(family, seed, blocks)
+    # (a hybrid model serves at most prompt - 1 tokens from cache: one more token shows all of it)
+    return [(-1, [*tokens, 1] if stream.hybrid else tokens, blocks)]
 
 
 def wait_visible(
@@ -1138,7 +1163,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one small stream, fewer samples")
     ap.add_argument("--blocks", default="200000,500000", help="blocks per drain stream (comma-separated)")
     ap.add_argument("--sources", default="8,64")
-    ap.add_argument("--batches", default="single,multi")
+    ap.add_argument(
+        "--batches",
+        default="single,multi",
+        help="single, multi (8-24 events a batch), hybrid (a sliding-window group's event beside each "
+        "full-attention one, as a Gemma3-shaped engine publishes)",
+    )
     ap.add_argument("--lookups", type=int, default=200, help="requests per latency row")
     ap.add_argument("--pace", type=float, default=150_000, help="paced ingest rate, blocks/s (all sources)")
     ap.add_argument("--startup-rounds", type=int, default=3)
@@ -1220,7 +1250,7 @@ def main() -> int:
                             if sources > 8 and blocks != blocks_list[0]:
                                 continue  # 64 sources: the first size only (time)
                             label = f"{blocks // 1000}k blocks, {sources} sources, {kind}-event batches"
-                            stream = make_stream(sources, blocks, kind == "multi")
+                            stream = make_stream(sources, blocks, kind == "multi", hybrid=kind == "hybrid")
                             label += f" ({stream.blocks} blocks in {stream.batches} batches)"
                             print(f"== drain: {label}", flush=True)
                             repeats = []

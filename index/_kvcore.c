@@ -55,6 +55,8 @@ typedef int64_t i64;
 #define MIN_CAP 64
 #define MAX_MEDIA 32 /* GPU, CPU, STORAGE and each KV cache group's ("GPU#1"...) */
 #define TOUCH_CAP 65536 /* keys a watched source records between two take_touched calls */
+#define MAX_GROUPS 16    /* KV cache groups of a source (index/ingest.py MAX_GROUPS) */
+#define MAX_KIND 40      /* bytes of a group's kind the Python path keeps */
 #define MAX_WORDS 64 /* 64-source words: at most 4,096 source slots (slots are reused) */
 #define MAX_SOURCES (MAX_WORDS * 64)
 #define MAX_BLOCK_SIZE 4096
@@ -161,6 +163,15 @@ typedef struct {
     int watch, touched_over;
     u64 *touched;
     size_t ntouched;
+    /* KV cache groups the Python path learned (set_group): 0 not taught, 1 full attention, 2 a group
+     * whose stores keep existing mappings (sliding window, Mamba); their kind, window (-1: none),
+     * block size and GPU medium */
+    signed char grule[MAX_GROUPS];
+    i64 gwin[MAX_GROUPS];
+    i64 gbs;
+    int gmedium[MAX_GROUPS];
+    char gkind[MAX_GROUPS][MAX_KIND];
+    int gkind_len[MAX_GROUPS];
 } Src;
 
 typedef struct {
@@ -859,6 +870,8 @@ static i64 do_drop(Store *s, i64 sidx) {
     memset(src->cnt, 0, sizeof(src->cnt));
     src->ntouched = 0;
     src->touched_over = 0;
+    memset(src->grule, 0, sizeof(src->grule)); /* (a restarted engine announces its groups again) */
+    src->gbs = 0;
     unlock(s);
     if (src_reset_map(s, src)) return -1;
     if (maybe_shrink(s)) return -1;
@@ -1531,6 +1544,33 @@ static int Store_set_max(Store *s, PyObject *v, void *c) {
     return 0;
 }
 
+/* set_group(sidx, group, keep, window (-1: none), block_size, gpu medium, kind bytes): a KV cache
+ * group the Python path learned, so the C ingest applies its events; group -1 forgets them all */
+static PyObject *Store_set_group(Store *s, PyObject *args) {
+    long long sidx, g, keep, win, bs, m;
+    const char *kind;
+    Py_ssize_t klen;
+    if (!PyArg_ParseTuple(args, "LLLLLLy#", &sidx, &g, &keep, &win, &bs, &m, &kind, &klen)) return NULL;
+    if (check_sidx(s, sidx)) return NULL;
+    Src *src = s->src[sidx];
+    if (g < 0) {
+        memset(src->grule, 0, sizeof(src->grule));
+        src->gbs = 0;
+        Py_RETURN_NONE;
+    }
+    if (g >= MAX_GROUPS || klen > MAX_KIND || bs <= 0 || check_medium(s, m)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad group");
+        return NULL;
+    }
+    src->grule[g] = keep ? 2 : 1;
+    src->gwin[g] = win;
+    src->gbs = bs;
+    src->gmedium[g] = (int)m;
+    memcpy(src->gkind[g], kind, (size_t)klen);
+    src->gkind_len[g] = (int)klen;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Store_set_block_size(Store *s, PyObject *args) {
     long long sidx, bs;
     if (!PyArg_ParseTuple(args, "LL", &sidx, &bs)) return NULL;
@@ -1700,6 +1740,7 @@ static PyMethodDef Store_methods[] = {
     {"rt_view", (PyCFunction)Store_rt_view, METH_NOARGS, "raw refs table"},
     {"nbytes", (PyCFunction)Store_nbytes, METH_NOARGS, "bytes held by the tables"},
     {"set_block_size", (PyCFunction)Store_set_block_size, METH_VARARGS, "set_block_size(sidx, size)"},
+    {"set_group", (PyCFunction)Store_set_group, METH_VARARGS, "set_group(sidx, g, keep, win, bs, m, kind)"},
     {"take_stats", (PyCFunction)Store_take_stats, METH_NOARGS, "ingest counters since the last call"},
     {"ingest", (PyCFunction)Store_ingest, METH_VARARGS, "ingest(items, start) -> (next item, status)"},
     {NULL, NULL, 0, NULL},

@@ -215,6 +215,11 @@ typedef struct {
     u64 parent;
     size_t h0, nh; /* hashes in scratch */
     size_t t0, nt; /* tokens in scratch */
+    int group;     /* KV cache group, 0 when none is given */
+    int grouped;   /* a group other than 0, or of another kind than full attention: a hybrid model's */
+    P gkind;       /* its kind (NULL: none given) */
+    u64 gkind_len;
+    i64 gwin; /* its window, -1 when none is given */
 } Ev;
 
 typedef struct {
@@ -345,7 +350,7 @@ static P rd_plain_extras(P p, P end) {
     return p;
 }
 
-enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP, F_KIND, F_N };
+enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP, F_KIND, F_WINDOW, F_LOCALITY, F_N };
 
 /* the fields of an event, by position (legacy arrays) or by name (maps): positions of the values */
 /* `pre`: the hashes and tokens were parsed already (map events parse them while walking the keys) */
@@ -376,7 +381,13 @@ static int stored_from(Store *s, Parse *ps, P *f, P end, Ev *ev, int pre) {
         ev->kind = EV_PLACEHOLDER;
         return 0;
     }
-    if (ev->nh == 0 || ev->bs <= 0 || ev->bs > MAX_BLOCK_SIZE || (u64)ev->nt != (u64)ev->bs * ev->nh) return -1;
+    if (ev->bs <= 0 || ev->bs > MAX_BLOCK_SIZE) return -1;
+    if (ev->grouped) {
+        /* a group keeps some of the blocks of its range (a sliding window its tail, Mamba its saved
+         * state): the hashes are the range's last blocks; none at all is an event that stores nothing */
+        if (ev->medium != 0 || ev->nt == 0 || ev->nt % (u64)ev->bs || ev->nt / (u64)ev->bs < ev->nh) return -1;
+    } else if (ev->nh == 0 || (u64)ev->nt != (u64)ev->bs * ev->nh)
+        return -1;
     ev->kind = EV_STORED;
     return 0;
 }
@@ -390,6 +401,7 @@ static int removed_from(Store *s, Parse *ps, P *f, P end, Ev *ev, int pre) {
         ev->medium = medium_of(s, f[F_MEDIUM], end, &after);
         if (ev->medium < 0) return -1;
     }
+    if (ev->group > 0 && ev->medium != 0) return -1; /* (a group's CPU tier: the Python path) */
     ev->kind = EV_REMOVED;
     return 0;
 }
@@ -480,6 +492,8 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
                 else if (str_is(key, klen, "extra_keys")) idx = F_EXTRA;
                 else if (str_is(key, klen, "group_idx")) idx = F_GROUP;
                 else if (str_is(key, klen, "kv_cache_spec_kind")) idx = F_KIND;
+                else if (str_is(key, klen, "locality")) idx = F_LOCALITY;
+                else if (str_is(key, klen, "kv_cache_spec_sliding_window")) idx = F_WINDOW;
                 if (idx >= 0) {
                     if (f[idx]) return -1; /* a field twice */
                     f[idx] = v;
@@ -496,8 +510,9 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
             }
             if (kind < 0) return -1;
             if (kind != 0)
-                f[F_PARENT] = f[F_TOKENS] = f[F_BS] = f[F_LORA_ID] = f[F_LORA_NAME] = f[F_EXTRA] = f[F_KIND] = NULL;
-            if (kind == 2) f[F_HASHES] = f[F_MEDIUM] = f[F_GROUP] = NULL;
+                f[F_PARENT] = f[F_TOKENS] = f[F_BS] = f[F_LORA_ID] = f[F_LORA_NAME] = f[F_EXTRA] = f[F_KIND] =
+                    f[F_WINDOW] = NULL;
+            if (kind == 2) f[F_HASHES] = f[F_MEDIUM] = f[F_GROUP] = f[F_LOCALITY] = NULL;
         } else {
             if (shape == 0) return -1;
             shape = 1;
@@ -509,11 +524,11 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
             if (!cur) return -1;
             kind = tag_kind(t, tl);
             if (kind < 0) return -1;
-            static const int stored_pos[] = {F_HASHES,    F_PARENT, F_TOKENS, F_BS,    F_LORA_ID,
-                                             F_MEDIUM,    F_LORA_NAME, F_EXTRA, F_GROUP, F_KIND};
+            static const int stored_pos[] = {F_HASHES,    F_PARENT, F_TOKENS, F_BS,    F_LORA_ID, F_MEDIUM,
+                                             F_LORA_NAME, F_EXTRA,  F_GROUP,  F_KIND, F_WINDOW};
             static const int removed_pos[] = {F_HASHES, F_MEDIUM, F_GROUP};
             for (u64 i = 1; i < n; i++) {
-                if (kind == 0 && i - 1 < 10) f[stored_pos[i - 1]] = cur;
+                if (kind == 0 && i - 1 < 11) f[stored_pos[i - 1]] = cur;
                 else if (kind == 1 && i - 1 < 3) f[removed_pos[i - 1]] = cur;
                 cur = rd_skip(cur, end);
                 if (!cur) return -1;
@@ -521,17 +536,32 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
             q = cur;
         }
         /* a KV cache group other than the first, or a group of another kind than full attention (a
-         * hybrid model): the Python path, which keeps each group's residency apart */
+         * hybrid model): applied here once the Python path has learned the group (needs_python) */
         if (f[F_GROUP] && !is_nil(f[F_GROUP], end)) {
             u64 g;
             int neg;
-            if (!rd_int(f[F_GROUP], end, &g, &neg) || neg || g != 0) return -1;
+            if (!rd_int(f[F_GROUP], end, &g, &neg) || neg || g >= MAX_GROUPS) return -1;
+            ev.group = (int)g;
         }
-        if (f[F_KIND] && !is_nil(f[F_KIND], end)) {
+        ev.gwin = -1;
+        if (f[F_WINDOW] && !is_nil(f[F_WINDOW], end)) {
+            u64 w;
+            int neg;
+            if (!rd_int(f[F_WINDOW], end, &w, &neg) || neg || w > (1ULL << 40)) return -1;
+            ev.gwin = (i64)w;
+        }
+        /* a remote tier's residency is kept as STORAGE: the Python path */
+        if (f[F_LOCALITY] && !is_nil(f[F_LOCALITY], end)) {
             P t;
             u64 tl;
-            if (!rd_str(f[F_KIND], end, &t, &tl) || !str_is(t, tl, "full_attention")) return -1;
+            if (!rd_str(f[F_LOCALITY], end, &t, &tl) || !str_is(t, tl, "LOCAL")) return -1;
         }
+        if (f[F_KIND] && !is_nil(f[F_KIND], end)) {
+            if (!rd_str(f[F_KIND], end, &ev.gkind, &ev.gkind_len) || !is_ascii(ev.gkind, ev.gkind_len) ||
+                ev.gkind_len > MAX_KIND)
+                return -1;
+        }
+        ev.grouped = ev.group > 0 || (ev.gkind && !str_is(ev.gkind, ev.gkind_len, "full_attention"));
         if (kind == 0) {
             if (stored_from(s, ps, f, end, &ev, pre)) return -1;
         } else if (kind == 1) {
@@ -559,10 +589,24 @@ static int parse_payload(Store *s, P p, P end, Parse *ps, double *ts) {
 }
 
 /* events that need the Python path even though they parsed: a block size not learned yet */
+/* a hybrid model's KV cache groups: what the Python path has not learned yet, or would judge */
 static int needs_python(Store *s, i64 sidx, Parse *ps) {
     Src *src = s->src[sidx];
-    for (size_t e = 0; e < ps->nev; e++)
-        if (ps->evs[e].kind == EV_STORED && ps->evs[e].bs != src->block_size) return 1;
+    for (size_t e = 0; e < ps->nev; e++) {
+        Ev *ev = &ps->evs[e];
+        if (ev->kind == EV_REMOVED && ev->group > 0 && !src->grule[ev->group]) return 1;
+        if (ev->kind != EV_STORED) continue;
+        if (ev->bs != src->block_size) return 1;
+        if (!ev->grouped) {
+            if ((src->gbs && src->gbs != ev->bs) || src->grule[0] == 2) return 1;
+            continue;
+        }
+        int g = ev->group;
+        if (!src->grule[g] || src->gbs != ev->bs || src->gwin[g] != ev->gwin) return 1;
+        P kind = ev->gkind ? ev->gkind : (P) "full_attention";
+        u64 klen = ev->gkind ? ev->gkind_len : 14;
+        if ((u64)src->gkind_len[g] != klen || memcmp(src->gkind[g], kind, klen)) return 1;
+    }
     return 0;
 }
 
@@ -575,8 +619,10 @@ static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf,
         if (ev->kind == EV_PLACEHOLDER) {
             src->st[T_PLACEHOLDERS]++;
         } else if (ev->kind == EV_STORED) {
-            if (ev->nh > *keycap) {
-                size_t cap = ev->nh * 2;
+            if (ev->grouped && ev->nh == 0) continue; /* a group that kept none of the range's blocks */
+            size_t nblocks = ev->grouped ? ev->nt / (size_t)ev->bs : ev->nh;
+            if (nblocks > *keycap) {
+                size_t cap = nblocks * 2;
                 u64 *kb = realloc(*keybuf, cap * sizeof(u64));
                 if (!kb) return -1;
                 *keybuf = kb;
@@ -597,18 +643,24 @@ static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf,
             size_t bs = (size_t)ev->bs;
             u64 sm = root;
             size_t kmask = s->kcap - 1;
-            for (size_t b = 0; b < ev->nh; b++) {
+            for (size_t b = 0; b < nblocks; b++) {
                 sm = sm * CHAIN_MUL + block_content(tok + b * bs, bs);
                 keys[b] = sm;
                 /* its key-table row, asked for as soon as the key is known: the hashing of the
                  * blocks after it runs while it comes (a hint: a table rebuilt meanwhile only wastes it) */
                 __builtin_prefetch(&KT(s, home(sm, s->kshift) & kmask, 0), 1);
             }
-            if (do_store(s, sidx, ev->medium, ps->buf + ev->h0, keys, (i64)ev->nh, 0)) return -1;
+            int medium = ev->medium, keep = 0;
+            if (ev->grouped) {
+                medium = src->gmedium[ev->group];
+                keep = src->grule[ev->group] == 2 || nblocks > ev->nh;
+            }
+            if (do_store(s, sidx, medium, ps->buf + ev->h0, keys + (nblocks - ev->nh), (i64)ev->nh, keep)) return -1;
             se++;
             sb += (i64)ev->nh;
         } else if (ev->kind == EV_REMOVED) {
-            do_remove(s, sidx, ev->medium, ps->buf + ev->h0, (i64)ev->nh);
+            int medium = ev->group > 0 ? src->gmedium[ev->group] : ev->medium;
+            do_remove(s, sidx, medium, ps->buf + ev->h0, (i64)ev->nh);
             re++;
             rb += (i64)ev->nh;
         } else if (ev->kind == EV_CLEARED) {

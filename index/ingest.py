@@ -171,6 +171,21 @@ def _stored_what(n: int, bs: int, ntokens: int, why: str) -> str:
     return f"BlockStored with {n} hashes, block_size {bs} and {ntokens} token ids ({why})"
 
 
+def _spec_of(ev: BlockStored) -> GroupSpec:
+    """The group an event describes (a kind that is not a string is full attention's)."""
+    kind = ev.kv_cache_spec_kind if isinstance(ev.kv_cache_spec_kind, str) else FULL
+    window = ev.kv_cache_spec_sliding_window
+    return GroupSpec.of(kind[:40], window if type(window) is int else None, ev.block_size)
+
+
+def _medium_of(ev: BlockStored | BlockRemoved) -> str:
+    """The medium a residency is kept under. A ``REMOTE`` tier (an offloading store on another host,
+    e.g. one several engines share) is kept and credited as STORAGE, on the engine that announced
+    it: loading from it costs what storage costs, and which other engines share it the events do
+    not say."""
+    return "STORAGE" if ev.locality == "REMOTE" else ev.medium or "GPU"
+
+
 def _lora_of(ev: BlockStored) -> str | None:
     if ev.lora_name:
         return ev.lora_name
@@ -505,11 +520,33 @@ class Ingestor:
         sizes = set()
         learned = False
         known = self._known_media
+        news: dict[int, BlockStored] = {}  # a hybrid model's groups first seen here: their first event
         for ev in batch.events:
             if type(ev) is BlockStored:
-                if ev.group_idx or ev.kv_cache_spec_kind not in (None, FULL):
-                    return False  # (a hybrid model's group: the Python path, always)
+                if ev.locality == "REMOTE":
+                    return False
                 medium = ev.medium or "GPU"
+                if ev.group_idx or ev.kv_cache_spec_kind not in (None, FULL):
+                    g = ev.group_idx or 0
+                    if not 0 <= g < MAX_GROUPS or medium != "GPU":
+                        return False
+                    spec = _spec_of(ev)
+                    had = st.groups.get(g) or (_spec_of(news[g]) if g in news else None)
+                    if had is None:
+                        sizes_now = {x.block_size for x in st.groups.values()} | {
+                            _spec_of(x).block_size for x in news.values()
+                        }
+                        if sizes_now and sizes_now != {spec.block_size}:
+                            return False  # (a fault: the Python path counts it)
+                        news[g] = ev
+                    elif had != spec:
+                        return False
+                    medium = group_medium(medium, g)
+                elif st.groups and (
+                    any(x.block_size != ev.block_size for x in st.groups.values())
+                    or (0 in st.groups and st.groups[0].rule != FULL)
+                ):
+                    return False
                 new = medium not in known
                 tokens = ev.token_ids
                 ntokens = tokens.size if type(tokens) is TokenIds else len(tokens)
@@ -519,9 +556,14 @@ class Ingestor:
                     return False  # (the Python path skips it)
                 sizes.add(ev.block_size)
             elif type(ev) is BlockRemoved:
-                if ev.group_idx:
+                if ev.locality == "REMOTE":
                     return False
                 medium = ev.medium or "GPU"
+                if ev.group_idx:
+                    g = ev.group_idx
+                    if not 0 <= g < MAX_GROUPS or medium != "GPU" or (g not in st.groups and g not in news):
+                        return False
+                    medium = group_medium(medium, g)
                 new = medium not in known
                 if new and not self._registers(medium):
                     return False
@@ -534,6 +576,9 @@ class Ingestor:
             return False
         if sizes and st.block_size != (bs := next(iter(sizes))):
             self._learn_block_size(sidx, st, bs)
+            learned = True
+        for ev in news.values():
+            self._learn_group(sidx, st, ev)  # (teaches the core too)
             learned = True
         return learned
 
@@ -617,7 +662,7 @@ class Ingestor:
                 if kind is not BlockStored:
                     if kind is BlockRemoved:
                         hashes: list[int] = ev.block_hashes  # type: ignore[union-attr,assignment]  # (kind)
-                        medium = ev.medium or "GPU"  # type: ignore[union-attr]
+                        medium = _medium_of(ev)  # type: ignore[arg-type]
                         group = ev.group_idx  # type: ignore[union-attr]
                         if group:
                             if not 0 <= group < MAX_GROUPS:
@@ -654,7 +699,7 @@ class Ingestor:
                     st.placeholders += 1
                     plan.append(None)
                     continue
-                medium = stored.medium or "GPU"
+                medium = _medium_of(stored)
                 group = stored.group_idx
                 grouped = bool(group) or stored.kv_cache_spec_kind not in (None, FULL)
                 if group and 0 <= group < MAX_GROUPS:
@@ -853,7 +898,7 @@ class Ingestor:
                     st.stored_events += 1
                     st.blocks_stored += n
                 elif type(ev) is BlockRemoved:
-                    medium = ev.medium or "GPU"
+                    medium = _medium_of(ev)
                     if ev.group_idx:
                         if not 0 <= ev.group_idx < MAX_GROUPS:
                             continue  # (counted in pass 1)
@@ -883,9 +928,8 @@ class Ingestor:
         if not 0 <= group < MAX_GROUPS:
             self._group_fault(sidx, st, f"BlockStored of KV cache group {group}")
             return None
-        kind = ev.kv_cache_spec_kind if isinstance(ev.kv_cache_spec_kind, str) else FULL
+        spec = _spec_of(ev)
         window = ev.kv_cache_spec_sliding_window
-        spec = GroupSpec.of(kind[:40], window if type(window) is int else None, ev.block_size)
         known = st.groups.get(group)
         if known is None:
             if spec.kind not in (FULL, SLIDING, MAMBA) or (spec.kind == SLIDING and spec.rule != SLIDING):
@@ -903,6 +947,18 @@ class Ingestor:
                 self._group_fault(sidx, st, f"KV cache group {group} with block size {spec.block_size}")
                 return None
             st.groups[group] = spec
+            # (its GPU medium registered on either path alike: media are numbered in registration order)
+            gpu = self._registers(group_medium("GPU", group))
+            if self._core is not None and gpu and spec.kind.isascii():
+                self._core.set_group(  # the C ingest applies the group's events from now on
+                    sidx,
+                    group,
+                    spec.rule != FULL,
+                    -1 if spec.window is None else spec.window,
+                    spec.block_size,
+                    self.store.medium_index(group_medium("GPU", group)),
+                    spec.kind.encode(),
+                )
             log.info(
                 "source %s: KV cache group %d is %s%s, %d-token blocks",
                 self.source_name(sidx),

@@ -53,6 +53,8 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False)
     """The KV cache group's kind (``full_attention``, ``sliding_window``, ``mamba``...): any value is
     decoded, the ingest judges it (a malformed one makes that engine's matches conservative)."""
     kv_cache_spec_sliding_window: Any = None
+    locality: Any = None
+    """``LOCAL`` or ``REMOTE`` (an offloading tier on another host, vLLM >= 0.28)."""
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
@@ -61,6 +63,7 @@ class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=Fals
     block_hashes: list[int | bytes]
     medium: str | None = MEDIUM_GPU
     group_idx: int | None = None
+    locality: Any = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
@@ -265,6 +268,7 @@ def _tolerant_event(raw: Any) -> Event | None:
             group if type(group) is int else None,
             f.get("kv_cache_spec_kind"),
             f.get("kv_cache_spec_sliding_window"),
+            raw.get("locality") if isinstance(raw, dict) else None,
         )
     if tag == "BlockRemoved":
         f = _as_fields(raw, _REMOVED_FIELDS)
@@ -277,6 +281,7 @@ def _tolerant_event(raw: Any) -> Event | None:
             [hash_to_int(h) for h in hashes],
             medium if isinstance(medium, str) else MEDIUM_GPU,
             group if type(group) is int else None,
+            raw.get("locality") if isinstance(raw, dict) else None,
         )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()

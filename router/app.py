@@ -34,7 +34,7 @@ from router.decision.tokenizer import RequestTokenizer
 from router.fleet.load import BoardView, LoadTracker
 from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
-from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, compare_digest
+from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, bearer_token, compare_digest
 from router.fleet.sources.configfile import ConfigWatcher, Stamp
 from router.http.asgi import Receive, Scope, Send
 from router.http.errors import json_body, unauthorized, unavailable
@@ -146,7 +146,9 @@ class KVRouter:
         self.service.unseen = self.replicas.unseen
         self.replicas.register(self.metrics.registry)
         self._keys = [k.encode() for k in config.api_keys]
+        self._trusted = [k.encode() for k in config.trusted_api_keys]
         self._admin_keys = [k.encode() for k in config.admin_keys]
+        self.proxy.trusted = self.trusted
         self.on_config_applied: list[Callable[[], None]] = []
         """Called when a reload is applied, whose keys may differ (a server's kept answers depend on them)."""
         journal = None
@@ -210,11 +212,7 @@ class KVRouter:
             return
         if self.config.auth_exempt_probes and path in ("/health", "/ready"):
             return
-        token = b""
-        for name, value in headers:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                token = value[7:].strip()
-                break
+        token = bearer_token(headers)
         if not token and path.startswith("/dashboard"):
             # the page is opened in a browser, which cannot set headers: accept ?key=
             keys = parse_qs(query.decode("latin-1")).get("key")
@@ -222,6 +220,14 @@ class KVRouter:
                 token = keys[0].encode()
         if not token or not any(compare_digest(token, k) for k in self._keys):
             raise unauthorized()
+
+    def trusted(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        """Whether an authorized request's key is one of ``trusted_api_keys`` (the body fields only
+        the router sets for the engines then pass as sent)."""
+        if not self._trusted:
+            return False
+        token = bearer_token(headers)
+        return bool(token) and any(compare_digest(token, k) for k in self._trusted)
 
     def _stream_stats(self, backend: str) -> StreamStats:
         """What the index knows of a backend's event streams (for the prediction checks' diagnosis)."""
@@ -237,16 +243,22 @@ class KVRouter:
         return out
 
     def _apply_config(self, new: RouterConfig) -> None:
-        """A reloaded, valid config file: its backends, client keys and admin keys take effect."""
+        """A reloaded, valid config file: its backends, client keys (trusted ones too) and admin keys
+        take effect."""
         self.membership.reconcile("config", new.backends, "config file reloaded")
         if self.config_watcher is not None:
             self.admin.reloaded(self.config_watcher.version)
         self._keys = [k.encode() for k in new.api_keys]
+        self._trusted = [k.encode() for k in new.trusted_api_keys]
         self._admin_keys = [k.encode() for k in new.admin_keys]
         for hook in self.on_config_applied:
             hook()
         self.config = msgspec.structs.replace(
-            self.config, backends=new.backends, api_keys=new.api_keys, admin_keys=new.admin_keys
+            self.config,
+            backends=new.backends,
+            api_keys=new.api_keys,
+            trusted_api_keys=new.trusted_api_keys,
+            admin_keys=new.admin_keys,
         )
 
     def _restore_config_backends(self, cfg: RouterConfig) -> int:

@@ -13,6 +13,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -203,6 +204,14 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_topic: str = ""
     api_keys: list[str] = []
     """Bearer keys accepted from clients; empty: no authentication."""
+    trusted_api_keys: list[str] = []
+    """Keys of ``api_keys`` whose requests may carry the body fields only the router sets for the
+    engines (``kv_transfer_params``, the P/D legs' transfer parameters), passed on as sent. From
+    every other request the router removes them (counted: kvrouter_client_fields_removed_total):
+    in a NIXL fleet they name blocks for a decode engine to pull from another engine's cache, so any
+    client could have an engine read other tenants' prompts. Only for a component that runs P/D
+    legs of its own through the router; the router's own legs still set their own parameters.
+    Empty (the default): no client is trusted."""
     admin_keys: list[str] = []
     """Bearer keys of the admin API (/admin/...); empty: the admin API is off (404)."""
     auth_exempt_probes: bool = True
@@ -238,34 +247,96 @@ def parse_config(data: dict[str, Any]) -> RouterConfig:
     try:
         cfg = msgspec.convert(data, RouterConfig, strict=True)
     except msgspec.ValidationError as exc:
-        key, text = _key_path(str(exc))
-        for prefix, what in (
-            ("Object contains unknown field", "unknown key"),
-            ("Object missing required", "required"),
-        ):
-            if text.startswith(prefix):
-                field = text.split("`")[1] if "`" in text else text
-                raise ConfigError(f"{key + '.' if key != '(top level)' else ''}{field}: {what}") from None
-        raise ConfigError(f"{key}: {text}") from None
+        raise _decode_error(exc) from None
     validate(cfg)
     return cfg
 
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+def _decode_error(exc: msgspec.ValidationError) -> ConfigError:
+    """msgspec's error as a ConfigError naming the key (its ``field``: the key's first part, which
+    for a backend's own table is the offending field)."""
+    key, text = _key_path(str(exc))
+    for prefix, what in (
+        ("Object contains unknown field", "unknown key"),
+        ("Object missing required", "required"),
+    ):
+        if text.startswith(prefix):
+            field = text.split("`")[1] if "`" in text else text
+            key = f"{key}.{field}" if key != "(top level)" else field
+            text = what
+            break
+    return ConfigError(f"{key}: {text}", key.split(".")[0].split("[")[0] if key != "(top level)" else None)
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0 controls (CR, LF, NUL, ...), DEL and C1 controls."""
+_VISIBLE_RE = re.compile(r"[\x21-\x7e]+")
+"""Printable ASCII without spaces: what a request line, a header value's token or a socket address
+can carry as it is."""
+
+
+def _control_at(value: Any, path: str = "") -> str | None:
+    """The key path of the first string in ``value`` (a struct, list, dict or string, walked whole:
+    dictionary keys too) that holds a control character, or None."""
+    if isinstance(value, str):
+        return path if _CONTROL_RE.search(value) else None
+    items: Any = ()
+    if isinstance(value, msgspec.Struct):
+        items = ((f".{f}" if path else f, getattr(value, f)) for f in value.__struct_fields__)
+    elif isinstance(value, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        for k in value:
+            if isinstance(k, str) and _CONTROL_RE.search(k):
+                return f"{path}.{k!r}" if path else repr(k)
+        items = ((f".{k}" if path else str(k), v) for k, v in value.items())
+    for step, v in items:
+        found = _control_at(v, path + step)
+        if found is not None:
+            return found
+    return None
+
+
+def _no_control(value: Any, where: str) -> None:
+    """ConfigError naming the first string of ``value`` holding a control character (its value is
+    not repeated: it may be a key)."""
+    at = _control_at(value)
+    if at is not None:
+        raise ConfigError(
+            f"{where + '.' if where else ''}{at}: must not hold control characters (CR, LF, NUL, ...): "
+            "it would end up in a header, a URL, a log line or a socket address",
+            at.split(".")[0].split("[")[0],
+        )
 
 
 def validate_backend(b: BackendConfig, where: str) -> None:
     """The checks one backend must pass, wherever it comes from (file, admin API, discovery)."""
     if not b.name:
         raise ConfigError(f"{where}.name: must not be empty", "name")
-    if not _NAME_RE.match(b.name):
+    if not _NAME_RE.fullmatch(b.name):
         raise ConfigError(
             f"{where}.name: {b.name!r} must be 1-128 letters, digits or . _ : @ - (it is used in "
             "URLs, metric labels and headers)",
             "name",
         )
-    if not re.match(r"^https?://[^/\s]+", b.url):
-        raise ConfigError(f"{where}.url: {b.url!r} is not an http(s) URL", "url")
+    _no_control(b, where)
+    url = urlsplit(b.url) if _VISIBLE_RE.fullmatch(b.url) else None
+    try:
+        if url is None or url.scheme not in ("http", "https") or not url.hostname or url.port == 0:
+            raise ValueError
+    except ValueError:  # (a port out of range or not a number)
+        raise ConfigError(
+            f"{where}.url: {b.url!r} is not an http(s) URL (printable ASCII, no spaces: it goes into the "
+            "request line and the Host header)",
+            "url",
+        ) from None
+    if b.api_key and not _VISIBLE_RE.fullmatch(b.api_key):
+        raise ConfigError(
+            f"{where}.api_key: must be printable ASCII without spaces (it is sent in the Authorization "
+            "header)",
+            "api_key",
+        )
     if b.dp_size < 1:
         raise ConfigError(f"{where}.dp_size: must be >= 1", "dp_size")
     if b.kv_events == AUTO:
@@ -284,7 +355,7 @@ def validate_backend(b: BackendConfig, where: str) -> None:
         ep = getattr(b, key)
         if ep == AUTO and key == "kv_events":
             continue
-        if ep is not None and not re.match(r"^(tcp|ipc|inproc)://", ep):
+        if ep is not None and not (re.match(r"(tcp|ipc|inproc)://", ep) and _VISIBLE_RE.fullmatch(ep)):
             raise ConfigError(f"{where}.{key}: {ep!r} is not a ZMQ endpoint (tcp://host:port)", key)
         if ep is not None and b.dp_size > 1 and not ep.startswith(("tcp://", "inproc://")):
             raise ConfigError(f"{where}.{key}: DP ranks need tcp:// or inproc:// (vLLM offsets ports)", key)
@@ -303,9 +374,32 @@ def validate_backend(b: BackendConfig, where: str) -> None:
         raise ConfigError(f"{where}.models: model names must not be empty", "models")
 
 
+def _body_field(f: msgspec.structs.FieldInfo) -> tuple[Any, ...]:
+    if f.name == "name":
+        return (f.name, f.type, "")
+    return (f.name, f.type) if f.required else (f.name, f.type, f.default)
+
+
+_BackendBody = msgspec.defstruct(
+    "_BackendBody",
+    [_body_field(f) for f in msgspec.structs.fields(BackendConfig)],
+    kw_only=True,
+    forbid_unknown_fields=True,
+)
+"""A ``[[backends]]`` table whose name may be left out (the admin API takes it from the path)."""
+
+
+def _checked_backend(b: BackendConfig, workers: int) -> BackendConfig:
+    """``b`` when it passes :func:`validate_backend` and fits the worker count."""
+    validate_backend(b, "backend")
+    if workers > 1 and b.kv_bind:
+        raise ConfigError("kv_bind: bind-mode KV events need server.workers = 1", "kv_bind")
+    return b
+
+
 def parse_backend(data: Any, name: str, workers: int = 1) -> BackendConfig:
-    """A backend from a JSON object holding a ``[[backends]]`` table's fields, named ``name`` (the
-    admin API's PUT body); raises ConfigError naming the offending field."""
+    """A backend from a JSON object holding a ``[[backends]]`` table's fields, named ``name``;
+    raises ConfigError naming the offending field."""
     if not isinstance(data, dict):
         raise ConfigError("the body must be a JSON object with the fields of a [[backends]] table")
     if "name" in data and data["name"] != name:
@@ -313,19 +407,32 @@ def parse_backend(data: Any, name: str, workers: int = 1) -> BackendConfig:
     try:
         b = msgspec.convert({**data, "name": name}, BackendConfig, strict=True)
     except msgspec.ValidationError as exc:
-        key, text = _key_path(str(exc))
-        if text.startswith("Object contains unknown field"):
-            field = text.split("`")[1] if "`" in text else text
-            raise ConfigError(f"{field}: unknown key", field) from None
-        if text.startswith("Object missing required"):
-            field = text.split("`")[1] if "`" in text else text
-            raise ConfigError(f"{field}: required", field) from None
-        bad = key.split(".")[0].split("[")[0] if key != "(top level)" else None
-        raise ConfigError(f"{key}: {text}", bad) from None
-    validate_backend(b, "backend")
-    if workers > 1 and b.kv_bind:
-        raise ConfigError("kv_bind: bind-mode KV events need server.workers = 1", "kv_bind")
-    return b
+        raise _decode_error(exc) from None
+    return _checked_backend(b, workers)
+
+
+def decode_backend(raw: bytes, name: str, workers: int = 1) -> BackendConfig:
+    """A backend from the JSON bytes of a ``[[backends]]`` table, named ``name`` (the admin API's
+    PUT body), decoded straight into its typed fields: any nesting where a field wants a string or
+    a list of them is an error at that field, at its first level (a body 100k arrays deep fails
+    there, instead of recursing). Raises ConfigError naming the offending field (None when the body
+    is not JSON at all)."""
+    if not raw.strip():
+        raise ConfigError("the body must be a JSON object with the fields of a [[backends]] table")
+    try:
+        body = msgspec.json.decode(raw, type=_BackendBody)
+    except msgspec.ValidationError as exc:
+        if "Expected `object`" in str(exc) and " - at `" not in str(exc):
+            raise ConfigError(
+                "the body must be a JSON object with the fields of a [[backends]] table"
+            ) from None
+        raise _decode_error(exc) from None
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # (invalid UTF-8: ValueError)
+        raise ConfigError(f"The body is not valid JSON: {exc}") from None
+    fields = msgspec.structs.asdict(body)
+    if fields["name"] and fields["name"] != name:
+        raise ConfigError(f"name: {fields['name']!r} differs from the name in the path ({name!r})", "name")
+    return _checked_backend(BackendConfig(**{**fields, "name": name}), workers)
 
 
 def validate(cfg: RouterConfig) -> None:
@@ -343,6 +450,12 @@ def validate(cfg: RouterConfig) -> None:
         if b.name in seen:
             raise ConfigError(f"{where}.name: duplicate backend name {b.name!r}", "name")
         seen.add(b.name)
+    _no_control(cfg, "")  # (every other string: keys, topics, models, hosts, names, paths)
+    if k8s.api_key and not _VISIBLE_RE.fullmatch(k8s.api_key):
+        raise ConfigError(
+            "membership.kubernetes.api_key: must be printable ASCII without spaces (it is sent in the "
+            "Authorization header)"
+        )
     if k8s.enabled and not k8s.label_selector:
         raise ConfigError("membership.kubernetes.label_selector: required when discovery is enabled")
     if k8s.dp_size < 1:
@@ -357,6 +470,10 @@ def validate(cfg: RouterConfig) -> None:
     overlap = set(cfg.api_keys) & set(cfg.admin_keys)
     if overlap:
         raise ConfigError("admin_keys: a key is also in api_keys (admin keys must be distinct)")
+    if not set(cfg.trusted_api_keys) <= set(cfg.api_keys):
+        raise ConfigError(
+            "trusted_api_keys: every key must also be in api_keys (trust is given to known clients)"
+        )
     if cfg.block_size is not None and not 1 <= cfg.block_size <= 4096:
         raise ConfigError("block_size: must be between 1 and 4096")
     if not 1 <= cfg.index.subscriber.io_threads <= 64:
@@ -492,6 +609,7 @@ __all__ = [
     "RouterConfig",
     "ServerConfig",
     "SubscriberConfig",
+    "decode_backend",
     "env_overrides",
     "load_config",
     "parse_backend",

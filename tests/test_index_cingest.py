@@ -204,14 +204,23 @@ def _event(draw: st.DrawFn) -> dict[str, Any]:
     if kind == "cleared":
         return {"type": "AllBlocksCleared"}
     medium = draw(st.sampled_from(["GPU", "GPU", "CPU", None]))
+    # a hybrid model's KV cache groups (applied by the C ingest once the Python path learned them)
+    group = draw(st.sampled_from([None] * 6 + [0, 1, 2, 99]))
+    spec = draw(st.sampled_from([None, ("full_attention", None), ("sliding_window", 8), ("mamba", None)]))
     if kind == "removed":
-        return {"type": "BlockRemoved", "block_hashes": draw(st.lists(pool, max_size=4)), "medium": medium}
+        ev = {"type": "BlockRemoved", "block_hashes": draw(st.lists(pool, max_size=4)), "medium": medium}
+        if group is not None:
+            ev["group_idx"] = group
+        return ev
     bs = draw(st.sampled_from([1, 2, 4, 16]))
     n = draw(st.integers(1, 4))
-    shape = draw(st.sampled_from(["ok"] * 8 + ["short", "placeholder"]))
+    shape = draw(st.sampled_from(["ok"] * 8 + ["short", "placeholder", "sparse", "none"]))
     ntok = bs * n if shape == "ok" else max(0, bs * n - draw(st.integers(1, bs + 1)))
     if shape == "placeholder":
         bs, ntok = 0, 0
+    elif shape in ("sparse", "none"):  # a group's event: hashes for the last blocks of its range, or none
+        ntok = bs * (n + draw(st.integers(1, 3)))
+        n = 0 if shape == "none" else n
     tokens, _ = draw(_token_array(ntok))
     ev: dict[str, Any] = {
         "type": "BlockStored",
@@ -228,6 +237,12 @@ def _event(draw: st.DrawFn) -> dict[str, Any]:
         ev["group_idx"] = 0
     if draw(st.booleans()):
         ev["kv_cache_spec_kind"] = "full_attention"  # a field added after 0.23
+    if group is not None:
+        ev["group_idx"] = group
+    if spec is not None:
+        ev["kv_cache_spec_kind"] = spec[0]
+        if spec[1] is not None:
+            ev["kv_cache_spec_sliding_window"] = spec[1]
     return ev
 
 

@@ -488,3 +488,22 @@ def test_a_hybrid_prediction_is_the_whole_prompt_only(hybrid: tuple[KVIndex, int
     idx.predict(SRC, idx.match([*t, 1], [SRC]))
     assert idx.match(t + _tokens(1, 5000), [SRC]).matches[SRC].by_medium == {"GPU": 0, PREDICTED: 3}
     assert idx.match(t[: 2 * BS] + _tokens(2, 5000), [SRC]).matches[SRC].blocks == 0
+
+
+# ---- tiers ---------------------------------------------------------------------------------------
+
+
+def test_a_remote_tier_is_kept_and_credited_as_storage(hybrid: tuple[KVIndex, int]) -> None:
+    """An offloading tier on another host (locality REMOTE, vLLM >= 0.28) costs what storage costs
+    to load from: its blocks are the engine's STORAGE residencies, removed as they were stored."""
+    idx, sidx = hybrid
+    t = _tokens(2)
+    remote = {**_stored([1, 2], t), "medium": "CPU", "locality": "REMOTE"}
+    local = {**_stored([1, 2], t), "medium": "CPU", "locality": "LOCAL"}
+    _apply(idx, sidx, remote, local)
+    assert idx.source_blocks_by_medium(SRC) == {"GPU": 0, "CPU": 2, "STORAGE": 2}
+    _apply(idx, sidx, {**_removed([1, 2]), "medium": "CPU", "locality": "REMOTE"})
+    assert idx.source_blocks_by_medium(SRC) == {"GPU": 0, "CPU": 2}
+    _apply(idx, sidx, {**_removed([1, 2]), "medium": "CPU"})
+    _apply(idx, sidx, remote)
+    assert idx.match([*t, 1], [SRC]).matches[SRC].by_medium == {"GPU": 0, "STORAGE": 2}

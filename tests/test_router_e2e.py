@@ -106,6 +106,31 @@ def test_longest_prefix_wins_with_the_openai_client(fleet: Fleet, tok: ChatToken
     assert len(eng["b"].requests) == 1 and not eng["a"].requests and not eng["c"].requests
 
 
+def test_a_prompt_with_an_image_matches_its_text_before_the_image_only(
+    fleet: Fleet, tok: ChatTokenizer
+) -> None:
+    """vLLM keys an image's blocks by the image's identifier, which the router cannot reproduce:
+    engine b caches the conversation's text without the image; the request with the image matches
+    b only up to the image (never the text after it), and says so in /route."""
+    router, eng = fleet(("a", "b"))
+    question = "Tell me what the picture shows about the old harbour and its ships in spring."
+    text_only = tok.encode_chat(messages(question))
+    n = eng["b"].announce(text_only, BS)
+    wait_routed(router, {"model": "toy", "messages": messages(question)}, "b", n)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with_image = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [image, {"type": "text", "text": question}]},
+    ]
+    explained = route(router, {"model": "toy", "messages": with_image})
+    by = {c["backend"]: c for c in explained["candidates"]}
+    before = len(tok.encode_chat(with_image))
+    assert 0 < by["b"]["matched_blocks"] <= before // BS < n
+    assert "first media part" in explained["tokenize_error"]
+    out = client(router).chat.completions.create(model="toy", messages=with_image)  # type: ignore[arg-type]
+    assert out.choices[0].message.content == "hello from b"
+
+
 def test_streaming_and_completions_through_the_openai_client(fleet: Fleet, tok: ChatTokenizer) -> None:
     router, eng = fleet(("a",))
     c = client(router)

@@ -187,10 +187,26 @@ def test_unsupported_role_and_bad_messages(toy: ChatTokenizer) -> None:
             toy.encode_chat(bad)  # type: ignore[arg-type]
 
 
-def test_multimodal_parts_are_unavailable_not_invalid(toy: ChatTokenizer) -> None:
-    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
-    with pytest.raises(TokenizerUnavailable):
-        toy.encode_chat(msgs)
+def test_media_parts_give_the_prompt_up_to_the_first_one(toy: ChatTokenizer) -> None:
+    """vLLM expands an image into placeholder tokens hashed with the image's identifier: the router
+    cannot key those blocks, so a prompt with media is its tokens before the first media part (a
+    couple dropped at the boundary), never more; the text after it never counts."""
+    from router.decision.tokenizer import PrefixTokens
+
+    system = {"role": "system", "content": "You describe pictures. " * 20}
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    text_only = toy.encode_chat([system, {"role": "user", "content": "what is it?"}])
+    ids = toy.encode_chat(
+        [system, {"role": "user", "content": [image, {"type": "text", "text": "what is in it?"}]}]
+    )
+    assert type(ids) is PrefixTokens
+    assert 0 < len(ids) < len(text_only) and text_only[: len(ids)] == ids
+    rendered = toy.render_chat([system, {"role": "user", "content": "x"}])
+    before = toy.encode_prompt(rendered.split("x")[0], add_special_tokens=False)
+    assert len(ids) == len(before) - 2  # (up to the user turn's start, less the boundary's tokens)
+    assert type(toy.encode_chat([system, {"role": "user", "content": "what is in it?"}])) is list
+    only_image = toy.encode_chat([{"role": "user", "content": [image]}])
+    assert type(only_image) is PrefixTokens and len(only_image) < 8
 
 
 def test_continue_final_message(toy: ChatTokenizer) -> None:

@@ -53,6 +53,20 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_pending_keys: int = 262_144
     """Predicted block keys waiting to be sent at most (a slow store cannot grow memory); beyond,
     predictions are dropped and counted."""
+    max_reply_bytes: int = 32 << 20
+    """Largest reply the store may send, all of it (a bulk string announcing more fails at its
+    header): beyond, the connection counts as broken (kvrouter_cluster_failures_total{kind=
+    "protocol"}), is closed and reconnected with the backoff, so a broken or hostile store cannot
+    make the router buffer without bound. The largest reply the link asks for is a message of
+    ``max_pending_keys`` predicted keys (8 bytes each, 2 MiB by default) and its loads; 32 MiB
+    leaves room. At least 1 MiB and 16 x ``max_pending_keys``."""
+    max_reply_items: int = 100_000
+    """Array elements in one reply, at every level together (each becomes an object in the router's
+    memory); beyond, as for ``max_reply_bytes``. The largest arrays the link reads are pages of SCAN
+    (COUNT 1000) and the replica registry's HKEYS. At least 4096."""
+    max_reply_depth: int = 8
+    """Arrays nested in one reply; beyond, as for ``max_reply_bytes``. The link's replies nest two
+    deep (SCAN's cursor and keys). Between 2 and 64."""
     session_header: str | None = None
     """Request header (e.g. ``x-session-id``) whose value pins a conversation to the target it was
     first routed to; None: no session affinity."""
@@ -97,6 +111,10 @@ def validate_cluster(c: ClusterConfig) -> None:
         raise ClusterError(
             "cluster: connect_timeout_s > 0, reconnect_min_s > 0 and reconnect_max_s >= reconnect_min_s"
         )
+    if c.max_reply_bytes < max(1 << 20, 16 * c.max_pending_keys):
+        raise ClusterError("cluster.max_reply_bytes: at least 1 MiB (1048576) and 16 x max_pending_keys")
+    if c.max_reply_items < 4096 or not 2 <= c.max_reply_depth <= 64:
+        raise ClusterError("cluster: max_reply_items >= 4096 and max_reply_depth between 2 and 64")
     if c.session_ttl_s <= 0 or c.session_load_factor < 1 or c.max_sessions < 1 or c.max_pending_keys < 0:
         raise ClusterError(
             "cluster: session_ttl_s > 0, session_load_factor >= 1, max_sessions >= 1, max_pending_keys >= 0"

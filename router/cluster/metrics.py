@@ -58,7 +58,8 @@ class ClusterCollector:
                 ),
                 (
                     "kvrouter_cluster_failures",
-                    "Store failures by kind (connect, publish, receive, decode); never a failed request",
+                    "Store failures by kind (connect, publish, receive, decode, protocol: a broken or "
+                    "oversized reply); never a failed request",
                     "kind",
                     st.failures,
                 ),

@@ -25,6 +25,9 @@ When the store fails, decisions go on with local state (the peers' last figures 
 then this replica's own), every failure is counted and logged once per outage, and the connection is
 retried with jittered exponential backoff (``reconnect_min_s`` to ``reconnect_max_s``). On
 reconnecting, the replica reads the peers' snapshots and the stored pins, then sends its full table.
+A reply that breaks RESP or the ``max_reply_*`` limits closes the connection (counted as kind
+``protocol``); the next successful connect then does not reset the delay, so a store that answers
+the handshake and breaks every reply after it is retried ever more slowly, not at once.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from index.kvindex import KVIndex
 from router.cluster.affinity import SessionAffinity
 from router.cluster.config import ClusterConfig
 from router.cluster.peers import Figures, PeerTable
+from router.cluster.resp import ProtocolError, ReplyLimits
 from router.cluster.store import RedisStore
 from router.cluster.wire import (
     VERSION,
@@ -75,7 +79,9 @@ class ClusterStats:
         self.bytes = {"sent": 0, "received": 0}
         self.predicted_keys = {"sent": 0, "received": 0}
         self.pins = {"sent": 0, "received": 0}
-        self.failures = {"connect": 0, "publish": 0, "receive": 0, "decode": 0}
+        self.failures = {"connect": 0, "publish": 0, "receive": 0, "decode": 0, "protocol": 0}
+        """``protocol``: the store broke RESP or a reply limit (cluster.max_reply_*), whatever the
+        link was doing; the connection was closed."""
         self.dropped = {"predictions": 0, "pins": 0}
         self.connects = 0
         self.ignored = 0
@@ -122,7 +128,12 @@ class Cluster:
         self.name = name or self.id
         self.group = group
         self.table = PeerTable(group)
-        self.store = store or RedisStore(config.redis_url, config.connect_timeout_s, f"kvrouter-{self.id}")
+        self.store = store or RedisStore(
+            config.redis_url,
+            config.connect_timeout_s,
+            f"kvrouter-{self.id}",
+            ReplyLimits(config.max_reply_bytes, config.max_reply_items, config.max_reply_depth),
+        )
         p = config.key_prefix
         self.channel = f"{p}:cluster"
         self.registry = f"{p}:replicas"
@@ -264,6 +275,10 @@ class Cluster:
     async def _run(self) -> None:
         cfg = self.config
         delay = cfg.reconnect_min_s
+        # the last connection ended by a protocol error: the delay is not reset by the next connect,
+        # so a store that answers the handshake and then breaks a reply is not reconnected to at
+        # once, over and over (it was, some 7 times a second by default), but ever more slowly
+        violated = False
         while True:
             try:
                 self._last_message = self._subscribed_at = time.monotonic()
@@ -280,7 +295,8 @@ class Cluster:
                 log.warning("cluster: store %s reachable again; sharing resumed", redact(self.store.url))
             self._down_logged = False
             self._set_connected(True)
-            delay = cfg.reconnect_min_s
+            if not violated:
+                delay = cfg.reconnect_min_s
             assert self._broken is not None
             self._broken.clear()
             self._full = True
@@ -300,10 +316,15 @@ class Cluster:
                         await t
                 self._set_connected(False)
                 self._unacked.clear()
+                violated = self.store.violation() is not None
                 self.store.close()
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            if violated:
+                delay = min(delay * 2, cfg.reconnect_max_s)
 
     def _failed(self, kind: str, exc: BaseException) -> None:
+        if isinstance(exc, ProtocolError):
+            kind = "protocol"
         self.stats.failures[kind] += 1
         self.last_error = f"{kind}: {type(exc).__name__}: {exc}"
         if not self._down_logged:
@@ -362,7 +383,7 @@ class Cluster:
             while True:
                 done, _ = await asyncio.wait([lost], timeout=self.config.heartbeat_s)
                 if done:
-                    raise ConnectionError("connection to the store lost")
+                    raise self.store.violation() or ConnectionError("connection to the store lost")
                 silent = time.monotonic() - self._last_message
                 if silent > silent_limit:
                     raise TimeoutError(f"nothing on {self.channel} for {silent:.1f} s")

@@ -13,6 +13,11 @@ What it supports is what the cluster needs: ``redis://[user:password@]host:port/
 SELECT, CLIENT SETNAME; pipelined commands with replies in order; SUBSCRIBE with a callback per
 message. Replies are bytes, ints, lists or None; an error reply raises :class:`RespError` for that
 command only.
+
+The store is not trusted with the router's memory or its event loop: replies are parsed
+incrementally (:class:`ReplyParser`: a reply that arrives in pieces is never parsed again from its
+start), without recursion, and within :class:`ReplyLimits` (its bytes, its array elements, its
+nesting); a reply that breaks RESP or a limit closes the connection (:class:`ProtocolError`).
 """
 
 from __future__ import annotations
@@ -84,51 +89,186 @@ def encode_command(args: Sequence[bytes | str | int]) -> bytes:
     return b"".join(out)
 
 
-class _Incomplete(Exception):
-    pass
+class ProtocolError(ConnectionError):
+    """The server broke RESP or one of the reply limits (:class:`ReplyLimits`): nothing after it on
+    that connection can be trusted, so the connection is closed and the cluster link reconnects
+    with its backoff."""
 
 
-def parse_reply(buf: bytes | bytearray, pos: int = 0) -> tuple[Reply, int]:
-    """One reply starting at ``pos`` and the position after it; raises ``_Incomplete`` when ``buf``
-    does not hold all of it yet, ValueError on a protocol error."""
-    end = buf.find(b"\r\n", pos)
-    if end < 0:
-        raise _Incomplete
-    kind = buf[pos]
-    line = bytes(buf[pos + 1 : end])
-    nxt = end + 2
-    if kind == 0x24:  # $ bulk string
-        n = int(line)
-        if n < 0:
-            return None, nxt
-        if len(buf) < nxt + n + 2:
-            raise _Incomplete
-        return bytes(buf[nxt : nxt + n]), nxt + n + 2
-    if kind == 0x2A:  # * array
-        n = int(line)
-        if n < 0:
-            return None, nxt
-        items = []
-        for _ in range(n):
-            item, nxt = parse_reply(buf, nxt)
-            items.append(item)
-        return items, nxt
-    if kind == 0x3A:  # : integer
-        return int(line), nxt
-    if kind == 0x2B:  # + simple string
-        return line, nxt
-    if kind == 0x2D:  # - error
-        return RespError(line.decode("utf-8", "replace")), nxt
-    raise ValueError(f"unexpected RESP type byte {kind!r}")
+@dataclass(frozen=True)
+class ReplyLimits:
+    """What one reply may hold (``cluster.max_reply_*``): a broken or hostile store cannot make the
+    router buffer or build without bound."""
+
+    max_bytes: int = 32 << 20
+    """Bytes of one reply, everything in it; a bulk string announcing more fails at its header."""
+    max_items: int = 100_000
+    """Array elements in one reply, at every level together."""
+    max_depth: int = 8
+    """Arrays nested in one reply."""
+
+
+_NUMBER_LINE = 24
+"""A length or integer line is at most this long (a sign, 20 digits, the type byte, CRLF)."""
+
+
+class ReplyParser:
+    """RESP2 replies from a byte stream, parsed incrementally: each call of :meth:`feed` resumes
+    where the previous one stopped (a partly received array keeps its parsed elements, a line keeps
+    where its end was searched, a bulk string its announced length), so a reply sent in many small
+    pieces costs its bytes once, not once per piece. Iterative (no recursion: nesting is a list of
+    at most ``max_depth`` arrays), and within :class:`ReplyLimits`: between two calls the buffer
+    holds only the part of the current reply not parsed yet, at most ``max_bytes``."""
+
+    __slots__ = ("_limits", "_on_reply", "_outer", "_state", "buf")
+
+    def __init__(self, on_reply: Callable[[Reply], None], limits: ReplyLimits | None = None) -> None:
+        self._on_reply = on_reply
+        self._limits = limits or ReplyLimits()
+        self.buf = bytearray()
+        """Bytes received and not parsed yet."""
+        self._state: tuple[list[Reply] | None, int, int, int, int, int] | None = None
+        """Where the last call stopped inside a reply (None: between replies, nothing held): the
+        innermost array being filled and the number of elements it announced; the announced length
+        of a bulk string whose body is incomplete (-1: none); where the search for the current
+        line's end resumes (the bytes before hold no CRLF); where the reply began, relative to
+        :attr:`buf` (negative: in bytes parsed earlier); the array elements it announced so far."""
+        self._outer: list[tuple[list[Reply], int]] = []
+        """The arrays around the innermost one, outermost first, with their announced sizes."""
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held and not parsed yet (part of one reply: at most ``max_bytes``)."""
+        return len(self.buf)
+
+    def _broken(self, why: str) -> ProtocolError:
+        self.buf.clear()  # (nothing after it is read)
+        return ProtocolError(f"protocol error: {why}")
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data`` and pass each reply it completes to ``on_reply``, in order; raises
+        :class:`ProtocolError` on a reply that breaks RESP or the limits (the parser is then
+        unusable, as the connection is)."""
+        buf: bytes | bytearray = data
+        if self.buf:
+            self.buf += data
+            buf = self.buf
+        # (else the usual read, whole replies: parsed from the received bytes themselves)
+        size = len(buf)
+        limits = self._limits
+        max_bytes = limits.max_bytes
+        state = self._state
+        cur, want, bulk, scan, start, items = (None, 0, -1, 0, 0, 0) if state is None else state
+        pos = 0
+        value: Reply
+        while True:
+            if bulk >= 0:  # the body of a bulk string whose header came earlier
+                if size < pos + bulk + 2:
+                    break
+                value = bytes(buf[pos : pos + bulk])
+                pos += bulk + 2
+                bulk = -1
+            elif pos < size:
+                kind = buf[pos]
+                end = buf.find(b"\r\n", scan if scan > pos else pos)
+                if end < 0:
+                    if kind in b"$*:" and size - pos > _NUMBER_LINE:
+                        raise self._broken(f"a {chr(kind)} line longer than {_NUMBER_LINE} bytes")
+                    scan = size - 1  # (its CR may be the last byte so far)
+                    break
+                scan = 0
+                if kind == 0x24 or kind == 0x2A or kind == 0x3A:  # $ bulk string, * array, : integer
+                    if end - pos > _NUMBER_LINE:
+                        raise self._broken(f"a {chr(kind)} line longer than {_NUMBER_LINE} bytes")
+                    try:
+                        n = int(buf[pos + 1 : end])
+                    except ValueError:
+                        raise self._broken(f"not a number: {bytes(buf[pos + 1 : end])!r}") from None
+                    pos = end + 2
+                    if kind == 0x3A:
+                        value = n
+                    elif n < 0:
+                        if n < -1:
+                            raise self._broken(f"a length of {n}")
+                        value = None
+                    elif kind == 0x24:
+                        if pos + n + 2 - start > max_bytes:
+                            raise self._broken(f"a bulk string of {n} bytes (max_reply_bytes {max_bytes})")
+                        if size < pos + n + 2:
+                            bulk = n
+                            break
+                        value = bytes(buf[pos : pos + n])
+                        pos += n + 2
+                    elif n == 0:
+                        value = []
+                    else:  # an array: its elements follow
+                        items += n
+                        self._check_array(items, cur is not None)
+                        if cur is not None:
+                            self._outer.append((cur, want))
+                        cur, want = [], n
+                        continue
+                elif kind == 0x2B:  # + simple string
+                    value = bytes(buf[pos + 1 : end])
+                    pos = end + 2
+                elif kind == 0x2D:  # - error
+                    value = RespError(bytes(buf[pos + 1 : end]).decode("utf-8", "replace"))
+                    pos = end + 2
+                else:
+                    raise self._broken(f"unexpected RESP type byte {kind!r}")
+            else:
+                break
+            if cur is not None:  # an element: into the innermost array; completed arrays move up
+                cur.append(value)
+                if len(cur) < want:
+                    continue
+                value, cur = cur, None
+                outer = self._outer
+                while outer:
+                    cur, want = outer.pop()
+                    cur.append(value)
+                    if len(cur) < want:
+                        break
+                    value, cur = cur, None
+                if cur is not None:
+                    continue
+            if pos - start > max_bytes:
+                raise self._broken(f"a reply over {max_bytes} bytes (max_reply_bytes)")
+            self._on_reply(value)
+            start = pos
+            items = 0
+        if size - start > max_bytes:
+            raise self._broken(f"a reply over {max_bytes} bytes so far (max_reply_bytes)")
+        if pos == size and cur is None and bulk < 0:  # (the usual end: nothing left over)
+            self.buf.clear()
+            self._state = None
+            return
+        if buf is data:
+            self.buf += memoryview(data)[pos:]
+        elif pos:
+            del self.buf[:pos]  # (the front of a bytearray goes without moving the rest)
+        self._state = (cur, want, bulk, scan - pos if scan > pos else 0, start - pos, items)
+
+    def _check_array(self, items: int, nested: bool) -> None:
+        """An array opens: within max_reply_items and max_reply_depth?"""
+        limits = self._limits
+        if items > limits.max_items:
+            raise self._broken(f"{items} array elements in a reply (max_reply_items {limits.max_items})")
+        if nested and len(self._outer) + 2 > limits.max_depth:
+            raise self._broken(f"arrays nested deeper than {limits.max_depth} (max_reply_depth)")
 
 
 class Connection(asyncio.Protocol):
     """One connection: commands answered in order, or (after SUBSCRIBE) pushed messages."""
 
-    def __init__(self, on_message: Callable[[bytes], None] | None = None) -> None:
+    def __init__(
+        self, on_message: Callable[[bytes], None] | None = None, limits: ReplyLimits | None = None
+    ) -> None:
         self.on_message = on_message
         self.transport: asyncio.Transport | None = None
-        self._buf = bytearray()
+        self.parser = ReplyParser(self._dispatch, limits)
+        self.violation: ProtocolError | None = None
+        """The protocol error that closed this connection, if one did."""
         self._waiting: collections.deque[asyncio.Future[Reply]] = collections.deque()
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         """Resolved when the connection closes, whatever the reason."""
@@ -138,19 +278,11 @@ class Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses of it
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        pos = 0
         try:
-            while pos < len(buf):
-                reply, pos = parse_reply(buf, pos)
-                self._dispatch(reply)
-        except _Incomplete:
-            pass
-        except ValueError as exc:  # a broken stream: nothing after it can be trusted
-            self._fail(ConnectionError(f"protocol error: {exc}"))
-            return
-        del buf[:pos]
+            self.parser.feed(data)
+        except ProtocolError as exc:  # a broken stream: nothing after it can be trusted
+            self.violation = exc
+            self._fail(exc)
 
     def _dispatch(self, reply: Reply) -> None:
         if self.on_message is not None and type(reply) is list and len(reply) == 3 and reply[0] == b"message":
@@ -219,8 +351,9 @@ async def connect(
     timeout_s: float,
     client_name: str = "",
     on_message: Callable[[bytes], None] | None = None,
+    limits: ReplyLimits | None = None,
 ) -> Connection:
-    """A connection, authenticated and on the URL's database."""
+    """A connection, authenticated and on the URL's database; its replies within ``limits``."""
     ep = parse_url(url)
     loop = asyncio.get_running_loop()
     context: ssl.SSLContext | None = None
@@ -231,7 +364,7 @@ async def connect(
             context.verify_mode = ssl.CERT_NONE
 
     def factory() -> Connection:
-        return Connection(on_message)
+        return Connection(on_message, limits)
 
     if ep.path is not None:
         coro = loop.create_unix_connection(factory, ep.path)
@@ -258,4 +391,14 @@ async def connect(
     return conn
 
 
-__all__ = ["Connection", "Endpoint", "RespError", "connect", "encode_command", "parse_reply", "parse_url"]
+__all__ = [
+    "Connection",
+    "Endpoint",
+    "ProtocolError",
+    "ReplyLimits",
+    "ReplyParser",
+    "RespError",
+    "connect",
+    "encode_command",
+    "parse_url",
+]

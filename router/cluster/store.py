@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from router.cluster.resp import Connection, RespError, connect
+from router.cluster.resp import Connection, ProtocolError, ReplyLimits, RespError, connect
 
 
 class RedisStore:
@@ -20,18 +20,24 @@ class RedisStore:
     errors: tuple[type[BaseException], ...] = (ConnectionError, OSError, TimeoutError, RespError, ValueError)
     """What a failing store raises (every call of this class raises only these, or cancellation)."""
 
-    def __init__(self, url: str, timeout_s: float, client_name: str = "kvrouter") -> None:
+    def __init__(
+        self, url: str, timeout_s: float, client_name: str = "kvrouter", limits: ReplyLimits | None = None
+    ) -> None:
         self.url = url
         self.timeout_s = timeout_s
         self.client_name = client_name
+        self.limits = limits or ReplyLimits()
+        """What one reply of the store may hold (``cluster.max_reply_*``)."""
         self._cmd: Connection | None = None
         self._sub: Connection | None = None
 
     async def open(self, channel: str, on_message: Callable[[bytes], None]) -> None:
         """Connect both connections and subscribe to ``channel``; ``on_message`` gets every message."""
         self.close()
-        self._cmd = await connect(self.url, self.timeout_s, self.client_name)
-        self._sub = await connect(self.url, self.timeout_s, self.client_name + "-sub", on_message)
+        self._cmd = await connect(self.url, self.timeout_s, self.client_name, limits=self.limits)
+        self._sub = await connect(
+            self.url, self.timeout_s, self.client_name + "-sub", on_message, limits=self.limits
+        )
         (confirm,) = self._sub.send([["SUBSCRIBE", channel]])
         reply = await asyncio.wait_for(confirm, self.timeout_s)
         if not isinstance(reply, list) or reply[:1] != [b"subscribe"]:
@@ -43,6 +49,14 @@ class RedisStore:
         if cmd is None or sub is None:
             return
         await asyncio.wait([cmd.lost, sub.lost], return_when=asyncio.FIRST_COMPLETED)
+
+    def violation(self) -> ProtocolError | None:
+        """The protocol error (a broken reply, or one over the limits) that closed either
+        connection, if one did."""
+        for conn in (self._cmd, self._sub):
+            if conn is not None and conn.violation is not None:
+                return conn.violation
+        return None
 
     def _conn(self) -> Connection:
         if self._cmd is None:

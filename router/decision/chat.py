@@ -51,7 +51,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer, processors
 
 from router.decision.segments import SegmentCache
-from router.decision.tokenizer import ContentFormat, TokenizerError, TokenizerUnavailable
+from router.decision.tokenizer import ContentFormat, PrefixTokens, TokenizerError, TokenizerUnavailable
 
 __all__ = ["ChatTokenizer"]
 
@@ -179,6 +179,12 @@ def _detect_content_format(root: jinja2.nodes.Template) -> Literal["string", "op
 # --------------------------------------------------------------------------------------------------
 
 _TEXT_PART_TYPES = {"text": "text", "refusal": "refusal"}
+MEDIA_MARK = "\u27e6kvrouter:media\u27e7"
+"""Stands in for an image, audio or video part while the template renders: the prompt is matched
+up to the first one only (:class:`PrefixTokens`)."""
+_MEDIA_KEEP_BEFORE = 2
+"""Tokens dropped before the first media part: a tokenizer may merge the text's last characters
+with what follows them, and the engine's prompt has the media's placeholders there."""
 
 
 def _part_texts(content: Any, index: int) -> list[str]:
@@ -199,9 +205,10 @@ def _part_texts(content: Any, index: int) -> list[str]:
         ptype = part.get("type", "text")
         field = _TEXT_PART_TYPES.get(ptype) if isinstance(ptype, str) else None
         if field is None:
-            # Images/audio expand into model-specific placeholder tokens inside the engine; we cannot
-            # reproduce that, so the router routes such requests on load only.
-            raise TokenizerUnavailable(f"content part type {ptype!r} cannot be tokenized locally")
+            # images/audio expand into model-specific placeholder tokens inside the engine: the
+            # prompt is matched up to the first one (PrefixTokens)
+            texts.append(MEDIA_MARK)
+            continue
         text = part.get(field)
         if not isinstance(text, str):
             raise TokenizerError(f"messages[{index}].content[{j}].{field} must be a string")
@@ -630,7 +637,7 @@ class ChatTokenizer:
         the same way), the explicit arguments win over them, and special tokens are defaults they can
         override. `chat_template` is a per-request template (vLLM only accepts it when trusted).
         Raises `TokenizerError` for invalid messages, a missing template or a template error (such as
-        `raise_exception` for an unsupported role), and `TokenizerUnavailable` for multimodal parts.
+        `raise_exception` for an unsupported role). Media parts render as :data:`MEDIA_MARK`.
         """
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be true")
@@ -686,6 +693,10 @@ class ChatTokenizer:
             documents=documents,
             chat_template=chat_template,
         )
+        media = text.find(MEDIA_MARK)
+        if media >= 0:
+            ids = self.encode_prompt(text[:media], add_special_tokens=add_special_tokens)
+            return PrefixTokens(ids[: max(len(ids) - _MEDIA_KEEP_BEFORE, 0)])
         return self.encode_prompt(text, add_special_tokens=add_special_tokens)
 
 

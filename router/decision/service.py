@@ -21,7 +21,7 @@ from index.store import GroupMatch, SourceMatch
 from router.decision._explain import explain_kv
 from router.decision.pd import PDPlan, PDPlanner
 from router.decision.policy import Candidate, CandidateScore, Decision, Policy, PolicyConfig, explain
-from router.decision.tokenizer import RequestTokenizer, TokenizerError, TokenizerUnavailable
+from router.decision.tokenizer import PrefixTokens, RequestTokenizer, TokenizerError, TokenizerUnavailable
 from router.fleet.breaker import Breakers
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
@@ -255,6 +255,8 @@ class RouterService:
             raise bad_request(str(exc)) from None
         except TokenizerUnavailable as exc:
             tok_error = str(exc)
+        if type(tokens) is PrefixTokens:
+            tok_error = "media content: matched up to its first media part only"
         unseen = self.unseen
         held = 0.0
         if unseen is not None and not dry_run:

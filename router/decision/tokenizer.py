@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ContentFormat",
+    "PrefixTokens",
     "RequestTokenizer",
     "RequestTokenizerConfig",
     "TokenizerError",
@@ -39,6 +40,13 @@ Endpoint = Literal["completions", "chat"]
 
 class TokenizerError(ValueError):
     """The request (or a tokenizer file) is invalid; the router answers 400 with this message."""
+
+
+class PrefixTokens(list[int]):
+    """A chat prompt's tokens up to its first media part (image, audio, video, file), which vLLM
+    expands into model-specific placeholder tokens hashed with the media's identifier: the router
+    cannot reproduce those blocks, so it matches the prompt's text before them only. Every block
+    from the media on is unknown to the router, never a false match."""
 
 
 class TokenizerUnavailable(RuntimeError):

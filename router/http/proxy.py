@@ -49,6 +49,7 @@ from router.http.upstream import (
 )
 from router.observe.checks import PredictionChecks, sse_events, strip_usage, usage_event, usage_in_json
 from router.observe.metrics import RouterMetrics
+from router.pd.connector import ENGINE_FIELDS
 from router.pd.exchange import PDExchange
 
 if TYPE_CHECKING:
@@ -160,6 +161,9 @@ class ProxyHandler:
         self.checks = checks
         self._streams_seen = 0
         self._report_mode_logged = False
+        self._fields_logged = False
+        self.trusted: Callable[[Iterable[tuple[bytes, bytes]]], bool] = lambda headers: False
+        """Whether a request's key may pass :data:`ENGINE_FIELDS` (``trusted_api_keys``, router.app)."""
         self.pool = pool
         self.metrics = metrics
         self.loads = loads
@@ -241,6 +245,7 @@ class ProxyHandler:
         )
         if not self.server.forward_kv_report_mode:
             body, parsed = self._without_report_mode(parsed, body)
+        body, parsed = self._without_engine_fields(parsed, body, headers)
         strip = False
         if self.checks is not None and parsed.get("stream") is True and route.pd is None:
             body, strip = self._ask_for_usage(parsed, body)  # (not on P/D routes: their legs differ)
@@ -280,6 +285,31 @@ class ProxyHandler:
             )
         return msgspec.json.encode(parsed), parsed
 
+    def _without_engine_fields(
+        self, parsed: dict[str, Any], body: bytes, headers: Iterable[tuple[bytes, bytes]]
+    ) -> tuple[bytes, dict[str, Any]]:
+        """The request without the body fields only the router sets for the engines
+        (:data:`ENGINE_FIELDS`; ``trusted_api_keys`` says why and exempts a key). Removed here,
+        before the route's paths split: ordinary and P/D routes, a skipped prefill leg, every
+        fallback and retry send these bytes or build on ``parsed``. The same bytes when none is
+        there (the common case costs a dictionary lookup)."""
+        fields = [f for f in ENGINE_FIELDS if f in parsed]
+        if not fields or self.trusted(headers):
+            return body, parsed
+        for field in fields:
+            self.metrics.client_fields_removed.inc((field,))
+        if not self._fields_logged:
+            self._fields_logged = True
+            log.warning(
+                "a request carried %s, which only the router sets for the engines: removed, as in a "
+                "NIXL fleet it could make an engine pull another engine's blocks (other tenants' "
+                "prompts); trusted_api_keys lets a key pass it (counted: "
+                "kvrouter_client_fields_removed_total)",
+                ", ".join(fields),
+            )
+        parsed = {k: v for k, v in parsed.items() if k not in fields}
+        return msgspec.json.encode(parsed), parsed
+
     def _ask_for_usage(self, parsed: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
         """On one in ``checks.stream_usage_every`` client streams that did not ask for usage, ask the
         engine for it (to check the prediction) and strip it from what the client receives: returns
@@ -303,7 +333,9 @@ class ProxyHandler:
         # (not after a P/D prefill leg: the engine's cached count then includes the blocks it
         # pulled from the prefill engine, which no prediction of its own index covers)
         transferred = route.pd is not None and route.pd.prefill_status == "ok"
-        if self.checks is not None and status == 200 and route.prompt_tokens and not transferred:
+        # (nor for a media prompt: its tokens are its text before the media)
+        checked = route.prompt_tokens and route.tokenize_error is None and not transferred
+        if self.checks is not None and status == 200 and checked:
             asyncio.get_running_loop().call_soon(self._check, route, target, usage)
 
     def _check(self, route: Route, target: tuple[str, int], usage: dict[str, Any] | None) -> None:

@@ -178,8 +178,15 @@ class RouterMetrics:
             "(server.forward_kv_report_mode)",
             [],
         )
+        self.client_fields_removed = LeanCounter(
+            "kvrouter_client_fields_removed",
+            "Request body fields only the router sets for the engines, removed from a client's "
+            "request before proxying (trusted_api_keys exempts a key)",
+            ["field"],
+        )
         self._lean: list[LeanCounter | LeanHistogram] = [
             self.report_mode_removed,
+            self.client_fields_removed,
             self.requests,
             self.errors,
             self.decision_seconds,

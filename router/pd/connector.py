@@ -40,6 +40,9 @@ class Connector(Protocol):
     name: str
     sequential: bool
     """True: the decode leg is built from the prefill leg's answer (NIXL's pull)."""
+    fields: tuple[str, ...]
+    """The body fields the legs carry for the engines' connector, which only the router may set
+    (:data:`ENGINE_FIELDS`)."""
 
     def prefill_body(self, body: dict[str, Any], leg: Leg) -> dict[str, Any]:
         """The prefill leg's body, from the client's (which is not modified)."""
@@ -67,6 +70,7 @@ class NixlConnector:
 
     name = "nixl"
     sequential = True
+    fields: tuple[str, ...] = ("kv_transfer_params",)
 
     REQUEST_PARAMS: ClassVar[dict[str, Any]] = {
         "do_remote_decode": True,
@@ -98,10 +102,15 @@ class NixlConnector:
 CONNECTORS: dict[str, type[NixlConnector]] = {"nixl": NixlConnector}
 """Connector name (``pd.connector``) -> implementation."""
 
+ENGINE_FIELDS: tuple[str, ...] = tuple(sorted({f for c in CONNECTORS.values() for f in c.fields}))
+"""Request body fields only the router sets, for the engines' KV connectors (every connector's,
+whichever is configured: an engine outside a P/D pool may run one too). The proxy removes a
+client's own from every request it forwards (``trusted_api_keys`` says why and exempts a key)."""
+
 
 def connector(name: str) -> Connector:
     """The connector of that name."""
     return CONNECTORS[name]()
 
 
-__all__ = ["CONNECTORS", "Connector", "Leg", "NixlConnector", "connector"]
+__all__ = ["CONNECTORS", "ENGINE_FIELDS", "Connector", "Leg", "NixlConnector", "connector"]

@@ -6,8 +6,9 @@ client key gets 403, no key 401, and with no admin key configured the endpoints 
 - ``GET /admin/backends``: the membership, each backend with its state, origin and health;
 - ``PUT /admin/backends/NAME``: body = the fields of a ``[[backends]]`` table (``url``, ``kv_events``,
   ``kv_replay``, ``dp_size``, ``models``, ``role``, ...; the name comes from the path): adds the
-  backend (201) or brings an existing one in line with it (200); validated like the config file (400
-  naming the offending field in ``error.param``);
+  backend (201) or brings an existing one in line with it (200); decoded straight into the table's
+  typed fields and validated like the config file (400 naming the offending field in ``error.param``:
+  a wrong type, an unknown key, nesting where a string belongs, a control character);
 - ``DELETE /admin/backends/NAME``: drains it, then removes it once its requests finished;
 - ``POST /admin/backends/NAME/drain``: drains it and keeps it (a PUT readmits it).
 
@@ -32,13 +33,13 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from router.config import BackendConfig, ConfigError, parse_backend
+from router.config import BackendConfig, ConfigError, decode_backend
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
 from router.http.errors import ApiError, bad_request, forbidden, not_found, unauthorized
@@ -134,11 +135,7 @@ class AdminApi:
     def put(self, name: str, body: bytes) -> tuple[int, dict[str, Any]]:
         """PUT /admin/backends/NAME: (201 created | 200 updated, entry)."""
         try:
-            data = msgspec.json.decode(body) if body.strip() else None
-        except msgspec.DecodeError as exc:
-            raise bad_request(f"The body is not valid JSON: {exc}") from None
-        try:
-            spec = parse_backend(data, name, self.workers)
+            spec = decode_backend(body, name, self.workers)
         except ConfigError as exc:
             raise bad_request(str(exc), "invalid_backend", exc.field) from None
         member, created = self.membership.upsert(spec, "admin", "PUT /admin/backends")
@@ -221,15 +218,19 @@ def compare_digest(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 
 
+def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The key of the first ``Authorization: Bearer`` header, or b"" without one."""
+    for key, value in headers:
+        if key == b"authorization" and value[:7].lower() == b"bearer ":
+            return value[7:].strip()
+    return b""
+
+
 def admin_auth(headers: Any, admin_keys: list[bytes], client_keys: list[bytes]) -> None:
     """404 when the admin API is off, 401 without a valid admin key, 403 for a client key."""
     if not admin_keys:
         raise not_found("the admin API is off (no admin_keys configured)")
-    token = b""
-    for key, value in headers:
-        if key == b"authorization" and value[:7].lower() == b"bearer ":
-            token = value[7:].strip()
-            break
+    token = bearer_token(headers)
     if token and any(compare_digest(token, k) for k in admin_keys):
         return
     if token and any(compare_digest(token, k) for k in client_keys):
@@ -237,4 +238,4 @@ def admin_auth(headers: Any, admin_keys: list[bytes], client_keys: list[bytes]) 
     raise unauthorized()
 
 
-__all__ = ["AdminApi", "AdminJournal", "ApiError", "admin_auth"]
+__all__ = ["AdminApi", "AdminJournal", "ApiError", "admin_auth", "bearer_token"]

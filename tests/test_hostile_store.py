@@ -1,0 +1,422 @@
+"""A broken or hostile store cannot stall, bloat or crash the router's cluster link.
+
+The parser (router/cluster/resp.py) against replies cut at every place, and against each limit; then
+the real router with its cluster link in front of a hostile RESP server (asyncio on 127.0.0.1:0,
+in a thread of its own) that answers the handshake like Redis and then sends one attack on the
+subscription: a huge array in small pieces, an endless line, a 2 GB bulk string's header and a
+trickle of bytes, arrays 100k deep. During each, a timer on the router's event loop measures the
+longest stall (the loop's own CPU time between two ticks, which the machine's other load does not
+inflate; the wall-clock gap is reported beside it), the client's buffers and the process's RSS are
+sampled, requests go through the router, and the server counts the link's attempts. Last, a real
+Redis (Debian's redis-server) whose channel gets a message over the limit from another client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+import pytest
+from harness import TIMEOUT, MockFleet, RouterRunner, wait_for
+from redis_harness import RedisServer
+
+from router.cluster.config import ClusterConfig, ClusterError, validate_cluster
+from router.cluster.resp import ProtocolError, ReplyLimits, ReplyParser, RespError
+from sim.engine import EngineConfig
+
+LIMITS = ReplyLimits(max_bytes=1 << 20, max_items=300_000, max_depth=8)
+WINDOW_S = 3.0
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# ---- the parser ------------------------------------------------------------------------------------------
+
+
+def encode(value: Any) -> bytes:
+    """RESP2 of a reply value (bytes, int, None, RespError, lists of them)."""
+    if value is None:
+        return b"$-1\r\n"
+    if isinstance(value, bytes):
+        return b"$%d\r\n%s\r\n" % (len(value), value)
+    if isinstance(value, int):
+        return b":%d\r\n" % value
+    if isinstance(value, RespError):
+        return b"-" + str(value).encode() + b"\r\n"
+    return b"*%d\r\n" % len(value) + b"".join(encode(v) for v in value)
+
+
+def random_reply(rng: random.Random, depth: int = 0) -> Any:
+    roll = rng.random()
+    if depth < 3 and roll < 0.25:
+        return [random_reply(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
+    if roll < 0.5:
+        return bytes(rng.randrange(256) for _ in range(rng.choice((0, 1, 5, 300))))  # CRLF inside, too
+    if roll < 0.7:
+        return rng.randrange(-(2**63), 2**63)
+    if roll < 0.8:
+        return None
+    return RespError(f"ERR {rng.randrange(1000)}")
+
+
+def parsed(chunks: list[bytes], limits: ReplyLimits | None = None) -> tuple[list[Any], ReplyParser]:
+    out: list[Any] = []
+    parser = ReplyParser(out.append, limits)
+    for c in chunks:
+        parser.feed(c)
+    return out, parser
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, RespError):
+        return isinstance(b, RespError) and str(a) == str(b)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def test_replies_cut_anywhere_parse_as_whole_ones() -> None:
+    rng = random.Random(7)
+    replies = [random_reply(rng) for _ in range(400)] + [b"+OK"]
+    stream = b"".join(encode(r) for r in replies[:-1]) + b"+OK\r\n"
+    replies[-1] = b"OK"
+    for trial in range(30):
+        cuts = sorted(rng.sample(range(1, len(stream)), rng.choice((1, 10, 200, 2000))))
+        if trial == 0:
+            cuts = list(range(1, len(stream)))  # one byte at a time
+        chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+        out, parser = parsed(chunks)
+        assert len(out) == len(replies) and all(same(a, b) for a, b in zip(out, replies, strict=True))
+        assert parser.buffered == 0
+
+
+def test_a_huge_array_in_pieces_is_parsed_once_not_once_per_piece() -> None:
+    """Each piece costs its own bytes: the old parser re-read the array from its first element on
+    every read, quadratic in the pieces (the first 400 of these 1954 took it 5 s of CPU)."""
+    n = 250_000
+    stream = b"*%d\r\n" % n + b":1\r\n" * n
+    chunks = [stream[i : i + 512] for i in range(0, len(stream), 512)]
+    out: list[Any] = []
+    parser = ReplyParser(out.append, LIMITS)
+    worst = 0.0
+    for c in chunks:
+        t0 = time.thread_time()
+        parser.feed(c)
+        worst = max(worst, time.thread_time() - t0)
+        assert parser.buffered < 512
+    assert out == [[1] * n] and worst < 0.01, worst
+
+
+@pytest.mark.parametrize(
+    ("stream", "why"),
+    [
+        (b"$2000000000\r\n", "bulk string of 2000000000 bytes"),
+        (b"*1\r\n" * 100_000 + b":1\r\n", "nested deeper than 8"),
+        (b"*300001\r\n", "300001 array elements"),
+        (b"*2\r\n*150000\r\n" + b":1\r\n" * 150_000 + b"*149999\r\n", "300001 array elements"),
+        (b"+" + b"a" * (1 << 20), "over 1048576 bytes"),
+        (b"*3\r\n" + (b"$400000\r\n" + b"x" * 400_000 + b"\r\n") * 3, "bulk string of 400000 bytes"),
+        (b"$" + b"9" * 30, "line longer than 24"),
+        (b":" + b"1" * 24 + b"\r\n", "line longer than 24"),
+        (b"$-2\r\n", "length of -2"),
+        (b"*x\r\n", "not a number"),
+        (b"!3\r\n", "unexpected RESP type byte"),
+    ],
+)
+def test_each_limit_and_protocol_error_closes_at_once(stream: bytes, why: str) -> None:
+    """Within the reply's first bytes past a limit, not once it arrived: the buffer never holds
+    more than the limit (fed in 64 KiB reads, as the socket delivers them)."""
+    parser = ReplyParser(lambda _: None, LIMITS)
+    with pytest.raises(ProtocolError, match=why):
+        for i in range(0, len(stream), 65536):
+            parser.feed(stream[i : i + 65536])
+            assert parser.buffered <= LIMITS.max_bytes
+    assert parser.buffered == 0
+
+
+def test_replies_at_the_limits_pass() -> None:
+    big = b"x" * ((1 << 20) - 16)  # the whole reply: 1 MiB
+    nested: Any = [1]
+    for _ in range(7):
+        nested = [nested]
+    out, _ = parsed([encode(big), encode(nested), encode([1] * 250_000)], LIMITS)
+    assert out == [big, nested, [1] * 250_000]
+    # the limits count per reply: many replies read together are no reply over them
+    out, _ = parsed([encode(big) * 3], LIMITS)
+    assert out == [big] * 3
+
+
+def test_cluster_config_bounds_the_limits() -> None:
+    validate_cluster(ClusterConfig())
+    for bad in (
+        {"max_reply_bytes": 1000},
+        {"max_pending_keys": 1 << 22},  # its messages (32 MiB of keys) would not fit the default
+        {"max_reply_items": 100},
+        {"max_reply_depth": 1},
+        {"max_reply_depth": 1000},
+    ):
+        with pytest.raises(ClusterError, match="max_reply"):
+            validate_cluster(ClusterConfig(**bad))
+
+
+# ---- a hostile store in front of the real router -------------------------------------------------------
+
+
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+async def _command(reader: asyncio.StreamReader) -> list[bytes] | None:
+    """One command (an array of bulk strings), or None at the end of the connection."""
+    line = await reader.readline()
+    if not line:
+        return None
+    args = []
+    for _ in range(int(line[1:])):
+        n = int((await reader.readline())[1:])
+        args.append((await reader.readexactly(n + 2))[:-2])
+    return args
+
+
+class HostileStore:
+    """Answers the link's commands like Redis (an empty store: no peers, no pins) and delivers what it
+    publishes back to it; once ``arm()`` is called, sends ``attack`` on every subscription instead."""
+
+    ANSWERS: ClassVar[dict[bytes, bytes]] = {
+        b"HKEYS": b"*0\r\n",
+        b"SCAN": b"*2\r\n$1\r\n0\r\n*0\r\n",
+        b"GET": b"$-1\r\n",
+        b"PTTL": b":-2\r\n",
+    }
+
+    def __init__(self, attack: str) -> None:
+        self.attack = attack
+        self.subscriptions: list[float] = []
+        """When each SUBSCRIBE came: one per attempt of the link that got that far."""
+        self.attacks = 0
+        self._subscribers: set[asyncio.StreamWriter] = set()
+        self.loop = asyncio.new_event_loop()
+        self._armed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", 0), self.loop
+        ).result(TIMEOUT)
+        self.port: int = self.server.sockets[0].getsockname()[1]
+
+    def arm(self) -> None:
+        self.loop.call_soon_threadsafe(self._armed.set)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        attack: asyncio.Task[None] | None = None
+        try:
+            while (cmd := await _command(reader)) is not None:
+                name = cmd[0].upper()
+                if name == b"SUBSCRIBE":
+                    self.subscriptions.append(time.monotonic())
+                    writer.write(b"*3\r\n$9\r\nsubscribe\r\n" + _bulk(cmd[1]) + b":1\r\n")
+                    self._subscribers.add(writer)
+                    attack = asyncio.ensure_future(self._attack(writer))
+                elif name == b"PUBLISH":
+                    for sub in self._subscribers:
+                        sub.write(b"*3\r\n$7\r\nmessage\r\n" + _bulk(cmd[1]) + _bulk(cmd[2]))
+                    writer.write(b":%d\r\n" % len(self._subscribers))
+                else:
+                    writer.write(self.ANSWERS.get(name, b"+OK\r\n" if name != b"PING" else b"+PONG\r\n"))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._subscribers.discard(writer)
+            if attack is not None:
+                attack.cancel()
+            writer.close()
+
+    async def _attack(self, w: asyncio.StreamWriter) -> None:
+        await self._armed.wait()
+        if self.attack == "array_in_pieces" and self.attacks:
+            return  # (once: a huge reply within the limits, then an ordinary store)
+        self._subscribers.discard(w)  # (nothing else goes on this connection: it is mid-reply)
+        self.attacks += 1
+        try:
+            if self.attack == "array_in_pieces":  # 250k elements, 1 MB, in 4 KiB pieces
+                n = 250_000
+                w.write(b"*%d\r\n" % n)
+                for _ in range(n // 1000):
+                    w.write(b":1\r\n" * 1000)
+                    await w.drain()
+                    await asyncio.sleep(0.001)  # (each piece a read of its own)
+                self._subscribers.add(w)
+            elif self.attack == "endless_line":
+                w.write(b"+")
+                while True:
+                    w.write(b"a" * 65536)
+                    await w.drain()
+            elif self.attack == "huge_bulk":
+                w.write(b"$2000000000\r\n")
+                while True:
+                    w.write(b"x")
+                    await w.drain()
+                    await asyncio.sleep(0.01)
+            elif self.attack == "deep_arrays":
+                w.write(b"*1\r\n" * 100_000 + b":1\r\n")
+                await w.drain()
+        except ConnectionError:
+            pass
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self.server.close()
+            for w in list(self._subscribers):
+                w.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(TIMEOUT)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(TIMEOUT)
+
+
+class LoopWatch:
+    """A 2 ms timer on the router's event loop: the longest stall (the loop thread's CPU time between
+    two ticks, and the wall-clock gap beyond the tick), the client's largest buffer, the largest RSS."""
+
+    def __init__(self, router: RouterRunner) -> None:
+        self.router = router
+        self.cpu = self.wall = 0.0
+        self.buffered = 0
+        self.rss = self.rss0 = _rss()
+        self._stop = threading.Event()
+        loop = router.server._loop
+        assert loop is not None
+        self.future = asyncio.run_coroutine_threadsafe(self._run(), loop)
+
+    async def _run(self) -> None:
+        store = self.router.app.replicas.cluster.store
+        wall, cpu = time.monotonic(), time.thread_time()
+        while not self._stop.is_set():
+            await asyncio.sleep(0.002)
+            now, used = time.monotonic(), time.thread_time()
+            self.wall = max(self.wall, now - wall - 0.002)
+            self.cpu = max(self.cpu, used - cpu)
+            for conn in (store._cmd, store._sub):
+                if conn is not None:
+                    self.buffered = max(self.buffered, conn.parser.buffered)
+            self.rss = max(self.rss, _rss())
+            wall, cpu = time.monotonic(), time.thread_time()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.future.result(TIMEOUT)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[MockFleet]:
+    fleet = MockFleet([EngineConfig(time_scale=0.01)])
+    yield fleet
+    fleet.close()
+
+
+@pytest.mark.parametrize("attack", ["array_in_pieces", "endless_line", "huge_bulk", "deep_arrays"])
+def test_a_hostile_store_neither_stalls_nor_bloats_the_router(
+    attack: str, engine: MockFleet, tmp_path: Path
+) -> None:
+    store = HostileStore(attack)
+    router: RouterRunner | None = None
+    try:
+        toml = (
+            "block_size = 16\nremote_tokenize = false\n[health]\ninterval_s = 60\n[cluster]\n"
+            f'redis_url = "redis://127.0.0.1:{store.port}/0"\nreconnect_min_s = 0.05\nreconnect_max_s = 1.0\n'
+            f"max_reply_bytes = {LIMITS.max_bytes}\nmax_reply_items = {LIMITS.max_items}\n"
+            "max_pending_keys = 65536\n"
+        )
+        router = RouterRunner(toml + engine.backend_toml(0, "e"), tmp_path)
+        cluster = router.app.replicas.cluster
+        wait_for(lambda: cluster.connected, "the link connected")
+        watch = LoopWatch(router)
+        store.arm()
+        t0 = time.monotonic()
+        answered = []
+        with httpx.Client(timeout=TIMEOUT) as client:
+            body = {"model": "mock-model", "prompt": [1, 2, 3, 4], "max_tokens": 1}
+            while time.monotonic() - t0 < WINDOW_S:
+                r = client.post(f"{router.url}/v1/completions", json=body)
+                answered.append(r.status_code)
+                time.sleep(0.02)  # (a steady trickle of requests, not a load test)
+        watch.stop()
+        attempts = sum(1 for t in store.subscriptions if t >= t0)
+        print(
+            f"{attack}: stall {watch.cpu * 1000:.1f} ms of CPU ({watch.wall * 1000:.1f} ms wall), "
+            f"buffer <= {watch.buffered} bytes, RSS +{(watch.rss - watch.rss0) >> 20} MiB, "
+            f"{attempts} attempts, {len(answered)} requests, failures {cluster.stats.failures}"
+        )
+        assert watch.cpu <= 0.05, f"the event loop stalled {watch.cpu * 1000:.0f} ms"
+        assert watch.rss - watch.rss0 < 64 << 20
+        assert watch.buffered <= LIMITS.max_bytes
+        assert len(answered) >= 10 and set(answered) == {200}
+        if attack == "array_in_pieces":  # within the limits: parsed, and the link stays up
+            assert store.attacks == 1 and attempts == 0 and cluster.connected
+            assert cluster.stats.failures["protocol"] == 0
+            return
+        # each connection broken at once and counted; the link retries with its growing delay
+        # (0.05 s doubling to 1 s, jittered: at most 10 in 3 s), not every 0.05 s (some 60)
+        assert cluster.stats.failures["protocol"] >= 2
+        assert 2 <= attempts <= 12, attempts
+    finally:
+        if router is not None:
+            router.stop()
+        store.close()
+
+
+def test_a_message_over_the_limit_on_a_real_store_breaks_the_link_not_the_router(
+    engine: MockFleet, tmp_path: Path
+) -> None:
+    """Another client of the store publishes 2 MiB on the cluster channel (the limit: 1 MiB): the
+    subscription is closed and counted, the link reconnects and shares again."""
+    redis = RedisServer(tmp_path).start()
+    router: RouterRunner | None = None
+    try:
+        toml = (
+            "block_size = 16\nremote_tokenize = false\n[health]\ninterval_s = 60\n[cluster]\n"
+            f'redis_url = "{redis.url}"\nreconnect_min_s = 0.05\nmax_reply_bytes = {1 << 20}\n'
+            "max_pending_keys = 65536\n"
+        )
+        router = RouterRunner(toml + engine.backend_toml(0, "e"), tmp_path)
+        cluster = router.app.replicas.cluster
+        wait_for(lambda: cluster.connected and cluster.stats.messages["received"] > 0, "the link sharing")
+        connects = cluster.stats.connects
+
+        async def publish() -> None:
+            from router.cluster.resp import connect
+
+            conn = await connect(redis.url, TIMEOUT)
+            try:
+                await conn.execute([["PUBLISH", "kvrouter:cluster", b"x" * (2 << 20)]], TIMEOUT)
+            finally:
+                conn.close()
+
+        asyncio.run(publish())
+        wait_for(lambda: cluster.stats.failures["protocol"] == 1, "the oversized message refused")
+        wait_for(lambda: cluster.connected and cluster.stats.connects == connects + 1, "the link back")
+        received = cluster.stats.messages["received"]
+        wait_for(lambda: cluster.stats.messages["received"] > received, "messages shared again")
+        r = httpx.post(
+            f"{router.url}/v1/completions",
+            json={"model": "mock-model", "prompt": [1, 2, 3], "max_tokens": 1},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 200
+    finally:
+        if router is not None:
+            router.stop()
+        redis.stop()
