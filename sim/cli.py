@@ -16,6 +16,7 @@ from pathlib import Path
 from sim.commands import COMMANDS
 from sim.engine import EngineConfig, token_scaled
 from sim.fleet import Fleet
+from sim.kvgroups import PRESETS, check_engine_groups
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,6 +54,12 @@ def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.Argume
     )
     p.add_argument("--model", default=d.model, help=f"served model name (default {d.model})")
     p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument(
+        "--kv-groups",
+        default=d.kv_groups,
+        help=f"the model's KV cache groups: a preset ({', '.join(PRESETS)}; default {d.kv_groups}: one "
+        "full-attention group) or kind[:window],... e.g. sliding_window:64,full_attention (sim/kvgroups.py)",
+    )
     p.add_argument("--gpu-blocks", type=int, default=d.num_gpu_blocks, help="GPU KV blocks per DP rank")
     p.add_argument(
         "--cpu-blocks", type=int, default=d.cpu_blocks, help="CPU offload blocks per DP rank (0 = off)"
@@ -104,10 +111,15 @@ def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.Argume
 def _config(args: argparse.Namespace) -> EngineConfig:
     if args.token_scale <= 0:
         raise SystemExit("--token-scale must be > 0")
+    try:
+        check_engine_groups(args.kv_groups, args.cpu_blocks, args.kv_connector)
+    except ValueError as exc:
+        raise SystemExit(f"--kv-groups: {exc}") from None
     cfg = EngineConfig(
         model=args.model,
         host=args.host,
         block_size=args.block_size,
+        kv_groups=args.kv_groups,
         num_gpu_blocks=args.gpu_blocks,
         cpu_blocks=args.cpu_blocks,
         hashes_per_chunk=args.hashes_per_chunk,
@@ -191,6 +203,8 @@ async def _serve(args: argparse.Namespace) -> int:
         else:
             for i, e in enumerate(info):
                 shape = f"model={e['model']} dp_size={e['dp_size']} block_size={e['block_size']}"
+                if e["kv_groups"] != "llama":
+                    shape += f" kv_groups={e['kv_groups']}"
                 print(f"engine {i}: {e['url']}  {shape}")
                 for rank, (kv, replay) in enumerate(
                     zip(e["kv_endpoints"], e["replay_endpoints"], strict=True)

@@ -35,6 +35,7 @@ from sim.commands import COMMANDS
 from sim.driver import DriverConfig, EngineCounters, run, scrape_engines
 from sim.engine import EngineConfig
 from sim.fleet import Fleet
+from sim.kvgroups import PRESETS, KVGroupsSpec, is_plain, parse_kv_groups
 from sim.offline import chat_tokenizer, token_bound
 from sim.report import Row, from_live, table, to_json
 from sim.workload import Request, WorkloadConfig, demo_config, generate, summary
@@ -60,6 +61,10 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     echo_answers: bool = False
     """Resend the engines' real answers in later turns instead of the stand-ins. Off by default so
     that the infinite-cache bound, computed from the workload as generated, is exact."""
+    kv_groups: KVGroupsSpec = "llama"
+    """The engines' KV cache groups (``sim.kvgroups``): ``gemma3`` or ``qwen3_next`` runs a hybrid
+    fleet. Its groups share each engine's blocks: a sliding-window group takes blocks for a whole
+    prompt while it prefills, so ``gemma3`` engines evict sooner and hold requests half as long."""
 
 
 def quick_demo(seed: int = 0) -> DemoConfig:
@@ -249,6 +254,7 @@ async def run_policy(
         time_scale=cfg.time_scale,
         tokenizer=tokenizer_dir,
         max_model_len=cfg.num_gpu_blocks * 16,
+        kv_groups=cfg.kv_groups,
     )
     fleet = Fleet.uniform(cfg.engines, engine_cfg)
     router: RouterProcess | None = None
@@ -299,8 +305,10 @@ async def run_demo(
 
     requests = generate(cfg.workload)
     s = summary(requests)
+    groups = "" if is_plain(parse_kv_groups(cfg.kv_groups)) else f", KV cache groups {cfg.kv_groups}"
     out.write(
-        f"kvrouter demo: {cfg.engines} mock vLLM engines ({cfg.num_gpu_blocks} KV blocks of 16 tokens each), "
+        f"kvrouter demo: {cfg.engines} mock vLLM engines ({cfg.num_gpu_blocks} KV blocks of 16 tokens each"
+        f"{groups}), "
         f"{int(s['requests'])} chat requests in {int(s['sessions'])} sessions over {s['span_s']:.0f} s, "
         f"policies: {', '.join(cfg.policies)}\n"
     )
@@ -348,12 +356,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="prefill/decode disaggregation: 2 prefill + 2 decode engines vs 4 aggregated (sim/pd_demo.py)",
     )
+    p.add_argument(
+        "--kv-groups",
+        default="llama",
+        help=f"the engines' KV cache groups: {', '.join(PRESETS)} (default llama: one full-attention "
+        "group; gemma3 and qwen3_next are hybrid models, sim/kvgroups.py)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """DemoConfig from parsed flags."""
     cfg = quick_demo(args.seed) if args.quick else DemoConfig(workload=demo_config(seed=args.seed))
     changes: dict[str, Any] = {}
+    kv_groups = getattr(args, "kv_groups", "llama")
+    try:
+        parse_kv_groups(kv_groups)
+    except ValueError as exc:
+        raise SystemExit(f"--kv-groups: {exc}") from None
+    if kv_groups != "llama":
+        changes["kv_groups"] = kv_groups
     if args.engines:
         changes["engines"] = args.engines
     if args.policies:
@@ -368,6 +389,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def run_command(args: argparse.Namespace) -> int:
     """Entry point of `kvrouter demo`."""
     if getattr(args, "pd", False):  # P/D hook: the arms of sim/pd_demo.py instead of the policies
+        if getattr(args, "kv_groups", "llama") != "llama":
+            print("kvrouter demo: --pd runs plain engines only (--kv-groups llama)", file=sys.stderr)
+            return 2
         from sim import pd_demo
 
         return pd_demo.run_command(args)

@@ -6,7 +6,8 @@ latencies that depend on prefix-cache hits. Nothing here runs a model: output to
 ids seeded by the prompt, and time is spent in `asyncio.sleep` according to a per-step cost model
 (see sim/README.md for the defaults and why).
 
-Each DP rank has its own `PrefixCache`, scheduler loop and `KVEventPublisher`. The step algorithm
+Each DP rank has its own cache (`PrefixCache`; `sim.kvgroups.HybridPrefixCache` for a hybrid model's
+KV cache groups), scheduler loop and `KVEventPublisher`. The step algorithm
 itself (decode every running request, preempting when out of blocks, then admit waiting requests FIFO
 within sequence slots, token budget and cache blocks, and the step's modelled duration) lives in
 `sim.scheduler`, shared with the offline simulator. The loop here plans a step, sleeps for its
@@ -39,7 +40,8 @@ from fastapi.responses import Response, StreamingResponse
 from router.decision.chat import ChatTokenizer
 from router.decision.tokenizer import TokenizerError, TokenizerUnavailable
 from sim import nixl
-from sim.kvcache import PrefixCache
+from sim.kvcache import KVCache
+from sim.kvgroups import KVGroupsSpec, check_engine_groups, new_cache, token_capacity
 from sim.publisher import KVEventPublisher
 from sim.scheduler import StepModel, StepScheduler
 
@@ -56,7 +58,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     port: int = 0
     """HTTP port; 0 picks a free one (read `MockEngine.url` after start)."""
     block_size: int = 16
-    """Tokens per KV block (vLLM's default on CUDA)."""
+    """Tokens per KV block (vLLM's default on CUDA), the same in every KV cache group."""
+    kv_groups: KVGroupsSpec = "llama"
+    """The model's KV cache groups (``sim.kvgroups``): a preset (``llama``: one full-attention
+    group, today's engine; ``gemma3``, ``mistral``, ``qwen3_next``: the hybrids real engines showed)
+    or a list of ``(kind, sliding_window)``. Hybrids share the GPU blocks among their groups, take no
+    CPU tier or KV connector, and announce each group's blocks as vLLM 0.32 does."""
     num_gpu_blocks: int = 2048
     """GPU blocks per DP rank: 32k tokens at block_size 16, small enough that benchmarks evict."""
     cpu_blocks: int = 0
@@ -358,9 +365,10 @@ class RankScheduler:
         self.e2e = _Histogram()
         self.announced: dict[str, Any] = {"rank": rank, "seq": -1, "blocks": {"GPU": 0}}
 
-    def _new_cache(self) -> PrefixCache:
+    def _new_cache(self) -> KVCache:
         c = self.config
-        return PrefixCache(
+        return new_cache(
+            check_engine_groups(c.kv_groups, c.cpu_blocks, c.kv_connector),
             c.num_gpu_blocks,
             c.block_size,
             hash_seed=c.hash_seed,
@@ -371,7 +379,7 @@ class RankScheduler:
         )
 
     @property
-    def cache(self) -> PrefixCache:
+    def cache(self) -> KVCache:
         """This rank's cache (a new one after a restart), for metrics and tests that look inside."""
         return self.core.cache
 
@@ -470,12 +478,9 @@ class RankScheduler:
     def _announced(self) -> dict[str, Any]:
         """What the published events describe: distinct cached block hashes per medium, as of the
         last published seq (what an index that applied every event must hold)."""
-        cache = self.cache
-        out: dict[str, Any] = {"rank": self.rank, "seq": -1, "blocks": {"GPU": len(cache._cached)}}
+        out: dict[str, Any] = {"rank": self.rank, "seq": -1, "blocks": self.cache.cached_by_medium()}
         if self.publisher is not None:
             out["seq"] = self.publisher.next_seq - 1
-        if self.config.cpu_blocks:
-            out["blocks"]["CPU"] = len({d for chunk in cache._cpu.values() for d in chunk.digests})
         return out
 
     # ---- the step loop ------------------------------------------------------------------------------
@@ -560,11 +565,14 @@ class MockEngine:
         if not config.kv_bind and not config.kv_port:
             raise ValueError("kv_bind=False connects to kv_port, which must then be a fixed port")
         self.config = config
+        groups = check_engine_groups(config.kv_groups, config.cpu_blocks, config.kv_connector)
         if tokenizer is None and config.tokenizer is not None:
             tokenizer = ChatTokenizer.from_path(config.tokenizer)
         self.tokenizer = EngineTokenizer(tokenizer, config.chat_template)
         # A single request must always fit in one rank's cache, or it could wait forever.
-        self.max_model_len = min(config.max_model_len, config.num_gpu_blocks * config.block_size)
+        self.max_model_len = min(
+            config.max_model_len, token_capacity(groups, config.num_gpu_blocks, config.block_size)
+        )
         self.ranks: list[RankScheduler] = []
         self.app = self._build_app()
         self._server: _QuietServer | None = None

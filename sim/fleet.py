@@ -109,13 +109,15 @@ class Fleet:
         return [e.replay_endpoints for e in self.engines]
 
     def describe(self) -> list[dict[str, Any]]:
-        """One JSON-able record per engine (url, model, dp_size, kv and replay endpoints)."""
+        """One JSON-able record per engine (url, model, dp_size, block size, KV cache groups, kv and
+        replay endpoints)."""
         return [
             {
                 "url": e.url,
                 "model": e.config.model,
                 "dp_size": e.config.dp_size,
                 "block_size": e.config.block_size,
+                "kv_groups": e.config.kv_groups,
                 "kv_endpoints": e.kv_endpoints,
                 "replay_endpoints": e.replay_endpoints,
                 "side_channels": e.side_channels,

@@ -30,6 +30,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sim.publisher import (
     MEDIUM_CPU,
@@ -46,11 +47,13 @@ SPEC_KIND = "full_attention"
 
 @dataclass
 class _Block:
-    """One physical GPU block; `digest` is set once the block is full and cached."""
+    """One physical GPU block; `digest` is set once the block is full and cached (for KV cache
+    group `group` of a hybrid model)."""
 
     block_id: int
     ref_cnt: int = 0
     digest: bytes | None = None
+    group: int = 0
 
 
 @dataclass
@@ -88,53 +91,24 @@ class _Chunk:
     tokens: list[int]
 
 
-class PrefixCache:
-    """GPU block pool with prefix caching, plus an optional CPU offload tier.
+class BlockPool:
+    """What the one-group cache and the hybrid one (``sim.kvgroups``) share: the pool's blocks and
+    free queue, vLLM's prefix-cache counters, and the engine's own block hash (blake2b over (parent
+    digest, tokens) keyed by ``hash_seed``), so both announce the same hashes for the same tokens."""
 
-    Requests are identified by caller-chosen string ids. Lifecycle: `admit` (prefill), then one
-    `decode` per generated token after the first, then `free`. `admit`/`decode` return a falsy value and
-    change nothing when the pool cannot supply a block, so the scheduler can wait or preempt.
-    """
-
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int = 16,
-        *,
-        hash_seed: int = 0,
-        hash_bytes: bool = False,
-        cpu_blocks: int = 0,
-        hashes_per_chunk: int = 4,
-        group_idx: int = 0,
-        connector: bool = False,
-    ) -> None:
-        if num_blocks <= 0 or block_size <= 0 or hashes_per_chunk <= 0 or cpu_blocks < 0:
-            raise ValueError("num_blocks, block_size and hashes_per_chunk must be > 0, cpu_blocks >= 0")
+    def __init__(self, num_blocks: int, block_size: int, hash_seed: int, hash_bytes: bool) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_bytes = hash_bytes
-        self.group_idx = group_idx
         self._key = hash_seed.to_bytes(8, "big", signed=hash_seed < 0)
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # Free queue in eviction order (head = next victim); holds ref_cnt == 0 blocks, cached or not.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[bytes, dict[int, None]] = {}  # digest -> blocks holding it (vLLM allows several)
-        self._seqs: dict[str, _Seq] = {}
-        self._gpu_events: list[Event] = []
-        # CPU tier
-        self.hashes_per_chunk = hashes_per_chunk
-        self.cpu_capacity_chunks = cpu_blocks // hashes_per_chunk
-        self._cpu: OrderedDict[bytes, _Chunk] = OrderedDict()  # key = last block digest, LRU order
-        self._cpu_events: list[Event] = []
-        self.connector = connector or cpu_blocks > 0
-        """A KV connector is configured (CPU offload tier, NIXL): external_prefix_cache_* count."""
         # accounting (vLLM's prefix_cache_* and external_prefix_cache_* counters)
         self.queries = 0
         self.hits = 0
         self.cpu_queries = 0
         self.cpu_hits = 0
-
-    # ---- hashing -----------------------------------------------------------------------------------
 
     def _digest(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
         h = hashlib.blake2b(digest_size=32, key=self._key)
@@ -157,8 +131,6 @@ class PrefixCache:
         self._extend_digests(digests, tokens)
         return [self.external(d) for d in digests]
 
-    # ---- queries -----------------------------------------------------------------------------------
-
     @property
     def num_free_blocks(self) -> int:
         """Blocks not pinned by a running request (cached or empty)."""
@@ -169,6 +141,57 @@ class PrefixCache:
         """Fraction of blocks pinned by running requests, like `vllm:kv_cache_usage_perc`."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    def _pin(self, b: int) -> None:
+        block = self._blocks[b]
+        if block.ref_cnt == 0:
+            del self._free[b]
+        block.ref_cnt += 1
+
+    def _forget_hashes(self) -> None:
+        """A reset's part in the pool: no block holds a hash, all are free again in block order."""
+        for block in self._blocks:
+            block.digest = None
+        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+
+
+class PrefixCache(BlockPool):
+    """GPU block pool with prefix caching, plus an optional CPU offload tier.
+
+    Requests are identified by caller-chosen string ids. Lifecycle: `admit` (prefill), then one
+    `decode` per generated token after the first, then `free`. `admit`/`decode` return a falsy value and
+    change nothing when the pool cannot supply a block, so the scheduler can wait or preempt.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        hash_seed: int = 0,
+        hash_bytes: bool = False,
+        cpu_blocks: int = 0,
+        hashes_per_chunk: int = 4,
+        group_idx: int = 0,
+        connector: bool = False,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0 or hashes_per_chunk <= 0 or cpu_blocks < 0:
+            raise ValueError("num_blocks, block_size and hashes_per_chunk must be > 0, cpu_blocks >= 0")
+        super().__init__(num_blocks, block_size, hash_seed, hash_bytes)
+        self.group_idx = group_idx
+        self._cached: dict[bytes, dict[int, None]] = {}  # digest -> blocks holding it (vLLM allows several)
+        self._seqs: dict[str, _Seq] = {}
+        self._gpu_events: list[Event] = []
+        # CPU tier
+        self.hashes_per_chunk = hashes_per_chunk
+        self.cpu_blocks = cpu_blocks
+        self.cpu_capacity_chunks = cpu_blocks // hashes_per_chunk
+        self._cpu: OrderedDict[bytes, _Chunk] = OrderedDict()  # key = last block digest, LRU order
+        self._cpu_events: list[Event] = []
+        self.connector = connector or cpu_blocks > 0
+        """A KV connector is configured (CPU offload tier, NIXL): external_prefix_cache_* count."""
+
+    # ---- queries -----------------------------------------------------------------------------------
+
     @property
     def num_cached_blocks(self) -> int:
         """GPU blocks currently holding a cached hash (pinned or not)."""
@@ -177,6 +200,18 @@ class PrefixCache:
     def cached_hashes(self) -> set[ExternalBlockHash]:
         """External hashes currently cached on GPU."""
         return {self.external(d) for d in self._cached}
+
+    def cached_by_medium(self) -> dict[str, int]:
+        """Distinct cached block hashes per medium, named as the router's index names them (what an
+        index that applied every event holds)."""
+        out = {"GPU": len(self._cached)}
+        if self.cpu_blocks:
+            out["CPU"] = len({d for chunk in self._cpu.values() for d in chunk.digests})
+        return out
+
+    def fits_alone(self, n_tokens: int) -> bool:
+        """Whether a request of ``n_tokens`` could be admitted into an otherwise empty pool."""
+        return -(-n_tokens // self.block_size) <= self.num_blocks
 
     def cpu_hashes(self) -> list[ExternalBlockHash]:
         """Per-block hashes held by the CPU tier, with repeats when chunks overlap."""
@@ -250,7 +285,12 @@ class PrefixCache:
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def admit(
-        self, req_id: str, tokens: Sequence[int], external_tokens: int = 0, report_hits: bool = False
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        external_tokens: int = 0,
+        report_hits: bool = False,
+        prompt_tokens: int | None = None,
     ) -> Admission | None:
         """Prefill `tokens`: reuse the cached prefix, allocate the rest, cache every full block.
 
@@ -262,6 +302,8 @@ class PrefixCache:
         cached and announced like computed ones. `report_hits`: the request asked for
         ``kv_cache_report_mode = "full"``, so its GPU prefix hit is announced again first (one
         BlockStored from block 0 with no parent, no removal to match it), as vLLM does.
+        `prompt_tokens`: how many of `tokens` are the prompt (a resumed request's are fewer); one
+        full-attention group caches the same blocks either way, so it is not used here.
         """
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} already admitted")
@@ -340,10 +382,8 @@ class PrefixCache:
         """Drop every cached GPU hash (AllBlocksCleared); refused while any request holds blocks."""
         if self._seqs:
             return False
-        for block in self._blocks:
-            block.digest = None
+        self._forget_hashes()
         self._cached.clear()
-        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
         self._gpu_events.append(AllBlocksCleared())
         return True
 
@@ -354,12 +394,6 @@ class PrefixCache:
         return events
 
     # ---- internals ---------------------------------------------------------------------------------
-
-    def _pin(self, b: int) -> None:
-        block = self._blocks[b]
-        if block.ref_cnt == 0:
-            del self._free[b]
-        block.ref_cnt += 1
 
     def _allocate(self) -> int:
         b, _ = self._free.popitem(last=False)
@@ -460,3 +494,49 @@ class PrefixCache:
                     kv_cache_spec_kind=SPEC_KIND,
                 )
             )
+
+
+class KVCache(Protocol):
+    """What the step (``sim.scheduler``) and the engine use of a rank's cache: ``PrefixCache`` (one
+    full-attention group) and ``sim.kvgroups.HybridPrefixCache`` (hybrid KV cache groups)."""
+
+    num_blocks: int
+    block_size: int
+    queries: int
+    hits: int
+    cpu_queries: int
+    cpu_hits: int
+
+    @property
+    def usage(self) -> float: ...
+
+    def probe(self, tokens: Sequence[int]) -> tuple[int, int]: ...
+
+    def admit(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        external_tokens: int = 0,
+        report_hits: bool = False,
+        prompt_tokens: int | None = None,
+    ) -> Admission | None: ...
+
+    def decode(self, req_id: str, token: int) -> bool: ...
+
+    def free(self, req_id: str) -> None: ...
+
+    def reset(self) -> bool: ...
+
+    def take_events(self) -> list[Event]: ...
+
+    def has_request(self, req_id: str) -> bool: ...
+
+    def request_blocks(self, req_id: str) -> list[int]: ...
+
+    def block_contents(self, req_id: str, block_ids: Sequence[int]) -> list[list[int]] | None: ...
+
+    def cached_by_medium(self) -> dict[str, int]: ...
+
+    def fits_alone(self, n_tokens: int) -> bool: ...
+
+    def held_blocks(self, tokens: Sequence[int]) -> int: ...

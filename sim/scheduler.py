@@ -3,7 +3,7 @@
 Why a module of its own: the live mock engine (``sim.engine.RankScheduler``, real time, asyncio) and the
 offline simulator (``sim.offline``, virtual time) must schedule exactly alike, or offline predictions
 stop matching live runs. Both drive a :class:`StepScheduler`, which holds one rank's FIFO waiting
-queue, running batch and :class:`~sim.kvcache.PrefixCache` and knows nothing of clocks, sockets or
+queue, running batch and cache (:class:`~sim.kvcache.KVCache`) and knows nothing of clocks, sockets or
 HTTP. A step is two calls with the step's duration spent in between, by ``asyncio.sleep`` or on a
 virtual clock:
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import msgspec
 
-from sim.kvcache import PrefixCache
+from sim.kvcache import KVCache
 
 if TYPE_CHECKING:
     from sim.engine import EngineConfig
@@ -136,7 +136,7 @@ class StepOutcome(Generic[R]):
 class StepScheduler(Generic[R]):
     """One rank's waiting queue, running batch and cache, and the step algorithm over them."""
 
-    def __init__(self, cache: PrefixCache, model: StepModel) -> None:
+    def __init__(self, cache: KVCache, model: StepModel) -> None:
         self.cache = cache
         self.model = model
         self.waiting: deque[R] = deque()
@@ -198,9 +198,11 @@ class StepScheduler(Generic[R]):
                 saved = max(gpu_hit + cpu_hit, min(external, len(tokens) - 1))
                 if prefill_tokens + len(tokens) - saved > model.max_num_batched_tokens:
                     break
-            adm = cache.admit(req.request_id, tokens, external, getattr(req, "report_hits", False))
+            adm = cache.admit(
+                req.request_id, tokens, external, getattr(req, "report_hits", False), len(req.prompt)
+            )
             if adm is None:
-                if -(-len(tokens) // model.block_size) > cache.num_blocks:
+                if not cache.fits_alone(len(tokens)):
                     rejected.append(self.waiting.popleft())  # cannot fit even alone: the caller fails it
                     continue
                 break  # wait: running requests finish, blocks kept for a P/D transfer are read
