@@ -346,7 +346,16 @@ class NativeServer:
             self._loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(TIMEOUT)
         self.sock.close()
-        assert not self.thread.is_alive(), "router thread did not stop"
+        if self.thread.is_alive():  # where it hangs, for the report
+            import sys
+            import traceback
+
+            frame = sys._current_frames().get(self.thread.ident or -1)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+            tasks = ""
+            if self._loop is not None:
+                tasks = "\n".join(repr(t) for t in asyncio.all_tasks(self._loop))
+            raise AssertionError(f"router thread did not stop:\n{stack}\ntasks:\n{tasks}")
 
 
 class RouterRunner:

@@ -595,12 +595,19 @@ class Cluster:
         }
 
 
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+async def _cancel(tasks: list[asyncio.Task[None]], within_s: float = 5.0) -> None:
+    """Cancel the link's tasks and wait for them, at most ``within_s``: a shutdown never waits on a
+    task stuck on a store (one still running is logged and left to the loop's end)."""
     for t in tasks:
         t.cancel()
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=within_s)
+    for t in pending:
+        log.warning("cluster: task %s did not stop within %.0f s of its cancellation", t.get_name(), within_s)
     for t in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await t
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            log.info("cluster: task %s ended with %r", t.get_name(), t.exception())
 
 
 __all__ = ["Cluster", "ClusterStats", "redact"]
