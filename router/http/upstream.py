@@ -10,9 +10,17 @@ What it does, and no more: one request per connection at a time; the request wri
 flow control (reading pauses while the consumer is behind); read and connect timeouts without
 extra tasks; idle connections reused LIFO per (scheme, host, port) and dropped after
 ``keepalive_expiry`` (below uvicorn's 5 s default idle timeout, so vLLM never closes one we are
-about to use); a request that fails on a *reused* connection within a second and before any response byte
-is retried once on a fresh connection (the server closed it while idle: the request was not processed).
-Closing a response before its end closes the connection, which vLLM treats as an abort.
+about to use). Closing a response before its end closes the connection, which vLLM treats as an abort.
+
+**A request is written once.** An engine that read a request may have started it (a prefill leg
+that ran would run twice), and nothing on the wire proves it did not: an engine that closes while
+idle and one that closes after reading look the same from here once the request is out. So the
+only case treated as "provably never sent" is the one decided *before* writing: a reused idle
+connection whose socket shows, in a zero-timeout poll right before the write, that the engine
+closed it (or sent bytes nobody asked for). It is dropped and another (or a new) connection takes
+the request. Once any byte of the request is written, a failure is the caller's to handle
+(:class:`UpstreamError`): a P/D prefill leg falls back, a proxied request fails over to another
+backend or gets a 502, never the same request again on the same engine.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import select
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -58,6 +67,7 @@ class _Conn(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
+        self.poller: select.poll | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.error: Exception | None = None
@@ -81,6 +91,10 @@ class _Conn(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.poller = select.poll()
+            self.poller.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
@@ -148,6 +162,15 @@ class _Conn(asyncio.Protocol):
         finally:
             handle.cancel()
             self.waiter = None
+
+    def sendable(self) -> bool:
+        """This idle connection can take a request: open, silent since its last response, and its
+        socket shows no close or bytes that the event loop has not delivered yet (a zero-timeout
+        poll: the kernel knows of an engine's FIN before the loop does)."""
+        t = self.transport
+        if self.closed or self.got_bytes or t is None or t.is_closing():
+            return False
+        return self.poller is None or not self.poller.poll(0)
 
     def take(self) -> bytes:
         """Everything buffered so far (resumes reading when the buffer drained)."""
@@ -274,8 +297,7 @@ class UpstreamPool:
         now = time.monotonic()
         while stack:
             conn = stack.pop()
-            # bytes on an idle connection are not an answer to the next request: drop it
-            if not conn.closed and not conn.got_bytes and now - conn.idle_since < self.keepalive_expiry:
+            if now - conn.idle_since < self.keepalive_expiry and conn.sendable():
                 return conn
             conn.close()
         return None
@@ -292,41 +314,30 @@ class UpstreamPool:
     async def request(
         self, key: tuple[str, str, int], method: str, target: str, headers: list[tuple[str, str]], body: bytes
     ) -> UpstreamResponse:
-        """Send a request and wait for the response headers; raises UpstreamError / UpstreamTimeout."""
+        """Send a request once and wait for the response head; raises UpstreamError / UpstreamTimeout.
+        Never sent again: see the module's docstring for why an idle connection is checked before
+        the write instead."""
         host = f"[{key[1]}]" if ":" in key[1] else key[1]
         head = [f"{method} {target} HTTP/1.1\r\nhost: {host}:{key[2]}\r\ncontent-length: {len(body)}\r\n"]
         for name, value in headers:
             head.append(f"{name}: {value}\r\n")
         head.append("\r\n")
         payload = "".join(head).encode("latin-1") + body
-        for attempt in range(2):
-            conn = self._acquire_idle(key) if attempt == 0 else None
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(key)
-            assert conn.transport is not None
-            conn.used = True
-            written = time.monotonic()
-            conn.transport.write(payload)
-            try:
-                while not conn.headers_done:
-                    if conn.error is not None:
-                        raise conn.error
-                    await conn.wait(self.read_timeout)
-            except UpstreamTimeout:
-                conn.close()
-                raise
-            except UpstreamError:
-                conn.close()
-                quick = time.monotonic() - written < 1.0
-                if reused and not conn.got_bytes and quick:
-                    continue  # the backend had closed this idle connection: the request never ran
-                raise
-            except BaseException:
-                conn.close()  # cancelled (the client left): closing is how vLLM learns to abort
-                raise
-            return UpstreamResponse(self, key, conn, self.read_timeout)
-        raise UpstreamError("unreachable")  # pragma: no cover
+        conn = self._acquire_idle(key)  # (checked sendable: no await between the check and the write)
+        if conn is None:
+            conn = await self._connect(key)
+        assert conn.transport is not None
+        conn.used = True
+        conn.transport.write(payload)
+        try:
+            while not conn.headers_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(self.read_timeout)
+        except BaseException:
+            conn.close()  # (cancelled: the client left; closing is how vLLM learns to abort)
+            raise
+        return UpstreamResponse(self, key, conn, self.read_timeout)
 
     async def fetch(
         self,
@@ -345,8 +356,8 @@ class UpstreamPool:
         which cost ``kvrouter serve`` ~0.1 s of start-up (its import, an SSL context built whether
         or not a backend speaks TLS, its first request) and ~2 MB. As for proxied requests: TLS
         trusts the system's CA store and is set up at the first https URL, ``HTTP(S)_PROXY`` is
-        not consulted (backends are reached directly), and a request is sent again once only when
-        a reused idle connection turns out closed before any answer (it was not processed)."""
+        not consulted (backends are reached directly), and a request is never sent twice (the
+        module's docstring says why)."""
         u = urlsplit(url)
         target = (u.path or "/") + (f"?{u.query}" if u.query else "")
         pairs = list((headers or {}).items())
