@@ -62,6 +62,12 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     closed. An engine writes its head at once, so one that trickles it would hold the request (and
     a client) for nothing; the wait for that first byte (a non-streamed answer is computed whole
     first) is ``read_timeout_s``'s."""
+    max_sse_event_bytes: int = 16 * 1024 * 1024
+    """Largest unfinished SSE event held while relaying a stream (the router forwards whole events
+    only, and reads usage from them); a larger one ends the stream with an error event and closes
+    the connection. A vLLM event is one token's delta (under 1 KiB, a few KiB with top logprobs);
+    the largest legitimate one carries an echoed prompt's logprobs (~150 bytes per prompt token),
+    hence the margin; each stream can hold up to this much."""
     drain_timeout_s: float = 30.0
     """On shutdown, in-flight requests and streams get this long to finish."""
     write_timeout_s: float = 60.0
@@ -366,8 +372,9 @@ def validate(cfg: RouterConfig) -> None:
     for key in ("connect_timeout_s", "read_timeout_s", "keepalive_expiry_s", "upstream_head_timeout_s"):
         if getattr(cfg.server, key) <= 0:
             raise ConfigError(f"server.{key}: must be positive")
-    if cfg.server.upstream_max_head_bytes < 1024:
-        raise ConfigError("server.upstream_max_head_bytes: must be at least 1024")
+    for key in ("upstream_max_head_bytes", "max_sse_event_bytes"):
+        if getattr(cfg.server, key) < 1024:
+            raise ConfigError(f"server.{key}: must be at least 1024")
     if cfg.server.upstream_max_header_lines < 1:
         raise ConfigError("server.upstream_max_header_lines: must be at least 1")
     if not 1 <= cfg.server.workers <= 63:  # (a worker is one bit of a signed 64-bit board cell)

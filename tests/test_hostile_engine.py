@@ -27,11 +27,19 @@ from hostile import (
     RawClient,
     RouterProcess,
     Watch,
+    chunk,
     completion,
     framed,
     send_for,
+    sse_event,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from router.http.sse import EventBuffer, EventTooLarge
+
+SSE_LIMIT = 1 << 20
+"""The test router's server.max_sse_event_bytes."""
 HEAD_LIMIT = 65536
 """server.upstream_max_head_bytes (its default)."""
 HEAD_TIMEOUT = 1.0
@@ -117,6 +125,28 @@ def endless_header_line(sock: socket.socket, post: Post) -> bool:
     return False
 
 
+def endless_sse_event(sock: socket.socket, post: Post) -> bool:
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        + chunk(sse_event(post.token))
+        + chunk(b"data: ")
+    )
+    send_for(sock, chunk(b"a" * (1 << 20)), ATTACK_BYTES)
+    return False
+
+
+def endless_sse_event_with_length(sock: socket.socket, post: Post) -> bool:
+    first = sse_event(post.token)
+    length = len(first) + len(b"data: ") + ATTACK_BYTES
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % length
+        + first
+        + b"data: "
+    )
+    send_for(sock, b"a" * (1 << 20), ATTACK_BYTES)
+    return False
+
+
 def trickle(sock: socket.socket, post: Post) -> bool:
     head = b"HTTP/1.1 200 OK\r\nx-slow: " + b"a" * 200
     try:
@@ -140,6 +170,8 @@ ATTACKS = {
     "framing": framing,
     "many_headers": many_headers,
     "endless_header_line": endless_header_line,
+    "endless_sse_event": endless_sse_event,
+    "endless_sse_event_with_length": endless_sse_event_with_length,
     "trickle": trickle,
     "drop": drop,
 }
@@ -149,6 +181,7 @@ def base_toml(tokdir: Path) -> str:
     return (
         f'block_size = 4\ntokenizer = "{tokdir}"\n'
         f"[server]\nread_timeout_s = 30\nupstream_head_timeout_s = {HEAD_TIMEOUT}\n"
+        f"max_sse_event_bytes = {SSE_LIMIT}\n"
         "[health]\ninterval_s = 60\n[health.breaker]\neject_after = 0\n"
     )
 
@@ -253,6 +286,65 @@ def test_an_endless_head_is_a_502_in_bounded_memory_without_stalling(
         assert_502(c.request("POST", "/v1/completions", completions(kind, token())))
         assert_next_is_own(c, engine)
     assert_bounded(w, HEAD_LIMIT)
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length"])
+def test_an_endless_sse_event_ends_the_stream_in_bounded_memory_without_stalling(
+    router: RouterProcess, engine: HostileEngine, framing: str
+) -> None:
+    """The whole events before it reach the client; then an error event and the end marker, or,
+    when the engine gave the stream a length (the client then expects that many bytes), the
+    connection closed after them: a truncated answer, never one that leaves the client waiting."""
+    t = token()
+    kind = "endless_sse_event" if framing == "chunked" else "endless_sse_event_with_length"
+    with RawClient(router.port, timeout=20) as c, Watch(router).running() as w:
+        r = c.request("POST", "/v1/completions", completions(kind, t, stream=True), allow_cut=True)
+        assert r.status == 200
+        if framing == "chunked":
+            first, error, done, rest = r.body.split(b"\n\n")
+            assert first + b"\n\n" == sse_event(t) and done == b"data: [DONE]" and rest == b""
+            assert json.loads(error.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+            assert_next_is_own(c, engine)
+        else:
+            assert r.cut and r.body == sse_event(t)
+    if framing == "length":
+        with RawClient(router.port) as c:
+            assert_next_is_own(c, engine)
+    assert_bounded(w, SSE_LIMIT)
+    assert router.metric("kvrouter_upstream_violations_total", reason="sse_event_too_large") >= 1
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    events=st.lists(
+        st.sampled_from([b"data: x\n\n", b"data: y\r\n\r\n", b": c\n\n", b"data: z", b"\n", b"\r\n", b"\r"]),
+        max_size=12,
+    ),
+    cuts=st.lists(st.integers(0, 200), max_size=8),
+)
+def test_the_held_sse_event_is_cut_as_before_and_bounded(events: list[bytes], cuts: list[int]) -> None:
+    """EventBuffer against the former re-join and re-scan of the whole held bytes on every read:
+    the same events out for any split of the stream (ends split between two reads included), the
+    rest held, and a held event over the limit refused."""
+    data = b"".join(events)
+    at = sorted({min(c, len(data)) for c in cuts})
+    reads = [data[i:j] for i, j in zip([0, *at], [*at, len(data)], strict=True) if data[i:j]]
+    buf = EventBuffer(1 << 20)
+    held = b""
+    for read in reads:
+        whole = held + read
+        cut, crlf = whole.rfind(b"\n\n"), whole.rfind(b"\r\n\r\n")  # (the former cut, verbatim)
+        end = cut + 2 if cut != -1 else 0
+        if crlf != -1 and crlf + 4 > end:
+            end = crlf + 4
+        assert buf.cut(read) == whole[:end]
+        held = whole[end:]
+        assert buf.size == len(held)
+    assert buf.flush() == held
+    small = EventBuffer(1024)
+    small.cut(b"data: " + b"a" * 1000)
+    with pytest.raises(EventTooLarge):
+        small.cut(b"a" * 100)
 
 
 def test_a_head_trickled_byte_by_byte_meets_a_deadline(router: RouterProcess, engine: HostileEngine) -> None:

@@ -80,7 +80,7 @@ class UpstreamTimeout(UpstreamError):
 class UpstreamViolation(UpstreamError):
     """The backend's answer broke the framing rules or a limit; ``reason`` is the metric label
     (trailing_bytes, framing, upgrade, malformed, head_too_large, too_many_headers, head_timeout,
-    unframed_bytes)."""
+    unframed_bytes, sse_event_too_large)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)

@@ -441,7 +441,7 @@ class UpstreamCollector:
             "kvrouter_upstream_violations",
             "Engine answers refused or cut, and their connection closed: trailing_bytes (after a "
             "complete response), framing, upgrade, malformed, head_too_large, too_many_headers, "
-            "head_timeout, unframed_bytes",
+            "head_timeout, unframed_bytes, sse_event_too_large",
             labels=["reason"],
         )
         for reason, n in sorted(self.pool.violations.items()):
