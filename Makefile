@@ -48,7 +48,7 @@ soak: $(STAMP)
 	$(BIN)/python bench/soak.py --minutes $(SOAK_MINUTES)
 
 ## fuzz: the long fuzz runs (bounded versions run in make test); counts go to fuzz-report.jsonl
-##   fuzz-http: the HTTP surface (FUZZ_HTTP_CASES per mode)
+##   fuzz-http: the HTTP surface, from clients and from a fuzzing engine (FUZZ_HTTP_CASES per mode)
 ##   fuzz-kv: the KV event decoder and ingest, coverage-guided (atheris), with the C core built with
 ##     ASan and UBSan by clang (installed with apt-get when missing); FUZZ_KV_RUNS inputs, at most
 ##     FUZZ_KV_SECONDS; progress in build/fuzz/kv-report.jsonl, a failing input in build/fuzz/crash-*

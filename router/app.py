@@ -47,6 +47,7 @@ from router.observe.metrics import (
     ChecksCollector,
     RouterMetrics,
     SourcesCollector,
+    UpstreamCollector,
     dashboard_data,
 )
 from router.pd.exchange import PDExchange
@@ -79,7 +80,13 @@ class KVRouter:
         self.index = KVIndex(index_cfg, ctx=zmq_context)
         srv = config.server
         self.pool = UpstreamPool(
-            srv.connect_timeout_s, srv.read_timeout_s, srv.max_connections, srv.keepalive_expiry_s
+            srv.connect_timeout_s,
+            srv.read_timeout_s,
+            srv.max_connections,
+            srv.keepalive_expiry_s,
+            max_head_bytes=srv.upstream_max_head_bytes,
+            max_header_lines=srv.upstream_max_header_lines,
+            head_timeout=srv.upstream_head_timeout_s,
         )
         """Every connection to the backends: proxied requests, health probes, ``/tokenize``."""
         self.loads = LoadTracker([BoardView(worker.board(), worker.index)] if worker else [])
@@ -181,6 +188,7 @@ class KVRouter:
             self.pods = PodWatcher(config.membership.kubernetes, self.membership, config.kv_topic)
         self.metrics.add_collector(SourcesCollector(self.config_watcher, self.pods))
         self.metrics.add_collector(BreakerCollector(self.breakers, self.membership))
+        self.metrics.add_collector(UpstreamCollector(self.pool))
         if self.checks is not None:
             self.metrics.add_collector(ChecksCollector(self.checks))
         self._forget = _ForgetRemoved(self)

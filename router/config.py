@@ -50,6 +50,25 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Idle keep-alive connections kept per backend (the proxy's own HTTP/1.1 pool)."""
     keepalive_expiry_s: float = 4.0
     """Idle connections older than this are not reused (vLLM's uvicorn closes them after 5 s)."""
+    upstream_max_head_bytes: int = 65536
+    """Largest response head (status line and headers, interim 1xx heads included) an engine may
+    send; a larger one is a 502 and its connection is closed, after at most this many bytes were
+    read. vLLM's heads are ~200 bytes; without a bound an engine streaming headers without end
+    grew the router's memory with them (the parser holds a header line whole). The same bound
+    applies to a chunked body's framing that carries no data (chunk extensions, trailers)."""
+    upstream_max_header_lines: int = 100
+    """Most header lines in an engine's response head (vLLM sends about five); more: 502."""
+    upstream_head_timeout_s: float = 10.0
+    """From the first byte of an engine's response head to its end; longer: 502 and the connection
+    closed. An engine writes its head at once, so one that trickles it would hold the request (and
+    a client) for nothing; the wait for that first byte (a non-streamed answer is computed whole
+    first) is ``read_timeout_s``'s."""
+    max_sse_event_bytes: int = 16 * 1024 * 1024
+    """Largest unfinished SSE event held while relaying a stream (the router forwards whole events
+    only, and reads usage from them); a larger one ends the stream with an error event and closes
+    the connection. A vLLM event is one token's delta (under 1 KiB, a few KiB with top logprobs);
+    the largest legitimate one carries an echoed prompt's logprobs (~150 bytes per prompt token),
+    hence the margin; each stream can hold up to this much."""
     drain_timeout_s: float = 30.0
     """On shutdown, in-flight requests and streams get this long to finish."""
     write_timeout_s: float = 60.0
@@ -498,9 +517,14 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("server.max_body_bytes: must be at least 1024")
     if cfg.server.log_level not in ("debug", "info", "warning", "error", "critical"):
         raise ConfigError("server.log_level: must be debug, info, warning, error or critical")
-    for key in ("connect_timeout_s", "read_timeout_s", "keepalive_expiry_s"):
+    for key in ("connect_timeout_s", "read_timeout_s", "keepalive_expiry_s", "upstream_head_timeout_s"):
         if getattr(cfg.server, key) <= 0:
             raise ConfigError(f"server.{key}: must be positive")
+    for key in ("upstream_max_head_bytes", "max_sse_event_bytes"):
+        if getattr(cfg.server, key) < 1024:
+            raise ConfigError(f"server.{key}: must be at least 1024")
+    if cfg.server.upstream_max_header_lines < 1:
+        raise ConfigError("server.upstream_max_header_lines: must be at least 1")
     if not 1 <= cfg.server.workers <= 63:  # (a worker is one bit of a signed 64-bit board cell)
         raise ConfigError("server.workers: must be between 1 and 63")
     if cfg.server.workers > 1:

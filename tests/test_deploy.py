@@ -64,6 +64,7 @@ EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_backend_ejections_total": ("counter", frozenset({"backend"})),
     "kvrouter_backend_ejected": ("gauge", frozenset({"backend"})),
     "kvrouter_retries_total": ("counter", frozenset({"result"})),
+    "kvrouter_upstream_violations_total": ("counter", frozenset({"reason"})),
     "kvrouter_config_reloads_total": ("counter", frozenset({"result"})),
     # prediction checks (router/observe/checks.py)
     "kvrouter_prediction_checks_total": ("counter", frozenset({"backend", "result"})),

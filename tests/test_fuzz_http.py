@@ -9,6 +9,7 @@
    pipelined requests, bodies sent slowly or cut short. The server must answer every complete
    request with a well-formed HTTP/1.1 response (never 5xx, never a hang), or close the connection;
    after every case it must still serve.
+3. **A fuzzing engine** behind ``kvrouter serve``: generated and broken responses (section below).
 
 Bounded here (``FUZZ_HTTP_CASES`` per mode, default a few hundred); ``make fuzz`` runs the long
 version and BENCHMARKS.md records the counts.
@@ -21,9 +22,10 @@ import os
 import re
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -375,3 +377,287 @@ def test_raw_edge_cases(live: RouterRunner) -> None:
     second, _, third = raw.partition(b"\r\n\r\n")
     assert _head_responses(first + b"\r\n\r\n" + second + b"\r\n\r\n") == [200, 200], (first, second)
     assert _responses(third) == [200], third[:300]  # the GET after them, with its body, framed right
+
+
+# --- a fuzzing engine behind the router --------------------------------------------------------------
+#
+# The same invariants from the other side: a raw-socket engine (tests/hostile.py) answers each
+# request with a generated response (status lines, interim and upgrade heads, header blocks, every
+# kind of framing right and wrong, chunk sizes and extensions, trailers, SSE events with and
+# without their end, bytes after the end, written in pieces), and in front of it the real
+# `kvrouter serve` must never crash, never hang (each answer complete, or cut with the connection
+# closed after a sound head, within a deadline), never let one response's bytes into another's,
+# answer the next request on the same client connection with its own answer, and keep its memory
+# bounded. Every generated body carries its case's marker; what an engine smuggles after a
+# properly framed response carries another, which no answer may ever contain.
+
+MARK = b"@@MARK@@"
+SMUGGLED = b"@@SMUGGLED@@"
+INTERIM = [
+    b"HTTP/1.1 100 Continue\r\n\r\n",
+    b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n",
+    b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+]
+
+
+def mostly(usual: st.SearchStrategy[Any], rare: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """``usual`` nine times in ten (``one_of`` would draw each about as often)."""
+    return st.integers(0, 9).flatmap(lambda i: rare if i == 0 else usual)
+
+
+status_lines = mostly(
+    st.sampled_from(
+        [b"HTTP/1.1 200 OK"] * 6
+        + [b"HTTP/1.1 500 Internal Server Error", b"HTTP/1.1 400 Bad Request", b"HTTP/1.0 200 OK"]
+        + [b"HTTP/1.1 204 No Content", b"HTTP/1.1 304 Not Modified", b"HTTP/1.1 200", b"HTTP/1.1 999 Odd"]
+    ),
+    st.one_of(
+        st.sampled_from([b"HTTP/2 200", b"HTTP/1.1 20 OK", b"HTTP/1.1 099 Low", b"ICY 200 OK"]),
+        st.binary(max_size=30)
+        .filter(lambda b: b"\r" not in b and b"\n" not in b)
+        .map(lambda b: b"HTTP/1.1 " + b),
+    ),
+)
+response_header_names = mostly(
+    st.sampled_from([b"content-type", b"connection", b"keep-alive", b"x-request-id", b"server", b"x-a"]),
+    st.one_of(
+        st.sampled_from([b"upgrade", b"trailer", b"content-encoding", b"Content-Length ", b" x"]),
+        st.binary(min_size=1, max_size=20).filter(
+            lambda b: b":" not in b and b"\r" not in b and b"\n" not in b
+        ),
+    ),
+)
+response_header_values = mostly(
+    st.sampled_from([b"close", b"keep-alive", b"application/json", b"text/event-stream", b"websocket"]),
+    st.one_of(
+        st.binary(max_size=40).filter(lambda b: b"\r" not in b and b"\n" not in b),
+        st.integers(1000, 100_000).map(lambda n: b"v" * n),  # over the head limit now and then
+    ),
+)
+interims = st.sampled_from([[]] * 6 + [INTERIM[0:1], INTERIM[1:2], INTERIM[0:2], INTERIM[2:]])
+SSE_PIECES = [
+    b'data: {"m": "@@MARK@@"}\n\n',
+    b"data: @@MARK@@\r\n\r\n",
+    b": keep-alive\n\n",
+    b"event: x\ndata: @@MARK@@\n\n",
+    b"data: [DONE]\n\n",
+    b"data: @@MARK@@ without its end",
+]
+ENGINE_FRAMINGS = [
+    "length",
+    "length",
+    "chunked",
+    "chunked",
+    "chunk_extensions",
+    "trailers",
+    "short_length",
+    "long_length",
+    "two_lengths",
+    "negative_length",
+    "length_and_chunked",
+    "gzip",
+    "gzip_chunked",
+    "bad_chunk_size",
+    "huge_chunk",
+    "none",
+]
+EXACT = frozenset({"length", "chunked", "chunk_extensions", "trailers"})
+"""Framings that end the response exactly where its body ends: bytes after it are another response."""
+
+
+def _chunked(body: bytes, sizes: list[int], ext: bytes = b"", trailers: bytes = b"") -> bytes:
+    out, at = b"", 0
+    for n in sizes:
+        if at >= len(body):
+            break
+        out += b"%x%s\r\n%s\r\n" % (len(body[at : at + n]), ext, body[at : at + n])
+        at += n
+    if at < len(body):
+        out += b"%x%s\r\n%s\r\n" % (len(body) - at, ext, body[at:])
+    return out + b"0\r\n" + trailers + b"\r\n"
+
+
+class Answer(NamedTuple):
+    """One generated engine answer, drawn small (so that a failing case prints readably) and
+    written out by :func:`answer_bytes` for its case's marker."""
+
+    sse: bool
+    interim: list[bytes]
+    status: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    big: bool
+    framing: str
+    sizes: list[int]
+    ext: int
+    trailers: int
+    bad_chunk: bytes
+    after: str
+    garbage: bytes
+    cuts: list[int]
+    pause: float
+
+
+@st.composite
+def engine_answers(draw: st.DrawFn) -> Answer:
+    sse = draw(st.booleans())
+    headers = [
+        (draw(response_header_names), draw(response_header_values)) for _ in range(draw(st.integers(0, 4)))
+    ]
+    if draw(st.booleans()):
+        headers.append((b"content-type", b"text/event-stream" if sse else b"application/json"))
+    if sse:
+        body = b"".join(draw(st.lists(st.sampled_from(SSE_PIECES), max_size=6)))
+    else:
+        body = draw(
+            st.sampled_from([b'{"text": "@@MARK@@"}', b"", b"@@MARK@@" + b"z" * 3000, b"not json @@MARK@@"])
+        )
+    return Answer(
+        sse=sse,
+        interim=draw(interims),
+        status=draw(status_lines),
+        headers=headers,
+        body=body,
+        big=sse and draw(st.integers(0, 9)) == 0,  # an event over the router's limit
+        framing=draw(st.sampled_from(ENGINE_FRAMINGS)),
+        sizes=draw(st.lists(st.integers(1, 700_000), max_size=4)),
+        ext=draw(st.sampled_from([1, 100, 90_000])),
+        trailers=draw(st.sampled_from([1, 5, 20_000])),
+        bad_chunk=draw(
+            st.sampled_from([b"zz\r\n", b"ffffffffffffffffff\r\nx", b"5\r\nab\r\n0\r\n\r\n", b"-1\r\n"])
+        ),
+        after=draw(st.sampled_from(["nothing", "nothing", "response", "bytes"])),
+        garbage=draw(st.binary(min_size=1, max_size=40)).replace(b"@", b"#"),
+        cuts=sorted(draw(st.lists(st.integers(0, 1000), max_size=4))),
+        pause=draw(st.sampled_from([0.0, 0.0, 0.01])),
+    )
+
+
+def answer_bytes(a: Answer, token: str) -> list[bytes]:
+    """The answer's bytes for one case (its marker in every body, the smuggled response's own
+    marker after an exact framing), in the pieces they are written in."""
+    body = a.body.replace(MARK, b"MARK-" + token.encode()) + (b"data: " + b"a" * 1_500_000 if a.big else b"")
+    lines = [a.status] + [n + b": " + v for n, v in a.headers]
+    payload = body
+    f = a.framing
+    if f in ("length", "short_length", "long_length", "two_lengths", "negative_length"):
+        n = {"short_length": -min(len(body), 3), "long_length": 7, "negative_length": -len(body) - 1}.get(
+            f, 0
+        )
+        lines.append(b"content-length: %d" % (len(body) + n))
+        if f == "two_lengths":
+            lines.append(b"content-length: %d" % (len(body) + 1))
+    elif f in ("chunked", "chunk_extensions", "trailers", "length_and_chunked", "gzip_chunked"):
+        lines.append(b"transfer-encoding: " + (b"gzip, chunked" if f == "gzip_chunked" else b"chunked"))
+        if f == "length_and_chunked":
+            lines.append(b"content-length: %d" % len(body))
+        ext = b";ext=" + b"e" * a.ext if f == "chunk_extensions" else b""
+        trailers = b"x-t: v\r\n" * a.trailers if f == "trailers" else b""
+        payload = _chunked(body, a.sizes, ext, trailers)
+    elif f == "gzip":
+        lines.append(b"transfer-encoding: gzip")
+    elif f == "bad_chunk_size":
+        lines.append(b"transfer-encoding: chunked")
+        payload = a.bad_chunk
+    elif f == "huge_chunk":
+        lines.append(b"transfer-encoding: chunked")
+        payload = b"100000\r\n" + body  # a chunk never finished
+    message = b"".join(a.interim) + b"\r\n".join(lines) + b"\r\n\r\n" + payload
+    cuts = [c * len(message) // 1000 for c in a.cuts]
+    pieces = [message[i:j] for i, j in zip([0, *cuts], [*cuts, len(message)], strict=True) if message[i:j]]
+    # what follows the response goes in the same write as its end: sent later, it could reach the
+    # router after it reused the connection, as the answer to the next request (which no client
+    # can tell from the engine's own answer to it: a backend answers what it wants)
+    if a.after == "response":
+        # (after an inexact framing these bytes may be the body's: no marker then)
+        extra = b"SMUGGLED-" + token.encode() if f in EXACT else b"#"
+        pieces[-1] += b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nx-injected: 1\r\n\r\n%s" % (
+            len(extra),
+            extra,
+        )
+    elif a.after == "bytes":
+        pieces[-1] += a.garbage
+    return pieces
+
+
+def test_a_fuzzing_engine_never_crashes_hangs_or_leaks_through_the_router(
+    tmp_path: Path, tokdir: Path
+) -> None:
+    from hostile import HostileEngine, Post, RawClient, RouterProcess
+
+    scripts: dict[str, list[bytes]] = {}
+    pauses: dict[str, float] = {}
+
+    def fuzz(sock: socket.socket, post: Post) -> bool:
+        try:
+            for i, piece in enumerate(scripts[post.token]):
+                if i and pauses[post.token]:
+                    time.sleep(pauses[post.token])
+                sock.sendall(piece)
+        except OSError:
+            return False  # the router stopped reading: closed
+        sock.settimeout(0.3)  # kept for a next request a little while (a reused connection), then closed
+        return True
+
+    engine = HostileEngine({"fuzz": fuzz})
+    toml = (
+        f'block_size = {BS}\ntokenizer = "{tokdir}"\n'
+        "[server]\nread_timeout_s = 3\nupstream_head_timeout_s = 1\nmax_sse_event_bytes = 1048576\n"
+        "[health]\ninterval_s = 60\n[health.breaker]\neject_after = 0\n"
+        f'[[backends]]\nname = "f"\nurl = "{engine.url}"\nmodels = ["toy"]\n'
+    )
+    router = RouterProcess(toml, tmp_path)
+    client: RawClient | None = None
+    tried = 0
+    try:
+        router.reset_peak()
+        rss_before = router.status_kb("VmRSS")
+
+        @SETTINGS
+        @given(case=engine_answers())
+        def one(case: Answer) -> None:
+            nonlocal client
+            if client is None:
+                client = RawClient(router.port, timeout=15)
+            try:
+                check(case, client)
+            except BaseException:
+                print("CASE", repr(case)[:3000])
+                client.close()  # (a failed case may leave it anywhere: the next one starts afresh)
+                client = None
+                raise
+
+        def check(case: Answer, c: RawClient) -> None:
+            nonlocal client, tried
+            tok = uuid.uuid4().hex[:12]
+            scripts[tok] = answer_bytes(case, tok)
+            pauses[tok] = case.pause
+            seen = len(c.received)
+            body = {"model": "toy", "prompt": f"fuzz {tok}", "max_tokens": 1, "stream": case.sse}
+            r = c.request("POST", "/v1/completions", body, allow_cut=True)
+            tried += 1
+            got = c.received[seen:]
+            assert r.status != 101 and not r.upgrade, got[:300]
+            assert set(re.findall(rb"MARK-([0-9a-f]{12})", got)) <= {tok.encode()}, got[:300]
+            assert b"SMUGGLED" not in got and not r.header(b"x-injected"), got[:300]
+            if r.cut:  # a body the engine broke after the head went out: the connection is closed
+                c.close()
+                c = client = RawClient(router.port, timeout=15)
+            nxt = uuid.uuid4().hex[:12]
+            r2 = c.request("POST", "/v1/completions", {"model": "toy", "prompt": f"ok {nxt}"})
+            assert r2.status == 200 and json.loads(r2.body)["choices"][0]["text"] == nxt, r2.body[:300]
+            assert not c.extra
+
+        one()
+        growth_kb = router.status_kb("VmHWM") - rss_before
+        assert growth_kb < 32 << 10, growth_kb  # (the largest buffers: a head, an SSE event, a body's)
+        assert router.proc.poll() is None
+        log = router.log_path.read_text()
+        assert "Traceback" not in log and "unhandled error" not in log, log[-3000:]
+    finally:
+        if client is not None:
+            client.close()
+        router.stop()
+        engine.close()
+    assert tried >= 1
+    _record("engine raw http", tried)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -349,3 +351,63 @@ def test_fetch_is_one_bounded_exchange() -> None:
                 await UpstreamPool().fetch("GET", f"http://127.0.0.1:{dead}/health", timeout=10)
 
     asyncio.run(main())
+
+
+def test_an_idle_connection_the_backend_closed_is_never_written_to() -> None:
+    """The one case where a request provably never left: the backend closed the idle connection
+    before the write. Its socket shows it (a zero-timeout poll) even when the event loop has not
+    read the FIN yet, so the request goes on a new connection instead, and is sent once. (It was
+    written on the closed one and sent again on a fresh one when that failed within a second: a
+    backend that half-closes, or reads the request and closes, then got it twice.)"""
+    seen: list[tuple[int, bytes]] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        for n in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                reader = conn.makefile("rb")
+                while True:
+                    head = b""
+                    while not head.endswith(b"\r\n\r\n"):
+                        line = reader.readline()
+                        if not line:
+                            break
+                        head += line
+                    if not head:
+                        break
+                    length = next(
+                        int(h.split(b":")[1])
+                        for h in head.split(b"\r\n")
+                        if h.lower().startswith(b"content-length")
+                    )
+                    body = reader.read(length)
+                    seen.append((n, body))
+                    if n == 0 and len(seen) > 1:
+                        break  # a request after the FIN: read, and the connection closed
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\nok:%s" % (len(body) + 3, body)
+                    )
+                    if n == 0:
+                        conn.shutdown(socket.SHUT_WR)  # done with it: FIN sent, still reading
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    async def main() -> None:
+        key = ("http", "127.0.0.1", listener.getsockname()[1])
+        pool = UpstreamPool(read_timeout=10)
+        assert await body_of(pool, key, b"one") == (200, b"ok:one")
+        conn = pool._idle[key][-1]
+        fd = conn.transport.get_extra_info("socket").fileno()  # type: ignore[union-attr]
+        select.select([fd], [], [], 10)  # (blocking the loop: the FIN is in, the loop has not read it)
+        assert not conn.closed
+        assert await body_of(pool, key, b"two") == (200, b"ok:two")
+        pool.close()
+
+    try:
+        asyncio.run(main())
+        thread.join(10)
+    finally:
+        listener.close()
+    assert seen == [(0, b"one"), (1, b"two")]

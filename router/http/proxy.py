@@ -39,6 +39,7 @@ from router.http.errors import (
     too_large,
     unavailable,
 )
+from router.http.sse import EventBuffer, EventTooLarge
 from router.http.upstream import (
     RouterResourceError,
     UpstreamConnectError,
@@ -108,18 +109,6 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 class _ClientGone(Exception):
     pass
-
-
-def _whole_events(data: bytes) -> tuple[bytes, bytes]:
-    """Split SSE bytes into (complete events, the incomplete rest)."""
-    cut = data.rfind(b"\n\n")
-    end = cut + 2 if cut != -1 else 0
-    crlf = data.rfind(b"\r\n\r\n")
-    if crlf != -1 and crlf + 4 > end:
-        end = crlf + 4
-    if end == len(data):
-        return data, b""
-    return data[:end], data[end:]
 
 
 def _sse_usage(events: bytes) -> dict[str, Any] | None:
@@ -492,7 +481,8 @@ class ProxyHandler:
         if not resp.ready:
             writer.flush()  # nothing came with the headers: pass them on now, as the backend did
         first = True
-        partial = b""  # SSE: bytes of an event not complete yet (held so a break never splits one)
+        # SSE: bytes of an event not complete yet (held so a break never splits one)
+        held = EventBuffer(self.server.max_sse_event_bytes) if sse else None
         usage: dict[str, Any] | None = None
         tail = b""  # a JSON body's last bytes (where vLLM puts usage)
         try:
@@ -501,11 +491,8 @@ class ProxyHandler:
                     first = False
                     self.loads.first_byte(ticket)
                     self.metrics.observe_ttft(backend, time.perf_counter() - started)
-                if sse:
-                    if resp.finished:
-                        chunk, partial = (partial + chunk if partial else chunk), b""
-                    else:
-                        chunk, partial = _whole_events(partial + chunk if partial else chunk)
+                if held is not None:
+                    chunk = held.flush(chunk) if resp.finished else held.cut(chunk)
                     if b'"usage"' in chunk:
                         usage = _sse_usage(chunk) or usage
                         if seen is not None and usage is not None:
@@ -520,15 +507,21 @@ class ProxyHandler:
                 if chunk:
                     await writer.send(chunk)
         except UpstreamError as exc:
+            if isinstance(exc, EventTooLarge):
+                self.pool.note_violation(exc.reason, backend, str(exc))
             log.warning("backend %s broke the response stream: %s", backend, exc)
             self.service.breakers.failure(backend)
             self.metrics.error(backend, "stream_broken")
-            if sse:
+            if sse and not any(k == b"content-length" for k, _ in headers):
                 # a clean end the client can read: every event it got was whole, then an error
                 # event (the shape vLLM streams its own errors in) and the end marker
                 await writer.end(_stream_error_event(f"backend {backend} broke the stream: {exc}"))
-            # otherwise the status and length are committed: end without the final frame, so the
-            # client sees a truncated response, never a complete-looking one
+            else:
+                # the status and length are committed (an engine that gave its stream a length:
+                # an error event would leave the client waiting for bytes that never come): end
+                # without the final frame, so the client sees a truncated response (its head
+                # included, even when no body byte went out yet)
+                writer.flush()
             return None
-        await writer.end(partial)
+        await writer.end(held.flush() if held is not None else b"")
         return usage if sse else usage_in_json(tail)

@@ -436,6 +436,26 @@ class BreakerCollector:
         yield retries
 
 
+class UpstreamCollector:
+    """Engine answers that broke the upstream client's framing rules or limits, read at scrape time
+    (router/http/upstream.py counts them by reason)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterable[Family]:
+        violations = CounterFamily(
+            "kvrouter_upstream_violations",
+            "Engine answers refused or cut, and their connection closed: trailing_bytes (after a "
+            "complete response), framing, upgrade, malformed, head_too_large, too_many_headers, "
+            "head_timeout, unframed_bytes, sse_event_too_large",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.pool.violations.items()):
+            violations.add_metric([reason], n)
+        yield violations
+
+
 class ChecksCollector:
     """Prediction checks (router.observe.checks), read at scrape time."""
 

@@ -46,6 +46,7 @@ SUMMED = frozenset(
         "kvrouter_ttft_seconds",
         "kvrouter_tokenizer_cache_tokens",
         "kvrouter_retries",
+        "kvrouter_upstream_violations",
         "kvrouter_backend_ejections",
         "kvrouter_prediction_checks",
         "kvrouter_prediction_error_tokens",
