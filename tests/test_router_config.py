@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,37 @@ def test_overrides() -> None:
 def test_example_configs_load(path: str) -> None:
     c = load_config(ROOT / path)
     assert c.backends
+
+
+def test_the_example_config_shows_the_code_defaults() -> None:
+    """deploy/fleet.example.toml says every value it shows outside [[backends]] is the default unless
+    a comment says otherwise; it showed load_weight = 1.0 while the default is 0.25."""
+    text = (ROOT / "deploy/fleet.example.toml").read_text()
+    marked: set[str] = set()  # keys whose own comment gives another default ("# default 127.0.0.1; ...")
+    section: str | None = ""
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("[["):
+            section = None  # (a backend's values are examples)
+        elif m := re.fullmatch(r"\[([\w.]+)\]", s):
+            section = m.group(1) + "."
+        elif section is not None and (m := re.match(r"(\w+)\s*=[^#]*#\s*default\b", s)):
+            marked.add(section + m.group(1))
+    shown = tomllib.loads(text)
+    del shown["backends"]
+    checked: list[str] = []
+
+    def compare(values: dict[str, Any], defaults: dict[str, Any], prefix: str) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                compare(value, defaults[key], f"{prefix}{key}.")
+            elif prefix + key not in marked:
+                checked.append(prefix + key)
+                assert value == defaults[key], f"{prefix}{key} = {value!r}: the default is {defaults[key]!r}"
+
+    compare(shown, msgspec.to_builtins(RouterConfig()), "")
+    assert marked == {"server.host"}, marked
+    assert {"block_size", "policy.load_weight", "health.interval_s", "index.max_residencies"} <= set(checked)
 
 
 STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [
