@@ -105,6 +105,7 @@ class HealthChecker:
             return
         if models is not None:
             member.models = models
+            member.models_known = True
             member.lora_parents = parents
         elif parents:
             member.lora_parents = {a: p for a, p in parents.items() if a in member.models}

@@ -81,6 +81,7 @@ class Member:
         "last_error",
         "lora_parents",
         "models",
+        "models_known",
         "name",
         "origin",
         "reason",
@@ -121,6 +122,9 @@ class Member:
         self.kv_sources = "pending" if spec.kv_events == AUTO else ""
         """With ``kv_events = "auto"``: where its event streams come from ("pending", "listed",
         "fallback", or "error: ..." while none was read); "" otherwise."""
+        self.models_known = spec.models is not None
+        """The models it serves are known: configured, or read from its /v1/models. False for a
+        backend never reached: an unknown model may be one it serves (503, not 404)."""
         self.set_spec(spec)
         self.models: set[str] = set(spec.models or [])
 
@@ -137,6 +141,7 @@ class Member:
         self.base_path = urlsplit(self.url).path.rstrip("/")
         if spec.models is not None:
             self.models = set(spec.models)
+            self.models_known = True
 
     @property
     def cfg(self) -> BackendConfig:
@@ -242,6 +247,11 @@ class Membership:
         """Any member (whatever its state) serves this model."""
         return any(m.serves(model) for m in self.members.values())
 
+    def models_pending(self) -> bool:
+        """Some member's models are not known yet (never reached, none configured): a model no
+        member is known to serve may still be one of its."""
+        return any(not m.models_known for m in self.members.values())
+
     def lora_name(self, model: str) -> str | None:
         """The LoRA adapter name when ``model`` is one (its blocks are salted by it), else None."""
         for m in self.members.values():
@@ -311,6 +321,7 @@ class Membership:
             m.remove_when_drained = False
             if spec.models is None:
                 m.models = set()
+                m.models_known = False
                 m.lora_parents = {}
             self._set_state(m, "joining", "new endpoints")
             m.joined_at = self.clock()
