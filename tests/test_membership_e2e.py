@@ -601,3 +601,43 @@ def test_a_fleet_not_reached_yet_answers_503_with_retry_after_not_404(
         router.stop()
         down.close()
         known.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_shutdown_on_sigterm_is_logged_when_it_starts_and_when_it_is_done(
+    tmp_path: Path, workers: int
+) -> None:
+    """SIGTERM drains for up to server.drain_timeout_s and logged nothing: an operator could not tell
+    a router shutting down from one hung."""
+    down = _refusing_port()
+    port = free_port()
+    toml = (
+        f"[server]\nport = {port}\nworkers = {workers}\n"
+        f'[[backends]]\nname = "down"\nurl = "http://127.0.0.1:{down.getsockname()[1]}"\nkv_events = "auto"\n'
+    )
+    proc, _ = serve(tmp_path, toml)
+    log = tmp_path / "router.log"
+    try:
+        wait_for(lambda: log.read_text().count("kvrouter listening on") == workers, "router up", timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        down.close()
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    said: dict[str, list[str]] = {}  # process (the router or supervisor, each worker) -> what it said
+    for line in text.splitlines():
+        for what in ("kvrouter shutting down", "kvrouter stopped (shutdown took"):
+            if what in line:
+                worker = re.search(r" (worker-\d+) ", line)
+                said.setdefault(worker.group(1) if worker else "main", []).append(what)
+    expected = ["main"] + [f"worker-{i}" for i in range(workers) if workers > 1]
+    assert sorted(said) == expected, text[-3000:]
+    assert all(s == ["kvrouter shutting down", "kvrouter stopped (shutdown took"] for s in said.values()), (
+        said
+    )
+    if workers > 1:  # (the supervisor names the signal)
+        assert "kvrouter shutting down (SIGTERM): stopping 2 workers" in text, text[-3000:]
