@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
         )
     except ConfigError as exc:
-        print(f"kvrouter: config error: {exc}", file=sys.stderr)
+        for problem in str(exc).splitlines():  # (every field error msgspec found, one a line)
+            print(f"kvrouter: config error: {problem}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload request before we serve: nothing to reload
     level = cfg.server.log_level.upper()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from router.config import (
     MembershipConfig,
     RouterConfig,
     ServerConfig,
+    decode_backend,
     load_config,
     parse_config,
     rank_endpoint,
@@ -77,6 +80,42 @@ def test_config_errors_name_the_key(data: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(data)
     assert str(err.value).startswith(message), str(err.value)
+
+
+def test_kvrouter_serve_reports_every_field_error_and_the_choices(tmp_path: Path) -> None:
+    """A file with several mistakes reported only the first (fix, restart, the next one, ...), and an
+    invalid choice in the file listed no choices while the same mistake through KVROUTER_POLICY
+    did. Every field error msgspec finds is on its own line; a choice lists the valid ones."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        '[policy]\nname = "fastest"\nload_weigth = 1\n[server]\nport = "8000"\n'
+        '[[backends]]\nname = "a"\nurl = "http://127.0.0.1:1"\nrole = "prefil"\ndp_size = "two"\n'
+        '[[backends]]\nname = "b"\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "kvrouter: config error: backends[0].role: Invalid enum value 'prefil'; must be one of both, decode, "
+        "prefill",
+        "kvrouter: config error: backends[0].dp_size: Expected `int`, got `str`",
+        "kvrouter: config error: backends[1].url: required",
+        "kvrouter: config error: policy.name: Invalid enum value 'fastest'; must be one of kv, least_loaded, "
+        "random, round_robin",
+        "kvrouter: config error: policy.load_weigth: unknown key",
+        "kvrouter: config error: server.port: Expected `int`, got `str`",
+    ], proc.stderr
+    with pytest.raises(ConfigError) as err:  # (the admin API's PUT body: one field, named)
+        decode_backend(b'{"url": "http://127.0.0.1:1", "role": "prefil"}', "c")
+    assert (str(err.value), err.value.field) == (
+        "role: Invalid enum value 'prefil'; must be one of both, decode, prefill",
+        "role",
+    )
 
 
 def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
