@@ -312,13 +312,21 @@ class KVRouter:
                 )
             )
         healthy = self._healthy_names()
+        sources = self.index.status()
+        # connected ones, as /debug/index shows them; a backend with kv_events = "auto" has none until
+        # its engine lists them, counted apart: an unreachable engine reads "0 connected" whichever
+        # way its streams are given
+        members = self.membership.members.values()
+        unlisted = sum(1 for m in members if m.kv_sources not in ("", "listed", "fallback"))
         log.info(
-            "kvrouter ready: policy=%s, %d/%d backends healthy (%s), %d event sources",
+            "kvrouter ready: policy=%s, %d/%d backends healthy (%s), %d/%d event sources connected%s",
             self.config.policy.name,
             len(healthy),
             len(self.membership.members),
             ", ".join(healthy) or "none",
-            len(self.index.status()),
+            sum(1 for s in sources if s.connected),
+            len(sources),
+            f', {unlisted} backend(s) with kv_events = "auto" not listed yet' if unlisted else "",
         )
 
     async def shutdown(self) -> None:

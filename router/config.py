@@ -7,6 +7,8 @@ with a :class:`ConfigError` whose message names the key and the problem, e.g.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 import re
@@ -16,6 +18,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
+import msgspec.inspect
 
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
@@ -33,6 +36,8 @@ class ConfigError(ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+        self.key = field or ""
+        """The whole key path (``backends[1].dp_size``), when known."""
 
 
 class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -262,18 +267,49 @@ def _key_path(msg: str) -> tuple[str, str]:
 
 
 def parse_config(data: dict[str, Any]) -> RouterConfig:
-    """Validate a decoded TOML document."""
+    """Validate a decoded TOML document. msgspec stops at the first bad field: the error lists every
+    one (a line each), found by converting again without the keys already reported."""
     try:
         cfg = msgspec.convert(data, RouterConfig, strict=True)
-    except msgspec.ValidationError as exc:
-        raise _decode_error(exc) from None
+    except msgspec.ValidationError:
+        backends = data.get("backends")
+        errors = []
+        if isinstance(backends, list):  # (each alone: a backend dropped would renumber the next)
+            for i, b in enumerate(backends):
+                errors += _field_errors(b, BackendConfig, f"backends[{i}].")
+            data = {**data, "backends": []}
+        errors += _field_errors(data, RouterConfig, "")
+        raise ConfigError("\n".join(str(e) for e in errors), errors[0].field) from None
     validate(cfg)
     return cfg
 
 
-def _decode_error(exc: msgspec.ValidationError) -> ConfigError:
+def _field_errors(data: Any, kind: Any, prefix: str) -> list[ConfigError]:
+    """Every field error of ``data`` as a ``kind`` (keys named from ``prefix``): after each, the key
+    at fault is dropped (its default stands in) and the rest converted again."""
+    doc = copy.deepcopy(data)
+    errors: list[ConfigError] = []
+    while len(errors) < 100:
+        try:
+            msgspec.convert(doc, kind, strict=True)
+            break
+        except msgspec.ValidationError as exc:
+            err = _decode_error(exc, kind)
+            errors.append(ConfigError(f"{prefix}{err}", prefix.split("[")[0] or err.field))
+            key = re.sub(r"(\[\d+\])+$", "", err.key)  # (a bad list item: the list goes)
+            if str(err).endswith(": required"):
+                key = key.rpartition(".")[0]  # (the table missing it goes)
+            *parents, last = key.split(".") if key != "(top level)" else [""]
+            holder = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, parents, doc)
+            if not last or not isinstance(holder, dict) or holder.pop(last, None) is None:
+                break  # (nothing left to drop: the document itself is wrong)
+    return errors
+
+
+def _decode_error(exc: msgspec.ValidationError, kind: Any = RouterConfig) -> ConfigError:
     """msgspec's error as a ConfigError naming the key (its ``field``: the key's first part, which
-    for a backend's own table is the offending field)."""
+    for a backend's own table is the offending field; ``key``: the whole path). An invalid choice
+    lists the valid ones, as the same mistake through a flag or the environment does."""
     key, text = _key_path(str(exc))
     for prefix, what in (
         ("Object contains unknown field", "unknown key"),
@@ -284,7 +320,26 @@ def _decode_error(exc: msgspec.ValidationError) -> ConfigError:
             key = f"{key}.{field}" if key != "(top level)" else field
             text = what
             break
-    return ConfigError(f"{key}: {text}", key.split(".")[0].split("[")[0] if key != "(top level)" else None)
+    if text.startswith("Invalid enum value") and (choices := _choices(kind, key)):
+        text += f"; must be one of {', '.join(map(str, choices))}"
+    err = ConfigError(f"{key}: {text}", key.split(".")[0].split("[")[0] if key != "(top level)" else None)
+    err.key = key
+    return err
+
+
+def _choices(kind: Any, key: str) -> tuple[Any, ...]:
+    """The values of the Literal type at ``key`` (``a.b[0].c``) of ``kind``; () if it is none."""
+    info = msgspec.inspect.type_info(kind)
+    for part in re.findall(r"\w+|\[\d+\]", key):
+        while isinstance(info, msgspec.inspect.UnionType):  # (``X | None``)
+            info = next((t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)), info)
+        if part.startswith("[") and isinstance(info, msgspec.inspect.ListType | msgspec.inspect.TupleType):
+            info = info.item_type if isinstance(info, msgspec.inspect.ListType) else info.item_types[0]
+        elif isinstance(info, msgspec.inspect.StructType):
+            info = next((f.type for f in info.fields if f.encode_name == part), msgspec.inspect.AnyType())
+        else:
+            return ()
+    return info.values if isinstance(info, msgspec.inspect.LiteralType) else ()
 
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
@@ -426,7 +481,7 @@ def parse_backend(data: Any, name: str, workers: int = 1) -> BackendConfig:
     try:
         b = msgspec.convert({**data, "name": name}, BackendConfig, strict=True)
     except msgspec.ValidationError as exc:
-        raise _decode_error(exc) from None
+        raise _decode_error(exc, BackendConfig) from None
     return _checked_backend(b, workers)
 
 
@@ -445,7 +500,7 @@ def decode_backend(raw: bytes, name: str, workers: int = 1) -> BackendConfig:
             raise ConfigError(
                 "the body must be a JSON object with the fields of a [[backends]] table"
             ) from None
-        raise _decode_error(exc) from None
+        raise _decode_error(exc, BackendConfig) from None
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # (invalid UTF-8: ValueError)
         raise ConfigError(f"The body is not valid JSON: {exc}") from None
     fields = msgspec.structs.asdict(body)

@@ -392,6 +392,16 @@ def test_the_image_has_what_the_kubernetes_manifest_turns_on() -> None:
     assert "pip install '.[kubernetes]'" in runs, runs
 
 
+def test_the_image_has_the_mock_engines_the_mock_compose_stack_runs() -> None:
+    """The GPU-less compose stack runs `kvrouter mock-engine` from the router's image, and the
+    simulated fleet is a distribution of its own (kvrouter-sim, sim/pyproject.toml): without it in
+    the image that stack's engines would stop at once on an unknown command."""
+    compose = (DEPLOY / "compose" / "docker-compose.mock.yaml").read_text()
+    assert "mock-engine" in compose and "image: kvrouter:dev" in compose
+    runs = " ".join(rest for w, rest in _dockerfile_instructions() if w == "RUN")
+    assert "pip install '.[kubernetes]' ./sim" in runs, runs
+
+
 def test_the_engine_manifests_report_cached_tokens() -> None:
     """Without --enable-prompt-tokens-details the router's prediction checks see no usage at all."""
     for path in (DEPLOY / "k8s" / "vllm.yaml", DEPLOY / "compose" / "docker-compose.yaml"):

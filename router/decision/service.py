@@ -224,12 +224,19 @@ class RouterService:
 
     def candidates_for(self, model: str) -> list[Member]:
         """Members that may take a request for a model now (ready, healthy, not ejected by their
-        breaker; all of them if every one is ejected): 404 if nobody serves it, 503 if nobody can."""
+        breaker; all of them if every one is ejected): 404 if nobody serves it, 503 if nobody can, or
+        if a backend never reached yet might (a fleet whose engines are all still starting)."""
         backends = self.membership.routable_for(model)
         if not backends:
-            if not self.membership.known(model):
-                raise not_found_model(model)
-            raise unavailable(f"No healthy backend serves `{model}`")
+            if self.membership.known(model):
+                raise unavailable(f"No healthy backend serves `{model}`")
+            if self.membership.models_pending():
+                raise unavailable(
+                    f"No backend available yet for `{model}`: a backend that may serve it has not "
+                    "answered yet",
+                    "no_backend_yet",
+                )
+            raise not_found_model(model)
         if not self.breakers.any_open():
             return backends  # (the common case: no breaker to ask, one check per decision)
         available = self.breakers.available

@@ -84,9 +84,10 @@ def internal_error() -> ApiError:
     return ApiError(500, "internal error in kvrouter", "internal_error", "internal_error")
 
 
-def unavailable(message: str) -> ApiError:
-    """503: no healthy backend for the model."""
-    return ApiError(503, message, "service_unavailable", "no_healthy_backend")
+def unavailable(message: str, code: str = "no_healthy_backend") -> ApiError:
+    """503: no healthy backend for the model (``no_backend_yet``: none reached yet that may serve
+    it). Sent with ``Retry-After`` (:func:`router.http.asgi.write_json`)."""
+    return ApiError(503, message, "service_unavailable", code)
 
 
 def bad_gateway(message: str) -> ApiError:
