@@ -40,7 +40,19 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 16 * 1024 * 1024
-    """Requests with larger bodies get 413."""
+    """Requests with larger bodies get 413, as soon as it is known: their content-length, else the
+    bytes held so far (a chunked body is held in one buffer, so 2-byte chunks cost what they weigh,
+    not the 28 times a list of them did)."""
+    head_timeout_s: float = 10.0
+    """A request's whole head (request line and headers) must arrive within this long of its first
+    byte, else 408 and the connection is closed; a new connection that sends nothing for this long
+    is closed. A deadline for the whole head, not for the silence between bytes: a client sending a
+    byte a second (slowloris) held its connection for ever. A head is at most 64 KiB: any real
+    client sends it in milliseconds."""
+    body_timeout_s: float = 60.0
+    """A request's whole body must arrive within this long of its head, else 408 and the connection
+    is closed, so that a body trickled in cannot hold its buffer and its connection without end. At
+    the default ``max_body_bytes`` that asks 2.2 Mbit/s of a client sending the largest body."""
     connect_timeout_s: float = 5.0
     """Connecting to a backend; a failure is retried once on the next-best candidate, then 502."""
     read_timeout_s: float = 600.0
@@ -362,6 +374,9 @@ def validate(cfg: RouterConfig) -> None:
                     f"backends[{i}].kv_bind: bind-mode KV events need server.workers = 1 "
                     "(only one process can bind the address); use connect mode with several workers"
                 )
+    for key in ("head_timeout_s", "body_timeout_s"):
+        if not getattr(cfg.server, key) > 0:  # (false for NaN too)
+            raise ConfigError(f"server.{key}: must be positive")
     if cfg.server.drain_timeout_s < 0:
         raise ConfigError("server.drain_timeout_s: must not be negative")
     if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:

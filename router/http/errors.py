@@ -79,6 +79,16 @@ def head_too_large(limit: int) -> ApiError:
     return ApiError(431, f"request head larger than {limit} bytes", "invalid_request_error", "head_too_large")
 
 
+def request_timeout(what: str, seconds: float) -> ApiError:
+    """408: the request's head or body did not arrive within its deadline."""
+    return ApiError(
+        408,
+        f"the request {what} did not arrive within {seconds:g} s",
+        "invalid_request_error",
+        "request_timeout",
+    )
+
+
 def internal_error() -> ApiError:
     """500: a bug in kvrouter (logged with its traceback)."""
     return ApiError(500, "internal error in kvrouter", "internal_error", "internal_error")

@@ -30,6 +30,7 @@ from router.decision.service import Endpoint, Route, RouterService
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.http.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
+from router.http.body import BodyBuffer
 from router.http.errors import (
     ApiError,
     bad_gateway,
@@ -89,20 +90,16 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
                     raise too_large(limit)
             except ValueError:
                 raise bad_request("invalid Content-Length") from None
-    chunks: list[bytes] = []
-    size = 0
+    body = BodyBuffer(limit)
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise asyncio.CancelledError
         chunk = msg.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
+        if chunk and not body.add(chunk):
+            raise too_large(limit)
         if not msg.get("more_body", False):
-            return b"".join(chunks)
+            return body.take()
 
 
 class _ClientGone(Exception):

@@ -50,6 +50,7 @@ SUMMED = frozenset(
         "kvrouter_prediction_checks",
         "kvrouter_prediction_error_tokens",
         "kvrouter_prompt_tokens_mismatch",
+        "kvrouter_client_limit_hits",
         "kvrouter_cluster_held_decisions",
         "kvrouter_cluster_assumed_decisions",
         # each worker is a replica of its own (router/cluster): its traffic and pins add up
