@@ -47,12 +47,19 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A request's whole head (request line and headers) must arrive within this long of its first
     byte, else 408 and the connection is closed; a new connection that sends nothing for this long
     is closed. A deadline for the whole head, not for the silence between bytes: a client sending a
-    byte a second (slowloris) held its connection for ever. A head is at most 64 KiB: any real
-    client sends it in milliseconds."""
+    byte a second (slowloris) held its connection, and a slot of ``max_client_connections``, for
+    ever. A head is at most 64 KiB: any real client sends it in milliseconds."""
     body_timeout_s: float = 60.0
     """A request's whole body must arrive within this long of its head, else 408 and the connection
     is closed, so that a body trickled in cannot hold its buffer and its connection without end. At
     the default ``max_body_bytes`` that asks 2.2 Mbit/s of a client sending the largest body."""
+    max_client_connections: int = 10_000
+    """Open client connections per router process; a connection past it is answered 503 (with
+    Retry-After) and closed. Lowered at start to what the file descriptor limit can hold (which the
+    router first raises to the hard limit): half of what remains after a reserve of up to 256,
+    since every client connection may hold a backend connection too. Without a cap, the connections
+    an idle crowd opened used the descriptors up, and accept() then reset new clients unanswered
+    (kvrouter_fd_limit, kvrouter_open_fds and kvrouter_client_connections show the headroom)."""
     connect_timeout_s: float = 5.0
     """Connecting to a backend; a failure is retried once on the next-best candidate, then 502."""
     read_timeout_s: float = 600.0
@@ -377,6 +384,8 @@ def validate(cfg: RouterConfig) -> None:
     for key in ("head_timeout_s", "body_timeout_s"):
         if not getattr(cfg.server, key) > 0:  # (false for NaN too)
             raise ConfigError(f"server.{key}: must be positive")
+    if cfg.server.max_client_connections < 1:
+        raise ConfigError("server.max_client_connections: must be at least 1")
     if cfg.server.drain_timeout_s < 0:
         raise ConfigError("server.drain_timeout_s: must not be negative")
     if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:

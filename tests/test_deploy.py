@@ -99,7 +99,11 @@ CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
 }
 # Exported by kvrouter's own HTTP server (what `kvrouter serve` runs), not under another ASGI server.
 SERVER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+    "kvrouter_client_connections": ("gauge", frozenset()),
+    "kvrouter_max_client_connections": ("gauge", frozenset()),
     "kvrouter_client_limit_hits_total": ("counter", frozenset({"limit"})),
+    "kvrouter_open_fds": ("gauge", frozenset()),
+    "kvrouter_fd_limit": ("gauge", frozenset()),
 }
 ALL_METRICS = {**EXPORTED_METRICS, **CLUSTER_METRICS, **SERVER_METRICS}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

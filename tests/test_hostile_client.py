@@ -1,5 +1,5 @@
 """Hostile clients cannot stall or exhaust the router: slowloris heads, trickled, tiny-chunked and
-pipelined input, and bodies without a key.
+pipelined input, bodies without a key, and connection floods at the file descriptor limit.
 
 Each attack runs against a real ``kvrouter serve`` process (its memory and file descriptors are
 its own, and it can be given a low descriptor limit) in front of a fake engine. A probe process (its
@@ -12,6 +12,7 @@ longest the router's event loop stalled. It also sends a well-behaved completion
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -484,6 +485,59 @@ def test_tiny_chunks_are_counted_in_the_bytes_they_hold(start: Callable[..., Rou
     router.settles(base + (8 << 20))
 
 
+# --- connections ---------------------------------------------------------------------------------
+
+
+def test_a_connection_flood_at_the_fd_limit_is_refused_with_503(start: Callable[..., Router]) -> None:
+    """A router started with a soft descriptor limit of 128 (hard 256) raises it to 256 and takes
+    at most (256 - 64) / 2 = 96 client connections: 300 idle ones (more than its descriptors)
+    get a 503 with Retry-After past that and are closed, the established connections keep being
+    served, and a new connection is served once the flood is gone (before: no cap, the limit left
+    at 128, accept() failed and new clients were reset unanswered)."""
+    router = start("head_timeout_s = 30", nofile=(128, 256))
+    flood: list[socket.socket] = []
+    with probing(router) as figures:
+        try:
+            for _ in range(300):
+                flood.append(connect(router))
+            answers: list[tuple[int, dict[str, str], dict[str, Any]]] = []
+            kept = list(flood)
+            quiet_since = time.monotonic()
+            while time.monotonic() - quiet_since < 1.0:  # until a second passes with no answer
+                ready, _, _ = select.select(kept, [], [], 0.2)
+                for s in ready:
+                    kept.remove(s)
+                    quiet_since = time.monotonic()
+                    try:
+                        answers.append(read_answer(s, timeout=2.0))
+                    except (OSError, AssertionError):
+                        answers.append((0, {}, {}))  # (reset unanswered: a burst past the descriptors)
+            # the probe's 2 connections are within the cap: 96 - 2 of the flood are kept
+            assert len(kept) == 94, len(kept)
+            answered = [a for a in answers if a[0]]
+            statuses = collections.Counter(a[0] for a in answers)
+            assert len(answered) >= 150 and set(statuses) <= {0, 503}, statuses
+            assert answered[0][1]["retry-after"] == "1"
+            assert answered[0][2]["error"]["code"] == "too_many_connections"
+            assert len(os.listdir(f"/proc/{router.proc.pid}/fd")) < 200
+        finally:
+            for s in flood:
+                s.close()
+        wait_for(lambda: router.metric("kvrouter_client_connections") <= 3, "the flood gone")
+        assert router.metric("kvrouter_open_fds") < 100
+        r = httpx.post(
+            router.url + "/v1/completions",
+            json={"model": "toy", "prompt": "after the flood", "max_tokens": 2},
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 200
+    assert_served(figures)
+    assert router.metric("kvrouter_fd_limit") == 256
+    assert router.metric("kvrouter_max_client_connections") == 96
+    assert router.metric("kvrouter_client_limit_hits_total") >= 300 - 96
+
+
 def test_pipelined_requests_are_answered_a_few_at_a_time(start: Callable[..., Router]) -> None:
     """20k requests pipelined in 1 MB (50 reads of them queued at once): all answered in order, the
     loop never stalled past 50 ms (before: every request of a read was parsed and answered in one
@@ -507,9 +561,9 @@ def test_pipelined_requests_are_answered_a_few_at_a_time(start: Callable[..., Ro
 
 def test_the_new_limits_are_validated() -> None:
     base = {"backends": [{"name": "e", "url": "http://127.0.0.1:1"}]}
-    for key, bad in (("head_timeout_s", 0), ("body_timeout_s", -1.0)):
+    for key, bad in (("head_timeout_s", 0), ("body_timeout_s", -1.0), ("max_client_connections", 0)):
         with pytest.raises(ConfigError, match=f"server.{key}"):
             parse_config({**base, "server": {key: bad}})
     cfg = parse_config(base)
     srv = cfg.server
-    assert (srv.head_timeout_s, srv.body_timeout_s) == (10.0, 60.0)
+    assert (srv.head_timeout_s, srv.body_timeout_s, srv.max_client_connections) == (10.0, 60.0, 10_000)

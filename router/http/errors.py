@@ -89,6 +89,16 @@ def request_timeout(what: str, seconds: float) -> ApiError:
     )
 
 
+def too_many_connections(limit: int) -> ApiError:
+    """503: the router holds as many client connections as it may (sent with a Retry-After)."""
+    return ApiError(
+        503,
+        f"the router holds its maximum of {limit} client connections; retry later",
+        "service_unavailable",
+        "too_many_connections",
+    )
+
+
 def internal_error() -> ApiError:
     """500: a bug in kvrouter (logged with its traceback)."""
     return ApiError(500, "internal error in kvrouter", "internal_error", "internal_error")

@@ -21,7 +21,8 @@ What it implements, and no more:
   ``max_body_bytes`` (413 as soon as it is known, then the connection is closed), held in one
   buffer; the whole head within ``head_timeout_s`` of its first byte and the whole body within
   ``body_timeout_s`` of the head (408, then closed); a request with a body is authorized from its
-  head (401 before any of the body is read);
+  head (401 before any of the body is read); at most ``max_client_connections`` open connections
+  (a new one past it is answered 503 with ``Retry-After`` and closed);
 - response framing: the handler's content-length, else chunked (1.1) or close-delimited (1.0);
   no body for HEAD, 204 and 304;
 - flow control: a handler's write waits while the client is not reading (transport high-water mark),
@@ -39,7 +40,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote
 
@@ -54,10 +55,13 @@ from router.http.errors import (
     internal_error,
     request_timeout,
     too_large,
+    too_many_connections,
 )
+from router.http.fds import client_connection_cap, fd_limit, open_fds
 from router.http.listen import server_socket
 from router.http.native import NativeEndpoints
 from router.http.proxy import PATHS, send_error
+from router.observe.exposition import Family, GaugeFamily
 from router.observe.metrics import LeanCounter
 
 if TYPE_CHECKING:
@@ -69,6 +73,8 @@ access = logging.getLogger("kvrouter.access")
 _MAX_HEAD = 64 * 1024
 _LINGER_S = 2.0
 """After refusing a request, how long the rest of what the client sends is read and dropped."""
+_RETRY_AFTER_S = 1
+"""The ``Retry-After`` of a connection refused at ``max_client_connections``."""
 _SLICE = 16 * 1024
 """A larger read is parsed this much at a time (:data:`_READ_WORK`)."""
 _READ_WORK = 1024
@@ -345,6 +351,8 @@ class _Connection(asyncio.Protocol):
         """A chunk header was parsed and no body followed yet: what comes may be the trailers of
         the last chunk, which httptools buffers whole until each line ends (counted like a head)."""
         self._trailer_seen = 0
+        self._refused = False
+        """Refused at ``max_client_connections`` and lingering (counted in ``HttpServer.refusing``)."""
         self._body = BodyBuffer(server.max_body_bytes)
         self._reset_message()
 
@@ -363,12 +371,36 @@ class _Connection(asyncio.Protocol):
         self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
         name = transport.get_extra_info("sockname")
         self.sockname = (str(name[0]), int(name[1])) if isinstance(name, tuple) else None
-        self.server.connections.add(self)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self._refuse_connection()
+            return
+        server.connections.add(self)
         self._arm_idle()
+
+    def _refuse_connection(self) -> None:
+        """Past ``max_client_connections``: a 503 with Retry-After, then closed (lingering, as a
+        refused request is, unless many refused connections linger already: each holds a file
+        descriptor, which is what the cap saves)."""
+        server = self.server
+        server.limit_hits.inc(("max_client_connections",))
+        err = too_many_connections(server.max_connections)
+        retry = b"retry-after: %d\r\n" % _RETRY_AFTER_S
+        if server.refusing >= max(16, server.max_connections // 16):
+            self._stop_reading = True
+            self.write(self._error_response(err, retry))
+            self.close()
+            return
+        server.refusing += 1
+        self._refused = True
+        self._answer_and_close(err, retry)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
         self.server.connections.discard(self)
+        if self._refused:
+            self._refused = False
+            self.server.refusing -= 1
         self._cancel_timers()
         if self.task is not None and not self.task.done():
             self.task.cancel()
@@ -869,16 +901,23 @@ class _Connection(asyncio.Protocol):
         if self.task is None:
             self._next()
 
-    def _answer_and_close(self, err: ApiError) -> None:
+    @staticmethod
+    def _error_response(err: ApiError, extra: bytes = b"") -> bytes:
+        """A refusal's whole response (``extra``: more header lines), closing the connection."""
+        body = err.body()
+        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
+            err.status,
+            _REASONS.get(err.status, b""),
+            len(body),
+        )
+        return head + extra + b"connection: close\r\n\r\n" + body
+
+    def _answer_and_close(self, err: ApiError, extra: bytes = b"") -> None:
         """Answer a refused request, then close *lingering*: our side is shut for writing and what the
         client still sends (the rest of a huge head or body) is read and dropped for a moment, so the
         kernel does not answer it with a reset that would destroy the answer before the client reads
         it (the lingering close of nginx and Apache)."""
-        body = err.body()
-        self.write(
-            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (err.status, _REASONS.get(err.status, b""), len(body), body)
-        )
+        self.write(self._error_response(err, extra))
         t = self.transport
         if t is None or t.is_closing() or not t.can_write_eof():
             self.close()
@@ -977,6 +1016,31 @@ class _Connection(asyncio.Protocol):
         self._idle = self._linger = self._deadline = None
 
 
+class _ClientCollector:
+    """Client connections and the process's file descriptors, read at scrape time."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterable[Family]:
+        srv = self.server
+        for name, doc, value in (
+            ("kvrouter_client_connections", "Open client connections", len(srv.connections)),
+            (
+                "kvrouter_max_client_connections",
+                "Client connections accepted at most (server.max_client_connections, lowered to "
+                "what the file descriptor limit holds)",
+                srv.max_connections,
+            ),
+            ("kvrouter_open_fds", "File descriptors open in the process", open_fds()),
+            ("kvrouter_fd_limit", "The process's file descriptor limit (soft RLIMIT_NOFILE)", fd_limit()),
+        ):
+            if value is not None:
+                family = GaugeFamily(name, doc)
+                family.add_metric([], value)
+                yield family
+
+
 class HttpServer:
     """Serves a :class:`router.app.KVRouter` on one listening socket; ``start`` / ``stop`` or ``run``."""
 
@@ -991,12 +1055,25 @@ class HttpServer:
         self.body_timeout = srv.body_timeout_s
         self.authorize = app.authorize_request
         """Checks a request with a body from its head (raises the 401 / 403 / 404)."""
+        limit = fd_limit()
+        self.max_connections = client_connection_cap(srv.max_client_connections, limit)
+        """``server.max_client_connections``, lowered to what the file descriptor limit can hold."""
+        log.info(
+            "at most %d client connections (server.max_client_connections = %d, file descriptor limit %d)",
+            self.max_connections,
+            srv.max_client_connections,
+            limit,
+        )
+        self.refusing = 0
+        """Connections refused at the cap whose close lingers."""
         self.limit_hits = LeanCounter(
             "kvrouter_client_limit_hits",
-            "Client requests refused at a limit, by its key: head_timeout_s, body_timeout_s (408)",
+            "Client requests and connections refused at a limit, by its key: head_timeout_s, "
+            "body_timeout_s (408), max_client_connections (503)",
             ["limit"],
         )
         app.metrics.add_series([self.limit_hits])
+        app.metrics.add_collector(_ClientCollector(self))
         self.keepalive_timeout = srv.keepalive_timeout_s
         self.write_timeout = srv.write_timeout_s
         self.drain_timeout = srv.drain_timeout_s
