@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 
+from router.http.body import decode_json
+
 
 class ApiError(Exception):
     """An error the client sees; ``status`` is the HTTP status."""
@@ -30,9 +32,10 @@ class ApiError(Exception):
 def json_body(raw: bytes) -> Any:
     """A request body decoded, or a 400: msgspec raises UnicodeDecodeError for invalid UTF-8 and
     RecursionError for ~1,000 nested arrays, not DecodeError (they were 500s, and a /route answered
-    in the read callback lost its connection)."""
+    in the read callback lost its connection). A large body is decoded in pieces
+    (:func:`router.http.body.decode_json`): call it off the event loop."""
     try:
-        return msgspec.json.decode(raw)
+        return decode_json(raw)
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise bad_request(f"The body is not valid JSON: {exc}") from None
 
