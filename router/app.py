@@ -30,7 +30,7 @@ from router.config import RouterConfig
 from router.decision.pd import PDPlanner
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
-from router.decision.tokenizer import RequestTokenizer
+from router.decision.tokenizer import RequestTokenizer, RequestTokenizerConfig
 from router.fleet.load import BoardView, LoadTracker
 from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
@@ -107,6 +107,7 @@ class KVRouter:
             default=default,
             client=self.pool if config.remote_tokenize else None,
             backend_for=self._tokenize_backend if config.remote_tokenize else None,
+            config=RequestTokenizerConfig(max_chars=config.tokenizer_max_chars),
         )
         self.service = RouterService(
             self.index,

@@ -202,6 +202,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker, so that resent messages are not tokenized again (router.decision.segments); 0: off."""
     remote_tokenize: bool = True
     """Without a local tokenizer, ask the backend's POST /tokenize (one call per request)."""
+    tokenizer_max_chars: int = 2 << 20
+    """Prompt text longer than this (characters; a chat request's after its template) is not
+    tokenized by the router: routed on load only, the engine still gets the whole request. ~500k
+    tokens of English text, more than most models' context; tokenizing holds ~300 bytes per token
+    while it runs and ~40 ms of GIL-held work per million tokens (their id list, block keys), so a
+    16 MiB prompt cost GBs and stalled the loop."""
     kv_topic: str = ""
     api_keys: list[str] = []
     """Bearer keys accepted from clients; empty: no authentication."""
@@ -390,6 +396,8 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("server.drain_timeout_s: must not be negative")
     if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:
         raise ConfigError("health: interval_s must be >= 0.1, timeout_s > 0 and unhealthy_after >= 1")
+    if cfg.tokenizer_max_chars < 1:
+        raise ConfigError("tokenizer_max_chars: must be at least 1")
     if not 0 <= cfg.tokenizer_cache_mib <= 65536:
         raise ConfigError("tokenizer_cache_mib: must be between 0 (off) and 65536")
     for key in ("tokenizer",):

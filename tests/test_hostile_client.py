@@ -729,11 +729,42 @@ def test_a_large_requests_tojson_renders_the_same_text(tokdir: Path, tmp_path: P
     assert '"\\u00e9"' in small and "1.5e-07" in small
 
 
+def test_a_prompt_over_tokenizer_max_chars_is_routed_on_load(tokdir: Path) -> None:
+    """Prompt text over ``tokenizer_max_chars`` (completions as sent, chat as rendered) is not
+    tokenized (~300 bytes of memory per token while it runs): routed on load only."""
+    import asyncio
+
+    from router.decision.chat import ChatTokenizer
+    from router.decision.tokenizer import RequestTokenizer, RequestTokenizerConfig, TokenizerUnavailable
+
+    svc = RequestTokenizer(
+        {"toy": ChatTokenizer.from_path(tokdir)}, config=RequestTokenizerConfig(max_chars=1000)
+    )
+
+    async def main() -> None:
+        assert await svc.tokenize("completions", {"prompt": "a " * 500}, "toy")
+        with pytest.raises(TokenizerUnavailable, match="tokenizer_max_chars"):
+            await svc.tokenize("completions", {"prompt": "a " * 501}, "toy")
+        chat = {"messages": [{"role": "user", "content": "a " * 480}]}
+        assert await svc.tokenize("chat", chat, "toy")
+        chat = {"messages": [{"role": "user", "content": "a " * 500}]}  # (and the template's text)
+        with pytest.raises(TokenizerUnavailable, match="tokenizer_max_chars"):
+            await svc.tokenize("chat", chat, "toy")
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.close()
+
+
 def test_the_new_limits_are_validated() -> None:
     base = {"backends": [{"name": "e", "url": "http://127.0.0.1:1"}]}
     for key, bad in (("head_timeout_s", 0), ("body_timeout_s", -1.0), ("max_client_connections", 0)):
         with pytest.raises(ConfigError, match=f"server.{key}"):
             parse_config({**base, "server": {key: bad}})
+    with pytest.raises(ConfigError, match="tokenizer_max_chars"):
+        parse_config({**base, "tokenizer_max_chars": 0})
     cfg = parse_config(base)
     srv = cfg.server
     assert (srv.head_timeout_s, srv.body_timeout_s, srv.max_client_connections) == (10.0, 60.0, 10_000)
+    assert cfg.tokenizer_max_chars == 2 << 20

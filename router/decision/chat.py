@@ -51,7 +51,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer, processors
 
 from router.decision.segments import SegmentCache
-from router.decision.tokenizer import ContentFormat, TokenizerError, TokenizerUnavailable
+from router.decision.tokenizer import ContentFormat, TokenizerError, TokenizerUnavailable, prompt_too_long
 
 __all__ = ["ChatTokenizer"]
 
@@ -693,10 +693,12 @@ class ChatTokenizer:
         chat_template: str | None = None,
         add_special_tokens: bool = False,
         large: bool = False,
+        max_chars: int | None = None,
     ) -> list[int]:
         """Render then encode. `add_special_tokens` defaults to False like vLLM's chat endpoint: the
         template already starts with BOS, and the post-processor would add a second one. `large`:
-        see :meth:`render_chat`."""
+        see :meth:`render_chat`; a prompt longer than `max_chars` is not encoded
+        (`TokenizerUnavailable`)."""
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -707,6 +709,8 @@ class ChatTokenizer:
             chat_template=chat_template,
             large=large,
         )
+        if max_chars is not None and len(text) > max_chars:
+            raise prompt_too_long(len(text), max_chars)
         return self.encode_prompt(text, add_special_tokens=add_special_tokens)
 
 

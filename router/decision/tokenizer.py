@@ -76,6 +76,8 @@ class RequestTokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
     - `max_workers` (default 2): threads for larger prompts. Encoding releases the GIL, so more
       threads than cores only queue.
     - `remote_timeout_s` (default 2.0): deadline of the one `/tokenize` call to a backend.
+    - `max_chars` (default 2 Mi, the config's ``tokenizer_max_chars``): prompt text longer than
+      this is not tokenized (`TokenizerUnavailable`: routed on load only).
     - `trust_request_chat_template` (default False): render a `chat_template` sent in the request
       body. Off, like vLLM's `--trust-request-chat-template`: a hostile template can burn the
       router's CPU, and an engine with the flag off rejects such requests anyway. When off, such
@@ -83,9 +85,17 @@ class RequestTokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     inline_max_chars: int = 1024
+    max_chars: int = 2 << 20
     max_workers: int = 2
     remote_timeout_s: float = 2.0
     trust_request_chat_template: bool = False
+
+
+def prompt_too_long(chars: int, limit: int) -> TokenizerUnavailable:
+    """A prompt over ``tokenizer_max_chars``: not tokenized, routed on load only."""
+    return TokenizerUnavailable(
+        f"the prompt is {chars} characters, over tokenizer_max_chars ({limit}): routed on load only"
+    )
 
 
 def _check_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -265,6 +275,8 @@ class RequestTokenizer:
             if prompt is None and body.get("prompt_embeds") is not None:
                 raise TokenizerUnavailable("prompt_embeds requests carry no tokens to route on")
             raise TokenizerError("prompt must be a string, a list of token ids, or a batch of them")
+        if len(prompt) > self.config.max_chars:
+            raise prompt_too_long(len(prompt), self.config.max_chars)
         if local is not None:
             self.local_requests += 1
             size = len(prompt)
@@ -316,6 +328,7 @@ class RequestTokenizer:
                     chat_template=chat_template,
                     add_special_tokens=add_special,
                     large=large,
+                    max_chars=self.config.max_chars,
                 )
 
             return await self._run(size, work)
