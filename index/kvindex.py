@@ -347,9 +347,16 @@ class KVIndex:
                 pred = self._purge(sidx, now)
                 if len(pred) + len(keys) > self.config.max_predicted_per_source:
                     return False
-            for k in keys[-1:] if self._grouped(sidx) else keys:
-                if pred.get(k, 0.0) < expiry:
-                    pred[k] = expiry
+            if self._grouped(sidx):
+                keys = keys[-1:]
+            if now + self.config.predict_ttl_s <= expiry:  # (this router's own: the latest of all)
+                pred.update(
+                    dict.fromkeys(keys, expiry)
+                )  # (in C: a loop held the event loop 14 ms per 50k keys)
+            else:
+                for k in keys:
+                    if pred.get(k, 0.0) < expiry:
+                        pred[k] = expiry
             self._watch(sidx)
         return True
 

@@ -30,13 +30,14 @@ from router.config import RouterConfig
 from router.decision.pd import PDPlanner
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
-from router.decision.tokenizer import RequestTokenizer
+from router.decision.tokenizer import RequestTokenizer, RequestTokenizerConfig
 from router.fleet.load import BoardView, LoadTracker
 from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
 from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, bearer_token, compare_digest
 from router.fleet.sources.configfile import ConfigWatcher, Stamp
 from router.http.asgi import Receive, Scope, Send
+from router.http.body import LARGE_BODY_BYTES, decode_json
 from router.http.errors import json_body, unauthorized, unavailable
 from router.http.openapi import openapi_spec
 from router.http.proxy import PATHS, ProxyHandler
@@ -113,6 +114,7 @@ class KVRouter:
             default=default,
             client=self.pool if config.remote_tokenize else None,
             backend_for=self._tokenize_backend if config.remote_tokenize else None,
+            config=RequestTokenizerConfig(max_chars=config.tokenizer_max_chars),
         )
         self.service = RouterService(
             self.index,
@@ -421,17 +423,21 @@ class KVRouter:
     async def route_answer(self, raw: bytes, query: bytes, headers: Any = ()) -> bytes:
         """``POST /route``: the decision for a request body, explained (nothing is sent); raises
         :class:`ApiError` for a bad body."""
-        body = _token_prompt_body(raw)
-        if body is None:
-            body = json_body(raw)
-        endpoint, session = self._route_args(body, query, headers)
-        decided = await self.service.decide(endpoint, body, dry_run=True, session=session)
-        return decided.explain_json()
+        body = await self.service.read_json(raw, _route_body)
+        try:
+            endpoint, session = self._route_args(body, query, headers)
+            decided = await self.service.decide(endpoint, body, dry_run=True, session=session, size=len(raw))
+            return decided.explain_json()
+        finally:
+            self.service.release(body, len(raw))
 
     def route_answer_now(self, raw: bytes, query: bytes, headers: Any = ()) -> bytes | None:
         """:meth:`route_answer` when it needs no await (a prompt of token ids), else None; raises
         :class:`ApiError` like it. The native server answers such a lookup in the callback that
-        read it, without a task: external schedulers call ``/route`` per request."""
+        read it, without a task: external schedulers call ``/route`` per request. (Not a large body:
+        its work is done off the event loop.)"""
+        if len(raw) > LARGE_BODY_BYTES:
+            return None
         body = _token_prompt_body(raw)
         if body is None:
             return None
@@ -551,13 +557,19 @@ def _token_prompt_body(raw: bytes) -> dict[str, Any] | None:
         return None
     start, end, ids = found
     try:
-        body = msgspec.json.decode(raw[:start] + b"0" + raw[end:])
+        body = decode_json(raw[:start] + b"0" + raw[end:])
     except (msgspec.DecodeError, ValueError, RecursionError):
         return None  # (the generic path words the 400)
     if not isinstance(body, dict):
         return None
     body["prompt"] = TokenBuffer(ids)
     return body
+
+
+def _route_body(raw: bytes) -> Any:
+    """A /route body: :func:`_token_prompt_body`, else decoded as any other (or a 400)."""
+    body = _token_prompt_body(raw)
+    return json_body(raw) if body is None else body
 
 
 class _ForgetRemoved:

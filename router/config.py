@@ -46,7 +46,26 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 16 * 1024 * 1024
-    """Requests with larger bodies get 413."""
+    """Requests with larger bodies get 413, as soon as it is known: their content-length, else the
+    bytes held so far (a chunked body is held in one buffer, so 2-byte chunks cost what they weigh,
+    not the 28 times a list of them did)."""
+    head_timeout_s: float = 10.0
+    """A request's whole head (request line and headers) must arrive within this long of its first
+    byte, else 408 and the connection is closed; a new connection that sends nothing for this long
+    is closed. A deadline for the whole head, not for the silence between bytes: a client sending a
+    byte a second (slowloris) held its connection, and a slot of ``max_client_connections``, for
+    ever. A head is at most 64 KiB: any real client sends it in milliseconds."""
+    body_timeout_s: float = 60.0
+    """A request's whole body must arrive within this long of its head, else 408 and the connection
+    is closed, so that a body trickled in cannot hold its buffer and its connection without end. At
+    the default ``max_body_bytes`` that asks 2.2 Mbit/s of a client sending the largest body."""
+    max_client_connections: int = 10_000
+    """Open client connections per router process; a connection past it is answered 503 (with
+    Retry-After) and closed. Lowered at start to what the file descriptor limit can hold (which the
+    router first raises to the hard limit): half of what remains after a reserve of up to 256,
+    since every client connection may hold a backend connection too. Without a cap, the connections
+    an idle crowd opened used the descriptors up, and accept() then reset new clients unanswered
+    (kvrouter_fd_limit, kvrouter_open_fds and kvrouter_client_connections show the headroom)."""
     connect_timeout_s: float = 5.0
     """Connecting to a backend; a failure is retried once on the next-best candidate, then 502."""
     read_timeout_s: float = 600.0
@@ -225,6 +244,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker, so that resent messages are not tokenized again (router.decision.segments); 0: off."""
     remote_tokenize: bool = True
     """Without a local tokenizer, ask the backend's POST /tokenize (one call per request)."""
+    tokenizer_max_chars: int = 2 << 20
+    """Prompt text longer than this (characters; a chat request's after its template) is not
+    tokenized by the router: routed on load only, the engine still gets the whole request. ~500k
+    tokens of English text, more than most models' context; tokenizing holds ~300 bytes per token
+    while it runs and ~40 ms of GIL-held work per million tokens (their id list, block keys), so a
+    16 MiB prompt cost GBs and stalled the loop."""
     kv_topic: str = ""
     api_keys: list[str] = []
     """Bearer keys accepted from clients; empty: no authentication."""
@@ -589,12 +614,19 @@ def validate(cfg: RouterConfig) -> None:
                     f"backends[{i}].kv_bind: bind-mode KV events need server.workers = 1 "
                     "(only one process can bind the address); use connect mode with several workers"
                 )
+    for key in ("head_timeout_s", "body_timeout_s"):
+        if not getattr(cfg.server, key) > 0:  # (false for NaN too)
+            raise ConfigError(f"server.{key}: must be positive")
+    if cfg.server.max_client_connections < 1:
+        raise ConfigError("server.max_client_connections: must be at least 1")
     if cfg.server.drain_timeout_s < 0:
         raise ConfigError("server.drain_timeout_s: must not be negative")
     if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:
         raise ConfigError("health: interval_s must be >= 0.1, timeout_s > 0 and unhealthy_after >= 1")
     if not cfg.health.kv_sources_refresh_s >= 0:  # (false for NaN)
         raise ConfigError("health.kv_sources_refresh_s: must be >= 0 (0: read only after a failed probe)")
+    if cfg.tokenizer_max_chars < 1:
+        raise ConfigError("tokenizer_max_chars: must be at least 1")
     if not 0 <= cfg.tokenizer_cache_mib <= 65536:
         raise ConfigError("tokenizer_cache_mib: must be between 0 (off) and 65536")
     for key in ("tokenizer",):

@@ -99,7 +99,15 @@ CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_session_affinity_total": ("counter", frozenset({"result"})),
     "kvrouter_session_pins": ("gauge", frozenset()),
 }
-ALL_METRICS = {**EXPORTED_METRICS, **CLUSTER_METRICS}
+# Exported by kvrouter's own HTTP server (what `kvrouter serve` runs), not under another ASGI server.
+SERVER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+    "kvrouter_client_connections": ("gauge", frozenset()),
+    "kvrouter_max_client_connections": ("gauge", frozenset()),
+    "kvrouter_client_limit_hits_total": ("counter", frozenset({"limit"})),
+    "kvrouter_open_fds": ("gauge", frozenset()),
+    "kvrouter_fd_limit": ("gauge", frozenset()),
+}
+ALL_METRICS = {**EXPORTED_METRICS, **CLUSTER_METRICS, **SERVER_METRICS}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Labels Prometheus attaches at scrape time, usable in any query.
 TARGET_LABELS = frozenset({"job", "instance"})

@@ -30,12 +30,12 @@ from router.decision.service import Endpoint, Route, RouterService
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.http.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
+from router.http.body import BodyBuffer
 from router.http.errors import (
     ApiError,
     bad_gateway,
     bad_request,
     gateway_timeout,
-    json_body,
     too_large,
     unavailable,
 )
@@ -91,20 +91,16 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
                     raise too_large(limit)
             except ValueError:
                 raise bad_request("invalid Content-Length") from None
-    chunks: list[bytes] = []
-    size = 0
+    body = BodyBuffer(limit)
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise asyncio.CancelledError
         chunk = msg.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
+        if chunk and not body.add(chunk):
+            raise too_large(limit)
         if not msg.get("more_body", False):
-            return b"".join(chunks)
+            return body.take()
 
 
 class _ClientGone(Exception):
@@ -209,19 +205,25 @@ class ProxyHandler:
         when the client disconnects (``gone()`` then returns True); cancellation closes the upstream
         request, which is how vLLM learns to abort."""
         endpoint = PATHS[path]
+        size = len(body)
+        parsed: Any = None
         try:
             if not authorized:
                 self.authorize({"path": path, "headers": headers})
-            parsed = json_body(body)
+            parsed = await self.service.read_json(body)
             t0 = time.perf_counter()
             session = self.affinity.session_of(headers) if self.affinity is not None else None
-            route = await self.service.decide(endpoint, parsed, session=session)
+            route = await self.service.decide(endpoint, parsed, session=session, size=size)
             # the decision's own time: a staggered burst's hold (cluster.stagger_bursts) is counted
             # by kvrouter_cluster_held_decisions_total instead
             decision_s = time.perf_counter() - t0 - route.timings_us.get("held", 0.0) / 1e6
         except ApiError as err:
+            self.service.release(parsed, size)
             await send_error(writer, err)
             return
+        except asyncio.CancelledError:
+            self.service.release(parsed, size)
+            raise
         self.metrics.routed(
             route.backend,
             route.dp_rank,
@@ -240,16 +242,24 @@ class ProxyHandler:
             body, strip = self._ask_for_usage(parsed, body)  # (not on P/D routes: their legs differ)
         try:
             if route.pd is not None and self.pd is not None:  # P/D hook (router/pd/exchange.py)
-                await self.pd.run(
-                    path, list(headers), body, parsed, route, writer, self._exchange, self._headers
-                )
+                try:
+                    await self.pd.run(
+                        path, list(headers), body, parsed, route, writer, self._exchange, self._headers
+                    )
+                finally:
+                    self.service.release(parsed, size)
             else:
+                self.service.release(parsed, size)  # (what is sent is the bytes: not kept while it streams)
                 await self._exchange(path, headers, writer, body, route, strip)
         except asyncio.CancelledError:
             if gone():
                 log.debug("client disconnected; upstream request to %s cancelled", route.backend)
                 self.metrics.error(route.backend, "client_disconnect")
             raise
+        finally:
+            # (the prompt's block keys, for a retry's prediction: not kept with the recent decisions,
+            # where 50 prompts of a million tokens held 100 MB)
+            route.report = None
 
     def _without_report_mode(self, parsed: dict[str, Any], body: bytes) -> tuple[bytes, dict[str, Any]]:
         """The request without ``vllm_xargs.kv_cache_report_mode`` (``server.forward_kv_report_mode``
