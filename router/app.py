@@ -26,7 +26,7 @@ from index._kvcore import json_prompt
 from index.keys import TokenBuffer
 from index.kvindex import KVIndex
 from router.cluster.replicas import Replicas
-from router.config import RouterConfig
+from router.config import AUTO, RouterConfig
 from router.decision.pd import PDPlanner
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
@@ -320,6 +320,13 @@ class KVRouter:
         # way its streams are given
         members = self.membership.members.values()
         unlisted = sum(1 for m in members if m.kv_sources not in ("", "listed", "fallback"))
+        # (a source the index was just given shows in its status once the subscriber thread took it)
+        configured = {
+            f"{m.name}/dp{r}"
+            for m in members
+            if m.spec.kv_events not in (None, AUTO)
+            for r in range(m.spec.dp_size)
+        }
         log.info(
             "kvrouter ready: policy=%s, %d/%d backends healthy (%s), %d/%d event sources connected%s",
             self.config.policy.name,
@@ -327,7 +334,7 @@ class KVRouter:
             len(self.membership.members),
             ", ".join(healthy) or "none",
             sum(1 for s in sources if s.connected),
-            len(sources),
+            len(configured | {s.source for s in sources}),
             f', {unlisted} backend(s) with kv_events = "auto" not listed yet' if unlisted else "",
         )
 
