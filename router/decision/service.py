@@ -231,6 +231,15 @@ class RouterService:
             return parse(raw)
         return await self.tokenizer.offload(parse, raw)
 
+    async def write_json(self, body: Any, size: int) -> bytes:
+        """``body`` encoded: on the event loop when it was decoded from at most
+        :data:`router.http.body.LARGE_BODY_BYTES` (``size``), else in the worker threads (a
+        rewritten 16 MiB body held the loop for up to 0.1 s)."""
+        if size <= LARGE_BODY_BYTES:
+            return msgspec.json.encode(body)
+        encoded: bytes = await self.tokenizer.offload(msgspec.json.encode, body)
+        return encoded
+
     def release(self, body: Any, size: int) -> None:
         """Free a body :meth:`read_json` decoded from ``size`` bytes, when the caller holds nothing
         of it any more: a large one in the worker threads, in small steps (freed at once, millions of

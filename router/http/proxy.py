@@ -234,13 +234,16 @@ class ProxyHandler:
             route.prompt_blocks,
             decision_s,
         )
+        sent = parsed
         if not self.server.forward_kv_report_mode:
-            body, parsed = self._without_report_mode(parsed, body)
-        body, parsed = self._without_engine_fields(parsed, body, headers)
+            parsed = self._without_report_mode(parsed)
+        parsed = self._without_engine_fields(parsed, headers)
         strip = False
         if self.checks is not None and parsed.get("stream") is True and route.pd is None:
-            body, strip = self._ask_for_usage(parsed, body)  # (not on P/D routes: their legs differ)
+            parsed, strip = self._ask_for_usage(parsed)  # (not on P/D routes: their legs differ)
         try:
+            if parsed is not sent:  # (rewritten: encoded once, off the loop when large)
+                body = await self.service.write_json(parsed, size)
             if route.pd is not None and self.pd is not None:  # P/D hook (router/pd/exchange.py)
                 try:
                     await self.pd.run(
@@ -261,13 +264,13 @@ class ProxyHandler:
             # where 50 prompts of a million tokens held 100 MB)
             route.report = None
 
-    def _without_report_mode(self, parsed: dict[str, Any], body: bytes) -> tuple[bytes, dict[str, Any]]:
+    def _without_report_mode(self, parsed: dict[str, Any]) -> dict[str, Any]:
         """The request without ``vllm_xargs.kv_cache_report_mode`` (``server.forward_kv_report_mode``
-        says why), ``vllm_xargs`` itself gone when nothing else is left in it; the same bytes when
+        says why), ``vllm_xargs`` itself gone when nothing else is left in it; the same object when
         it is not there (the common case costs one dictionary lookup)."""
         xargs = parsed.get("vllm_xargs")
         if not isinstance(xargs, dict) or "kv_cache_report_mode" not in xargs:
-            return body, parsed
+            return parsed
         rest = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
         parsed = {k: v for k, v in parsed.items() if k != "vllm_xargs"}
         if rest:
@@ -282,19 +285,19 @@ class ProxyHandler:
                 "true passes it on (counted: kvrouter_kv_report_mode_removed_total)",
                 repr(xargs["kv_cache_report_mode"])[:40],
             )
-        return msgspec.json.encode(parsed), parsed
+        return parsed
 
     def _without_engine_fields(
-        self, parsed: dict[str, Any], body: bytes, headers: Iterable[tuple[bytes, bytes]]
-    ) -> tuple[bytes, dict[str, Any]]:
+        self, parsed: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]
+    ) -> dict[str, Any]:
         """The request without the body fields only the router sets for the engines
         (:data:`ENGINE_FIELDS`; ``trusted_api_keys`` says why and exempts a key). Removed here,
         before the route's paths split: ordinary and P/D routes, a skipped prefill leg, every
-        fallback and retry send these bytes or build on ``parsed``. The same bytes when none is
+        fallback and retry send these bytes or build on ``parsed``. The same object when none is
         there (the common case costs a dictionary lookup)."""
         fields = [f for f in ENGINE_FIELDS if f in parsed]
         if not fields or self.trusted(headers):
-            return body, parsed
+            return parsed
         for field in fields:
             self.metrics.client_fields_removed.inc((field,))
         if not self._fields_logged:
@@ -306,24 +309,23 @@ class ProxyHandler:
                 "kvrouter_client_fields_removed_total)",
                 ", ".join(fields),
             )
-        parsed = {k: v for k, v in parsed.items() if k not in fields}
-        return msgspec.json.encode(parsed), parsed
+        return {k: v for k, v in parsed.items() if k not in fields}
 
-    def _ask_for_usage(self, parsed: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
+    def _ask_for_usage(self, parsed: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """On one in ``checks.stream_usage_every`` client streams that did not ask for usage, ask the
         engine for it (to check the prediction) and strip it from what the client receives: returns
-        (the body to send, whether to strip)."""
+        (the request to send, whether to strip)."""
         assert self.checks is not None
         every = self.checks.config.stream_usage_every
         opts = parsed.get("stream_options")
         if every <= 0 or (isinstance(opts, dict) and opts.get("include_usage")):
-            return body, False
+            return parsed, False
         self._streams_seen += 1
         if self._streams_seen % every:
-            return body, False
+            return parsed, False
         options = dict(opts) if isinstance(opts, dict) else {}
         options["include_usage"] = True
-        return msgspec.json.encode({**parsed, "stream_options": options}), True
+        return {**parsed, "stream_options": options}, True
 
     def _check_soon(
         self, route: Route, target: tuple[str, int], status: int, usage: dict[str, Any] | None
