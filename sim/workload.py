@@ -190,6 +190,32 @@ def demo_config(quick: bool = False, seed: int = 0) -> WorkloadConfig:
     )
 
 
+def vllm_demo_config(quick: bool = False, seed: int = 0, block_size: int = 32) -> WorkloadConfig:
+    """The sizes `kvrouter demo --vllm` uses on real CPU engines (~300 output tokens/s each): ~65
+    requests over ~20 s (~40 over ~8 s with ``quick``), short answers, and prompts of at most ~1,250
+    tokens, well under the engines' max-model-len. Document questions carry no system prompt: with
+    two engines, a system prompt ahead of every request would draw all of them to the engine that
+    caches it. ``block_size`` over 64 (the Qwen3-Next shape's 544-token block) doubles the shared
+    prefixes so that they still span whole blocks: vLLM only hits whole blocks."""
+    grow = 2.0 if block_size > 64 else 1.0
+    return WorkloadConfig(
+        seed=seed,
+        duration_s=8.0 if quick else 20.0,
+        session_rate=1.5 if quick else 1.0,
+        turns=(2, 4),
+        think_s=0.5,
+        system_prompt_tokens=tuple(round(n * grow) for n in (300, 700)),
+        system_prompt_weights=(0.6, 0.4),
+        user_tokens=(20, 60),
+        answer_tokens=12,
+        doc_rate=1.5 if quick else 1.0,
+        num_docs=3 if quick else 4,
+        doc_tokens=(round(500 * grow), round(1000 * grow)),
+        doc_max_tokens=12,
+        doc_system_prompt=-1,
+    )
+
+
 class _Text:
     """Deterministic English-like text drawn from the toy tokenizer's corpus distribution."""
 

@@ -88,3 +88,30 @@ def test_demo_keep_leaves_the_last_fleet_and_router_up_until_ctrl_c() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         proc.stdout.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        ([], 2, "tests/vllm/install.sh"),
+        (["--kv-groups", "mistral"], 1, "the real engines' tiny models are llama, gemma3, qwen3_next"),
+        (["--pd"], 2, "--pd runs mock engines only"),
+    ],
+)
+def test_demo_vllm_refuses_what_it_cannot_run_and_says_why(
+    tmp_path: Path, args: list[str], code: int, says: str
+) -> None:
+    """Without the vLLM venv (it lives outside the checkout), with a model it has no tiny real
+    counterpart of, or with --pd: a message and a non-zero exit before anything is started."""
+    missing = tmp_path / "no-venv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.cli", "demo", "--vllm", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KVROUTER_VLLM_VENV": str(missing)},
+    )
+    assert (proc.returncode, says in proc.stderr) == (code, True), proc.stderr
+    if not args:
+        assert f"no vLLM venv at {missing}" in proc.stderr, proc.stderr
+    assert not missing.exists()

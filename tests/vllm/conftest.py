@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 import zmq
-from vllm_tier import VENV, Tier, venv_ready
+from vllm_tier import Tier
+
+from sim.vllm_engines import VENV, venv_ready
 
 _HERE = Path(__file__).resolve().parent
 

