@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -85,4 +86,17 @@ class EngineProc:
             await self.proc.wait()
 
 
-__all__ = ["EngineProc"]
+def status_kb(pid: int, field: str) -> int:
+    """A ``/proc/<pid>/status`` figure in kB (VmRSS: resident now; VmHWM: its peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak(pid: int) -> None:
+    """Start VmHWM (the peak resident size) again from the current size."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+__all__ = ["EngineProc", "reset_peak", "status_kb"]
