@@ -3,18 +3,31 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test test-vllm lint typecheck unit bench fuzz fuzz-http fuzz-kv soak clean
 
 # (the C core is built by the install: a changed source is rebuilt by the next make)
-$(STAMP): pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrecv.h router/decision/_explain.c
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
-	touch $(STAMP)
+INSTALL_DEPS := pyproject.toml sim/pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrecv.h \
+  router/decision/_explain.c
+NEW_VENV := test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); $(BIN)/pip install -q --upgrade pip
+
+# make test: the router, kvrouter-sim (the simulated fleet, ./sim) and the test tools; what make demo
+# needs too, hence its stamp
+$(STAMP): $(INSTALL_DEPS)
+	$(NEW_VENV)
+	$(BIN)/pip install -q -e '.[test]' -e ./sim
+	touch $(STAMP) $(DEMO_STAMP)
+
+# make demo: the router and kvrouter-sim only, without the test tools (mypy, playwright, ...)
+$(DEMO_STAMP): $(INSTALL_DEPS)
+	$(NEW_VENV)
+	$(BIN)/pip install -q -e . -e ./sim
+	touch $(DEMO_STAMP)
 
 ## demo: a simulated fleet of mock vLLM engines behind the real router, once per policy
-demo: $(STAMP)
+##   (DEMO_ARGS=--keep leaves the last fleet and router up, --quick is the few-second version)
+demo: $(DEMO_STAMP)
 	$(BIN)/kvrouter demo $(DEMO_ARGS)
 
 ## test: ruff, mypy, then pytest (with the CI share of the real-vLLM tier, tests/vllm: full attention

@@ -2050,13 +2050,12 @@ static const uint8_t *json_skip(const uint8_t *p, const uint8_t *end) {
     return depth == 0 ? p : NULL;
 }
 
-/* json_prompt(raw) -> (start, end, ids) when the top-level "prompt" member of a JSON object (its
- * only occurrence, spelled without escapes) is an array of token ids (see parse_ids), else None */
-static PyObject *mod_json_prompt(PyObject *self, PyObject *arg) {
-    Py_buffer v;
-    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE)) return NULL;
-    const uint8_t *base = v.buf, *p = base, *end = base + v.len;
-    Py_ssize_t start = -1, stop = -1;
+/* where the top-level "prompt" member of the JSON object in base[0:len] is (its only occurrence,
+ * spelled without escapes) when it is an array of token ids (see parse_ids): 1 and its span and
+ * ids (malloc'd), else 0. Touches no Python object. */
+static int find_prompt(const uint8_t *base, Py_ssize_t len, Py_ssize_t *start, Py_ssize_t *stop, u64 **out,
+                       size_t *nout) {
+    const uint8_t *p = base, *end = base + len;
     int found = 0;
     u64 *ids = NULL;
     size_t nids = 0;
@@ -2086,8 +2085,8 @@ static PyObject *mod_json_prompt(PyObject *self, PyObject *arg) {
             found = 1;
             p = parse_ids(p, end, &ids, &nids);
             if (!p) goto none;
-            start = value - base;
-            stop = p - base;
+            *start = value - base;
+            *stop = p - base;
         } else {
             p = json_skip(p, end);
             if (!p || p == value) goto none;
@@ -2101,16 +2100,164 @@ static PyObject *mod_json_prompt(PyObject *self, PyObject *arg) {
         goto none;
     }
 #undef WS
+    if (!found) goto none;
+    *out = ids;
+    *nout = nids;
+    return 1;
+none:
+    free(ids);
+    return 0;
+}
+
+/* json_prompt(raw) -> (start, end, ids) when the top-level "prompt" member of a JSON object (its
+ * only occurrence, spelled without escapes) is an array of token ids (see parse_ids), else None;
+ * a large body is scanned without the GIL */
+static PyObject *mod_json_prompt(PyObject *self, PyObject *arg) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE)) return NULL;
+    Py_ssize_t start = -1, stop = -1;
+    u64 *ids = NULL;
+    size_t nids = 0;
+    int found;
+    if (v.len > 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        found = find_prompt(v.buf, v.len, &start, &stop, &ids, &nids);
+        Py_END_ALLOW_THREADS
+    } else {
+        found = find_prompt(v.buf, v.len, &start, &stop, &ids, &nids);
+    }
     PyBuffer_Release(&v);
     if (!found) Py_RETURN_NONE;
     PyObject *raw = PyBytes_FromStringAndSize((const char *)ids, (Py_ssize_t)(nids * sizeof(u64)));
     free(ids);
     if (!raw) return NULL;
     return Py_BuildValue("(nnN)", start, stop, raw);
-none:
-    free(ids);
+}
+
+/* the members of the JSON array or object at raw[start:stop] (whitespace around it allowed), in
+ * groups of consecutive members: out[] gets (s, e, v) per group, raw[s:e] holding whole members with
+ * the commas between them, at most `piece` bytes unless it is one member alone, v where that lone
+ * member's value starts (-1 for a group of several). Lenient inside a member (whoever decodes a
+ * group validates it), strict between members; 0 when the text is not such a container (or memory
+ * ran out). Touches no Python object: runs without the GIL. */
+static int split_members(const uint8_t *base, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t piece, int *kind,
+                         Py_ssize_t **out, size_t *nout) {
+    const uint8_t *p = base + start, *end = base + stop;
+    Py_ssize_t *o = NULL;
+    size_t n = 0, cap = 0;
+#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
+    WS();
+    if (p >= end || (*p != '[' && *p != '{')) return 0;
+    *kind = *p == '{';
+    uint8_t close = *kind ? '}' : ']';
+    p++;
+    WS();
+    const uint8_t *gs = NULL, *ge = NULL, *gv = NULL; /* the open group: start, end, lone value */
+    size_t members = 0;
+    if (p < end && *p == close) {
+        p++;
+    } else {
+        for (;;) {
+            const uint8_t *ms = p;
+            if (*kind) {
+                if (p >= end || *p != '"') goto fail;
+                p++;
+                while (p < end && *p != '"') p += (*p == '\\' && end - p > 1) ? 2 : 1;
+                if (p >= end) goto fail;
+                p++;
+                WS();
+                if (p >= end || *p != ':') goto fail;
+                p++;
+                WS();
+            }
+            const uint8_t *value = p, *me = json_skip(p, end);
+            if (!me || me == value) goto fail;
+            p = me;
+            while (me > value && (me[-1] == ' ' || me[-1] == '\t' || me[-1] == '\n' || me[-1] == '\r')) me--;
+            if (gs && me - gs > piece) { /* this member would make the group too large: close it */
+                if (n + 3 > cap) {
+                    size_t nc = cap ? cap * 2 : 48;
+                    Py_ssize_t *no = realloc(o, nc * sizeof(Py_ssize_t));
+                    if (!no) goto fail;
+                    o = no;
+                    cap = nc;
+                }
+                o[n++] = gs - base;
+                o[n++] = ge - base;
+                o[n++] = members == 1 ? gv - base : -1;
+                gs = NULL;
+            }
+            if (!gs) {
+                gs = ms;
+                members = 0;
+            }
+            ge = me;
+            gv = value;
+            members++;
+            WS();
+            if (p < end && *p == ',') {
+                p++;
+                WS();
+                continue;
+            }
+            if (p < end && *p == close) {
+                p++;
+                break;
+            }
+            goto fail;
+        }
+        if (n + 3 > cap) {
+            size_t nc = cap + 3;
+            Py_ssize_t *no = realloc(o, nc * sizeof(Py_ssize_t));
+            if (!no) goto fail;
+            o = no;
+        }
+        o[n++] = gs - base;
+        o[n++] = ge - base;
+        o[n++] = members == 1 ? gv - base : -1;
+    }
+    WS();
+#undef WS
+    if (p != end) goto fail;
+    *out = o;
+    *nout = n;
+    return 1;
+fail:
+    free(o);
+    return 0;
+}
+
+/* json_split(raw, start, stop, piece) -> [kind, s, e, v, ...] (kind 0: array, 1: object; see
+ * split_members) or None */
+static PyObject *mod_json_split(PyObject *self, PyObject *args) {
+    Py_buffer v;
+    Py_ssize_t start, stop, piece;
+    if (!PyArg_ParseTuple(args, "y*nnn", &v, &start, &stop, &piece)) return NULL;
+    if (start < 0 || stop > v.len || start > stop || piece < 1) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "json_split: need 0 <= start <= stop <= len(raw) and piece >= 1");
+        return NULL;
+    }
+    Py_ssize_t *o = NULL;
+    size_t n = 0;
+    int kind = 0, ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = split_members(v.buf, start, stop, piece, &kind, &o, &n);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&v);
-    Py_RETURN_NONE;
+    if (!ok) Py_RETURN_NONE;
+    PyObject *list = PyList_New((Py_ssize_t)n + 1);
+    if (list) {
+        PyList_SET_ITEM(list, 0, PyLong_FromLong(kind));
+        for (size_t i = 0; i < n; i++) PyList_SET_ITEM(list, (Py_ssize_t)i + 1, PyLong_FromSsize_t(o[i]));
+        for (size_t i = 0; i <= n; i++)
+            if (!PyList_GET_ITEM(list, (Py_ssize_t)i)) {
+                Py_CLEAR(list);
+                break;
+            }
+    }
+    free(o);
+    return list;
 }
 
 /* first_above(uint64 buffer, max) -> index of the first id above max, -1 when none */
@@ -2152,6 +2299,7 @@ static PyMethodDef mod_methods[] = {
     {"position_muls", mod_muls, METH_NOARGS, "the per-position multipliers R as bytes"},
     {"json_prompt", mod_json_prompt, METH_O, "(start, end, uint64 ids) of a body's token-id prompt, or None"},
     {"json_ids", mod_json_ids, METH_O, "json_ids(raw JSON array) -> uint64 bytes or None"},
+    {"json_split", mod_json_split, METH_VARARGS, "json_split(raw, start, stop, piece) -> [kind, s, e, v, ...] or None"},
     {"first_above", mod_first_above, METH_VARARGS, "first_above(u64 buffer, max) -> index or -1"},
     {"trim", mod_trim, METH_NOARGS, "trim() -> whether the heap gave memory back to the OS"},
     {"check_ids", mod_check_ids, METH_VARARGS, "check_ids(ids, max_id) -> first bad index or -1"},

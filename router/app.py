@@ -26,17 +26,18 @@ from index._kvcore import json_prompt
 from index.keys import TokenBuffer
 from index.kvindex import KVIndex
 from router.cluster.replicas import Replicas
-from router.config import RouterConfig
+from router.config import AUTO, RouterConfig
 from router.decision.pd import PDPlanner
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
-from router.decision.tokenizer import RequestTokenizer
+from router.decision.tokenizer import RequestTokenizer, RequestTokenizerConfig
 from router.fleet.load import BoardView, LoadTracker
 from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
 from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, bearer_token, compare_digest
 from router.fleet.sources.configfile import ConfigWatcher, Stamp
 from router.http.asgi import Receive, Scope, Send
+from router.http.body import LARGE_BODY_BYTES, decode_json
 from router.http.errors import json_body, unauthorized, unavailable
 from router.http.openapi import openapi_spec
 from router.http.proxy import PATHS, ProxyHandler
@@ -113,6 +114,7 @@ class KVRouter:
             default=default,
             client=self.pool if config.remote_tokenize else None,
             backend_for=self._tokenize_backend if config.remote_tokenize else None,
+            config=RequestTokenizerConfig(max_chars=config.tokenizer_max_chars),
         )
         self.service = RouterService(
             self.index,
@@ -312,13 +314,28 @@ class KVRouter:
                 )
             )
         healthy = self._healthy_names()
+        sources = self.index.status()
+        # connected ones, as /debug/index shows them; a backend with kv_events = "auto" has none until
+        # its engine lists them, counted apart: an unreachable engine reads "0 connected" whichever
+        # way its streams are given
+        members = self.membership.members.values()
+        unlisted = sum(1 for m in members if m.kv_sources not in ("", "listed", "fallback"))
+        # (a source the index was just given shows in its status once the subscriber thread took it)
+        configured = {
+            f"{m.name}/dp{r}"
+            for m in members
+            if m.spec.kv_events not in (None, AUTO)
+            for r in range(m.spec.dp_size)
+        }
         log.info(
-            "kvrouter ready: policy=%s, %d/%d backends healthy (%s), %d event sources",
+            "kvrouter ready: policy=%s, %d/%d backends healthy (%s), %d/%d event sources connected%s",
             self.config.policy.name,
             len(healthy),
             len(self.membership.members),
             ", ".join(healthy) or "none",
-            len(self.index.status()),
+            sum(1 for s in sources if s.connected),
+            len(configured | {s.source for s in sources}),
+            f', {unlisted} backend(s) with kv_events = "auto" not listed yet' if unlisted else "",
         )
 
     async def shutdown(self) -> None:
@@ -413,17 +430,21 @@ class KVRouter:
     async def route_answer(self, raw: bytes, query: bytes, headers: Any = ()) -> bytes:
         """``POST /route``: the decision for a request body, explained (nothing is sent); raises
         :class:`ApiError` for a bad body."""
-        body = _token_prompt_body(raw)
-        if body is None:
-            body = json_body(raw)
-        endpoint, session = self._route_args(body, query, headers)
-        decided = await self.service.decide(endpoint, body, dry_run=True, session=session)
-        return decided.explain_json()
+        body = await self.service.read_json(raw, _route_body)
+        try:
+            endpoint, session = self._route_args(body, query, headers)
+            decided = await self.service.decide(endpoint, body, dry_run=True, session=session, size=len(raw))
+            return decided.explain_json()
+        finally:
+            self.service.release(body, len(raw))
 
     def route_answer_now(self, raw: bytes, query: bytes, headers: Any = ()) -> bytes | None:
         """:meth:`route_answer` when it needs no await (a prompt of token ids), else None; raises
         :class:`ApiError` like it. The native server answers such a lookup in the callback that
-        read it, without a task: external schedulers call ``/route`` per request."""
+        read it, without a task: external schedulers call ``/route`` per request. (Not a large body:
+        its work is done off the event loop.)"""
+        if len(raw) > LARGE_BODY_BYTES:
+            return None
         body = _token_prompt_body(raw)
         if body is None:
             return None
@@ -543,13 +564,19 @@ def _token_prompt_body(raw: bytes) -> dict[str, Any] | None:
         return None
     start, end, ids = found
     try:
-        body = msgspec.json.decode(raw[:start] + b"0" + raw[end:])
+        body = decode_json(raw[:start] + b"0" + raw[end:])
     except (msgspec.DecodeError, ValueError, RecursionError):
         return None  # (the generic path words the 400)
     if not isinstance(body, dict):
         return None
     body["prompt"] = TokenBuffer(ids)
     return body
+
+
+def _route_body(raw: bytes) -> Any:
+    """A /route body: :func:`_token_prompt_body`, else decoded as any other (or a 400)."""
+    body = _token_prompt_body(raw)
+    return json_body(raw) if body is None else body
 
 
 class _ForgetRemoved:

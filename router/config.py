@@ -7,6 +7,8 @@ with a :class:`ConfigError` whose message names the key and the problem, e.g.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 import re
@@ -16,6 +18,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
+import msgspec.inspect
 
 from index.kvindex import IndexConfig
 from index.subscriber import SubscriberConfig
@@ -33,6 +36,8 @@ class ConfigError(ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+        self.key = field or ""
+        """The whole key path (``backends[1].dp_size``), when known."""
 
 
 class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,7 +46,26 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 16 * 1024 * 1024
-    """Requests with larger bodies get 413."""
+    """Requests with larger bodies get 413, as soon as it is known: their content-length, else the
+    bytes held so far (a chunked body is held in one buffer, so 2-byte chunks cost what they weigh,
+    not the 28 times a list of them did)."""
+    head_timeout_s: float = 10.0
+    """A request's whole head (request line and headers) must arrive within this long of its first
+    byte, else 408 and the connection is closed; a new connection that sends nothing for this long
+    is closed. A deadline for the whole head, not for the silence between bytes: a client sending a
+    byte a second (slowloris) held its connection, and a slot of ``max_client_connections``, for
+    ever. A head is at most 64 KiB: any real client sends it in milliseconds."""
+    body_timeout_s: float = 60.0
+    """A request's whole body must arrive within this long of its head, else 408 and the connection
+    is closed, so that a body trickled in cannot hold its buffer and its connection without end. At
+    the default ``max_body_bytes`` that asks 2.2 Mbit/s of a client sending the largest body."""
+    max_client_connections: int = 10_000
+    """Open client connections per router process; a connection past it is answered 503 (with
+    Retry-After) and closed. Lowered at start to what the file descriptor limit can hold (which the
+    router first raises to the hard limit): half of what remains after a reserve of up to 256,
+    since every client connection may hold a backend connection too. Without a cap, the connections
+    an idle crowd opened used the descriptors up, and accept() then reset new clients unanswered
+    (kvrouter_fd_limit, kvrouter_open_fds and kvrouter_client_connections show the headroom)."""
     connect_timeout_s: float = 5.0
     """Connecting to a backend; a failure is retried once on the next-best candidate, then 502."""
     read_timeout_s: float = 600.0
@@ -220,6 +244,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker, so that resent messages are not tokenized again (router.decision.segments); 0: off."""
     remote_tokenize: bool = True
     """Without a local tokenizer, ask the backend's POST /tokenize (one call per request)."""
+    tokenizer_max_chars: int = 2 << 20
+    """Prompt text longer than this (characters; a chat request's after its template) is not
+    tokenized by the router: routed on load only, the engine still gets the whole request. ~500k
+    tokens of English text, more than most models' context; tokenizing holds ~300 bytes per token
+    while it runs and ~40 ms of GIL-held work per million tokens (their id list, block keys), so a
+    16 MiB prompt cost GBs and stalled the loop."""
     kv_topic: str = ""
     api_keys: list[str] = []
     """Bearer keys accepted from clients; empty: no authentication."""
@@ -262,18 +292,49 @@ def _key_path(msg: str) -> tuple[str, str]:
 
 
 def parse_config(data: dict[str, Any]) -> RouterConfig:
-    """Validate a decoded TOML document."""
+    """Validate a decoded TOML document. msgspec stops at the first bad field: the error lists every
+    one (a line each), found by converting again without the keys already reported."""
     try:
         cfg = msgspec.convert(data, RouterConfig, strict=True)
-    except msgspec.ValidationError as exc:
-        raise _decode_error(exc) from None
+    except msgspec.ValidationError:
+        backends = data.get("backends")
+        errors = []
+        if isinstance(backends, list):  # (each alone: a backend dropped would renumber the next)
+            for i, b in enumerate(backends):
+                errors += _field_errors(b, BackendConfig, f"backends[{i}].")
+            data = {**data, "backends": []}
+        errors += _field_errors(data, RouterConfig, "")
+        raise ConfigError("\n".join(str(e) for e in errors), errors[0].field) from None
     validate(cfg)
     return cfg
 
 
-def _decode_error(exc: msgspec.ValidationError) -> ConfigError:
+def _field_errors(data: Any, kind: Any, prefix: str) -> list[ConfigError]:
+    """Every field error of ``data`` as a ``kind`` (keys named from ``prefix``): after each, the key
+    at fault is dropped (its default stands in) and the rest converted again."""
+    doc = copy.deepcopy(data)
+    errors: list[ConfigError] = []
+    while len(errors) < 100:
+        try:
+            msgspec.convert(doc, kind, strict=True)
+            break
+        except msgspec.ValidationError as exc:
+            err = _decode_error(exc, kind)
+            errors.append(ConfigError(f"{prefix}{err}", prefix.split("[")[0] or err.field))
+            key = re.sub(r"(\[\d+\])+$", "", err.key)  # (a bad list item: the list goes)
+            if str(err).endswith(": required"):
+                key = key.rpartition(".")[0]  # (the table missing it goes)
+            *parents, last = key.split(".") if key != "(top level)" else [""]
+            holder = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, parents, doc)
+            if not last or not isinstance(holder, dict) or holder.pop(last, None) is None:
+                break  # (nothing left to drop: the document itself is wrong)
+    return errors
+
+
+def _decode_error(exc: msgspec.ValidationError, kind: Any = RouterConfig) -> ConfigError:
     """msgspec's error as a ConfigError naming the key (its ``field``: the key's first part, which
-    for a backend's own table is the offending field)."""
+    for a backend's own table is the offending field; ``key``: the whole path). An invalid choice
+    lists the valid ones, as the same mistake through a flag or the environment does."""
     key, text = _key_path(str(exc))
     for prefix, what in (
         ("Object contains unknown field", "unknown key"),
@@ -284,7 +345,26 @@ def _decode_error(exc: msgspec.ValidationError) -> ConfigError:
             key = f"{key}.{field}" if key != "(top level)" else field
             text = what
             break
-    return ConfigError(f"{key}: {text}", key.split(".")[0].split("[")[0] if key != "(top level)" else None)
+    if text.startswith("Invalid enum value") and (choices := _choices(kind, key)):
+        text += f"; must be one of {', '.join(map(str, choices))}"
+    err = ConfigError(f"{key}: {text}", key.split(".")[0].split("[")[0] if key != "(top level)" else None)
+    err.key = key
+    return err
+
+
+def _choices(kind: Any, key: str) -> tuple[Any, ...]:
+    """The values of the Literal type at ``key`` (``a.b[0].c``) of ``kind``; () if it is none."""
+    info = msgspec.inspect.type_info(kind)
+    for part in re.findall(r"\w+|\[\d+\]", key):
+        while isinstance(info, msgspec.inspect.UnionType):  # (``X | None``)
+            info = next((t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)), info)
+        if part.startswith("[") and isinstance(info, msgspec.inspect.ListType | msgspec.inspect.TupleType):
+            info = info.item_type if isinstance(info, msgspec.inspect.ListType) else info.item_types[0]
+        elif isinstance(info, msgspec.inspect.StructType):
+            info = next((f.type for f in info.fields if f.encode_name == part), msgspec.inspect.AnyType())
+        else:
+            return ()
+    return info.values if isinstance(info, msgspec.inspect.LiteralType) else ()
 
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
@@ -426,7 +506,7 @@ def parse_backend(data: Any, name: str, workers: int = 1) -> BackendConfig:
     try:
         b = msgspec.convert({**data, "name": name}, BackendConfig, strict=True)
     except msgspec.ValidationError as exc:
-        raise _decode_error(exc) from None
+        raise _decode_error(exc, BackendConfig) from None
     return _checked_backend(b, workers)
 
 
@@ -445,7 +525,7 @@ def decode_backend(raw: bytes, name: str, workers: int = 1) -> BackendConfig:
             raise ConfigError(
                 "the body must be a JSON object with the fields of a [[backends]] table"
             ) from None
-        raise _decode_error(exc) from None
+        raise _decode_error(exc, BackendConfig) from None
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # (invalid UTF-8: ValueError)
         raise ConfigError(f"The body is not valid JSON: {exc}") from None
     fields = msgspec.structs.asdict(body)
@@ -534,12 +614,19 @@ def validate(cfg: RouterConfig) -> None:
                     f"backends[{i}].kv_bind: bind-mode KV events need server.workers = 1 "
                     "(only one process can bind the address); use connect mode with several workers"
                 )
+    for key in ("head_timeout_s", "body_timeout_s"):
+        if not getattr(cfg.server, key) > 0:  # (false for NaN too)
+            raise ConfigError(f"server.{key}: must be positive")
+    if cfg.server.max_client_connections < 1:
+        raise ConfigError("server.max_client_connections: must be at least 1")
     if cfg.server.drain_timeout_s < 0:
         raise ConfigError("server.drain_timeout_s: must not be negative")
     if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:
         raise ConfigError("health: interval_s must be >= 0.1, timeout_s > 0 and unhealthy_after >= 1")
     if not cfg.health.kv_sources_refresh_s >= 0:  # (false for NaN)
         raise ConfigError("health.kv_sources_refresh_s: must be >= 0 (0: read only after a failed probe)")
+    if cfg.tokenizer_max_chars < 1:
+        raise ConfigError("tokenizer_max_chars: must be at least 1")
     if not 0 <= cfg.tokenizer_cache_mib <= 65536:
         raise ConfigError("tokenizer_cache_mib: must be between 0 (off) and 65536")
     for key in ("tokenizer",):

@@ -8,11 +8,17 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from router.config import ConfigError, RouterConfig, with_overrides
 from router.decision.policy import POLICIES
 from router.fleet.sources.configfile import read_config_file
+
+if TYPE_CHECKING:
+    from router.http.server import HttpServer
+
+log = logging.getLogger("kvrouter")
 
 
 def register(sub: Any) -> None:
@@ -60,12 +66,16 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
         )
     except ConfigError as exc:
-        print(f"kvrouter: config error: {exc}", file=sys.stderr)
+        for problem in str(exc).splitlines():  # (every field error msgspec found, one a line)
+            print(f"kvrouter: config error: {problem}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload request before we serve: nothing to reload
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    from router.http.fds import raise_fd_limit
+
+    raise_fd_limit()  # (before the workers start: they inherit it)
     if cfg.server.workers > 1:
         from router.decision.chat import ChatTokenizer
         from router.workers.supervisor import Supervisor
@@ -88,8 +98,33 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("kvrouter.access").setLevel(logging.INFO if cfg.server.access_log else logging.WARNING)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         try:
-            runner.run(HttpServer(app).run())
+            runner.run(serve_until_stopped(HttpServer(app)))
         except OSError as exc:  # e.g. the port is taken
             print(f"kvrouter: cannot serve: {exc}", file=sys.stderr)
             return 1
     return 0
+
+
+async def serve_until_stopped(server: HttpServer) -> None:
+    """``server.run()`` (until SIGINT or SIGTERM), with its shutdown logged when it begins and when
+    it is done: the drain between can take ``server.drain_timeout_s``, and an operator who sent
+    the signal otherwise saw nothing until the process was gone."""
+    stop = asyncio.Event()  # (set by the server's own SIGINT/SIGTERM handlers)
+    asked: list[float] = []
+
+    async def announce() -> None:
+        await stop.wait()
+        asked.append(time.monotonic())
+        log.info(
+            "kvrouter shutting down (SIGTERM or SIGINT): no new connections, requests in flight get "
+            "up to %.0f s",
+            server.drain_timeout,
+        )
+
+    watcher = asyncio.get_running_loop().create_task(announce(), name="kvrouter-shutdown-log")
+    try:
+        await server.run(stop)
+    finally:
+        watcher.cancel()
+    if asked:
+        log.info("kvrouter stopped (shutdown took %.1f s)", time.monotonic() - asked[0])

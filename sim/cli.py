@@ -1,7 +1,7 @@
 """`kvrouter mock-engine`: run a fleet of mock vLLM engines until SIGINT/SIGTERM.
 
-`router/cli.py` calls `register(subparsers)`; other simulation commands (`demo`, `bench`) live in their
-own modules and are wired in `register` too.
+`kvrouter` finds the simulation commands through their entry points (sim/commands.py), each
+registered from its own module; `register(subparsers)` adds all of them to another parser.
 """
 
 from __future__ import annotations
@@ -13,25 +13,20 @@ import signal
 import sys
 from pathlib import Path
 
-from sim.commands import COMMANDS
+from sim.commands import BENCH, COMMANDS, DEMO, MOCK_ENGINE
 from sim.engine import EngineConfig, token_scaled
 from sim.fleet import Fleet
 from sim.kvgroups import PRESETS, check_engine_groups
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the simulation subcommands to the `kvrouter` parser."""
-    _register_mock_engine(subparsers)
-    from sim import demo, replay
-
-    demo.register(subparsers)  # `kvrouter demo`
-    replay.register(subparsers)  # `kvrouter bench replay`
-    # Other simulation subcommands register here, each from its own module, e.g.:
-    #   from sim import demo; demo.register(subparsers)     # `kvrouter demo`
-    #   from sim import bench; bench.register(subparsers)   # `kvrouter bench`
+    """Add every simulation subcommand (`mock-engine`, `demo`, `bench replay`) to a parser."""
+    for command in (MOCK_ENGINE, DEMO, BENCH):
+        command.register(subparsers)
 
 
-def _register_mock_engine(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register_mock_engine(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add `kvrouter mock-engine`."""
     d = EngineConfig()
     p = subparsers.add_parser(
         "mock-engine",

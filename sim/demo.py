@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -237,6 +238,36 @@ class RouterProcess:
 # ---- one policy -------------------------------------------------------------------------------------------
 
 
+class Kept:
+    """The last policy's fleet and router, which `kvrouter demo --keep` leaves up after the table
+    (each policy's lives only while it runs, on a port of its own) until Ctrl-C or SIGTERM."""
+
+    def __init__(self, stack: contextlib.AsyncExitStack) -> None:
+        self.stack = stack
+        """Stops them when it closes."""
+        self.policy = ""
+        self.url = ""
+
+    async def wait(self, out: IO[str]) -> None:
+        """Say where they are and how to use them, then wait for SIGINT or SIGTERM."""
+        body = msgspec.json.encode({"model": MODEL, "prompt": "hello", "max_tokens": 8}).decode()
+        out.write(
+            f"\nkept up (--keep): {self.policy}'s fleet and router at {self.url}; Ctrl-C stops them\n"
+            f"  dashboard: {self.url}/dashboard\n"
+            f"  try it:    curl -s {self.url}/v1/completions -H 'content-type: application/json' "
+            f"-d '{body}'\n"
+            f"  why there: curl -s {self.url}/route -d '{body}'\n"
+        )
+        out.flush()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)  # (SIGINT: asyncio.run cancels this task)
+        try:
+            await stop.wait()
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
 async def run_policy(
     policy: str,
     requests: Sequence[Request],
@@ -246,8 +277,10 @@ async def run_policy(
     *,
     out: IO[str],
     direct: bool = False,
+    keep: Kept | None = None,
 ) -> Row:
-    """Fresh fleet + router for ``policy``, replay, counters; returns the table row."""
+    """Fresh fleet + router for ``policy``, replay, counters; returns the table row. With ``keep``
+    the fleet and router stay up until it closes (``kvrouter demo --keep``)."""
     engine_cfg = EngineConfig(
         model=MODEL,
         num_gpu_blocks=cfg.num_gpu_blocks,
@@ -259,6 +292,7 @@ async def run_policy(
     fleet = Fleet.uniform(cfg.engines, engine_cfg)
     router: RouterProcess | None = None
     await fleet.start()
+    kept = False
     try:
         if direct:
             base = fleet.urls[0]
@@ -271,7 +305,7 @@ async def run_policy(
             router.start()
             await router.wait_ready(cfg.ready_timeout_s)
             base = router.url
-            out.write(f"  {policy}: router up, dashboard at {router.url}/dashboard\n")
+            out.write(f"  {policy}: router up, dashboard at {router.url}/dashboard (while it runs)\n")
         out.flush()
         bar = ProgressLine(policy, len(requests), out)
         dcfg = DriverConfig(
@@ -289,17 +323,30 @@ async def run_policy(
         failed = [r for r in results if not r.ok and not r.skipped]
         if failed:
             out.write(f"  {policy}: {len(failed)} request(s) failed, first: {failed[0].error}\n")
+        if keep is not None:
+            keep.stack.push_async_callback(fleet.stop)
+            if router is not None:
+                keep.stack.callback(router.stop)  # (callbacks run last first: the router stops first)
+            keep.policy, keep.url = policy, base
+            kept = True
         return row
     finally:
-        if router is not None:
-            router.stop()
-        await fleet.stop()
+        if not kept:
+            if router is not None:
+                router.stop()
+            await fleet.stop()
 
 
 async def run_demo(
-    cfg: DemoConfig, *, out: IO[str] | None = None, json_path: str | None = None, direct: bool = False
+    cfg: DemoConfig,
+    *,
+    out: IO[str] | None = None,
+    json_path: str | None = None,
+    direct: bool = False,
+    keep: bool = False,
 ) -> list[Row]:
-    """The whole demo; returns the rows (also printed, and written to ``json_path`` as JSON)."""
+    """The whole demo; returns the rows (also printed, and written to ``json_path`` as JSON). With
+    ``keep`` the last policy's fleet and router stay up after the table until SIGINT or SIGTERM."""
     out = out or sys.stdout
     from sim.toy_tokenizer import build_toy_tokenizer
 
@@ -315,15 +362,30 @@ async def run_demo(
     out.flush()
     rows: list[Row] = []
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvrouter-demo-") as tmp:
-        workdir = Path(tmp)
-        tok_dir = str(build_toy_tokenizer(workdir / "tokenizer"))
-        tok = ChatTokenizer.from_path(tok_dir)
-        bound = token_bound([chat_tokenizer(tok)(r) for r in requests], 16)
-        for policy in cfg.policies:
-            row = await run_policy(policy, requests, cfg, workdir, tok_dir, out=out, direct=direct)
-            row.bound = bound
-            rows.append(row)
+    with tempfile.TemporaryDirectory(prefix="kvrouter-demo-") as tmp:  # (the kept router reads it)
+        async with contextlib.AsyncExitStack() as stack:
+            kept = Kept(stack) if keep else None
+            workdir = Path(tmp)
+            tok_dir = str(build_toy_tokenizer(workdir / "tokenizer"))
+            tok = ChatTokenizer.from_path(tok_dir)
+            bound = token_bound([chat_tokenizer(tok)(r) for r in requests], 16)
+            for i, policy in enumerate(cfg.policies):
+                last = kept if i == len(cfg.policies) - 1 else None
+                row = await run_policy(
+                    policy, requests, cfg, workdir, tok_dir, out=out, direct=direct, keep=last
+                )
+                row.bound = bound
+                rows.append(row)
+            _summary(rows, started, out, kept is not None)
+            if json_path:
+                Path(json_path).write_bytes(to_json(rows, {"demo": msgspec.to_builtins(cfg)}))
+            if kept is not None:
+                await kept.wait(out)
+    return rows
+
+
+def _summary(rows: Sequence[Row], started: float, out: IO[str], kept: bool) -> None:
+    """The table, kv against round_robin, and how to try the router afterwards."""
     out.write("\n" + table(rows, title="Routing policies on the same workload (fresh caches each):") + "\n")
     by = {r.policy: r for r in rows}
     if "kv" in by and "round_robin" in by:
@@ -333,11 +395,14 @@ async def run_demo(
             "for round_robin; "
             f"TTFT p50 {kv.ttft_p50 * 1000:.0f} ms vs {rr.ttft_p50 * 1000:.0f} ms.\n"
         )
-    out.write(f"(demo took {time.monotonic() - started:.0f} s)\n")
+    took = f"demo took {time.monotonic() - started:.0f} s"
+    if not kept:
+        took += (
+            "; `kvrouter demo --keep` (`make demo DEMO_ARGS=--keep`) leaves the last policy's fleet "
+            "and router up afterwards, to try the dashboard and the API"
+        )
+    out.write(f"({took})\n")
     out.flush()
-    if json_path:
-        Path(json_path).write_bytes(to_json(rows, {"demo": msgspec.to_builtins(cfg)}))
-    return rows
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
@@ -351,6 +416,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)  # dev: engines without router
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the last policy's fleet and router up after the table (their URL printed at the end) "
+        "until Ctrl-C",
+    )
     p.add_argument(
         "--pd",
         action="store_true",
@@ -392,6 +463,9 @@ def run_command(args: argparse.Namespace) -> int:
         if getattr(args, "kv_groups", "llama") != "llama":
             print("kvrouter demo: --pd runs plain engines only (--kv-groups llama)", file=sys.stderr)
             return 2
+        if getattr(args, "keep", False):
+            print("kvrouter demo: --keep is for the policy demo, not --pd", file=sys.stderr)
+            return 2
         from sim import pd_demo
 
         return pd_demo.run_command(args)
@@ -402,7 +476,7 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"kvrouter demo: {why}", file=sys.stderr)
             return 2
     try:
-        asyncio.run(run_demo(cfg, json_path=args.json, direct=args.direct))
+        asyncio.run(run_demo(cfg, json_path=args.json, direct=args.direct, keep=getattr(args, "keep", False)))
     except KeyboardInterrupt:
         return 130
     except RuntimeError as exc:

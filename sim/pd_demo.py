@@ -9,11 +9,13 @@ from a prefill engine in another process, over the side channel), the router is 
 by the live driver. Arms:
 
 - ``aggregated``: 4 ordinary engines, ``[policy] kv``;
-- ``P/D kv``: 2 prefill + 2 decode engines, KV-aware prefill placement, the ``[pd]`` defaults
+- ``pd-kv``: 2 prefill + 2 decode engines, KV-aware prefill placement, the ``[pd]`` defaults
   (conditional disaggregation);
-- ``P/D round-robin``: the same with ``pd.prefill_policy = "round_robin"``;
-- ``P/D always``: KV-aware, ``pd.min_uncached_tokens = 0`` (every request takes both legs), and
-  ``P/D always, round-robin``.
+- ``pd-rr``: the same with round-robin prefill placement (``pd.prefill_policy = "round_robin"``);
+- ``pd-always-kv``: KV-aware, ``pd.min_uncached_tokens = 0`` (every request takes both legs), and
+  ``pd-always-rr``.
+
+(Names without spaces or commas: they head progress lines and name the arms' log files.)
 
 Reported per arm: TTFT p50/p90 (all requests, and follow-up turns of conversations alone),
 inter-token latency (every gap between two streamed output chunks of every request: p50/p90/p99;
@@ -61,14 +63,25 @@ class PDArm(msgspec.Struct, frozen=True, kw_only=True):
     pd: dict[str, Any] = {}
     """``[pd]`` keys (the defaults otherwise)."""
 
+    def describe(self) -> str:
+        """What the arm is, in words (the legend under a run's header)."""
+        if not self.prefill:
+            return f"{self.label} = {self.both} ordinary engines"
+        placement = "round-robin" if self.pd.get("prefill_policy") == "round_robin" else "KV-aware"
+        when = "every request" if self.pd.get("min_uncached_tokens") == 0 else "long uncached prompts"
+        return (
+            f"{self.label} = {self.prefill} prefill + {self.decode} decode engines, {when} disaggregated, "
+            f"{placement} prefill placement"
+        )
+
 
 ARMS: tuple[PDArm, ...] = (
     PDArm(label="aggregated", both=4),
-    PDArm(label="P/D kv", prefill=2, decode=2),
-    PDArm(label="P/D round-robin", prefill=2, decode=2, pd={"prefill_policy": "round_robin"}),
-    PDArm(label="P/D always", prefill=2, decode=2, pd={"min_uncached_tokens": 0}),
+    PDArm(label="pd-kv", prefill=2, decode=2),
+    PDArm(label="pd-rr", prefill=2, decode=2, pd={"prefill_policy": "round_robin"}),
+    PDArm(label="pd-always-kv", prefill=2, decode=2, pd={"min_uncached_tokens": 0}),
     PDArm(
-        label="P/D always, round-robin",
+        label="pd-always-rr",
         prefill=2,
         decode=2,
         pd={"min_uncached_tokens": 0, "prefill_policy": "round_robin"},
@@ -193,10 +206,10 @@ def trace_scenario(
     pools = {"prefill": prefill, "decode": decode}
     arms = (
         PDArm(label="aggregated", both=prefill + decode),
-        PDArm(label="P/D kv", **pools, pd=cond),
-        PDArm(label="P/D round-robin", **pools, pd={**cond, **rr}),
-        PDArm(label="P/D always", **pools, pd=always),
-        PDArm(label="P/D always, round-robin", **pools, pd={**always, **rr}),
+        PDArm(label="pd-kv", **pools, pd=cond),
+        PDArm(label="pd-rr", **pools, pd={**cond, **rr}),
+        PDArm(label="pd-always-kv", **pools, pd=always),
+        PDArm(label="pd-always-rr", **pools, pd={**always, **rr}),
     )
     scn = PDScenario(
         arms=arms,
@@ -389,7 +402,7 @@ async def run_arm(
     flags = ["--model", MODEL, "--tokenizer", tokenizer_dir, "--gpu-blocks", str(scn.num_gpu_blocks)]
     flags += ["--max-model-len", str(scn.num_gpu_blocks * 16), "--time-scale", str(scn.time_scale)]
     flags += ["--token-scale", str(scn.token_scale), "--kv-connector", "NixlConnector"]
-    tag = arm.label.replace("/", "").replace(" ", "-").replace(",", "")
+    tag = arm.label
     procs = [
         (role, EngineProcess(n, flags, workdir / f"engines-{tag}-{role}.log"))
         for role, n in (("prefill", arm.prefill), ("decode", arm.decode), ("both", arm.both))
@@ -406,7 +419,7 @@ async def run_arm(
         await router.wait_ready(scn.ready_timeout_s)
         out.write(f"  {arm.label}: router up, dashboard at {router.url}/dashboard\n")
         out.flush()
-        bar = ProgressLine(arm.label[:13], len(requests), out)
+        bar = ProgressLine(arm.label, len(requests), out)
         dcfg = DriverConfig(
             base_url=router.url,
             model=MODEL,
@@ -525,6 +538,7 @@ async def run_scenario(
         f"{int(s['sessions'])} sessions over {s['span_s']:.0f} s; engines of {scn.num_gpu_blocks} KV blocks; "
         f"arms: {', '.join(a.label for a in scn.arms)}\n"
     )
+    out.writelines(f"  {arm.describe()}\n" for arm in scn.arms)
     out.flush()
     rows: list[PDRow] = []
     with tempfile.TemporaryDirectory(prefix="kvrouter-pd-") as tmp:
@@ -544,8 +558,8 @@ def summary_lines(rows: Sequence[PDRow]) -> list[str]:
     """The issue's three P/D questions, answered from one run's rows (when the arms are there)."""
     by = {r.label: r for r in rows}
     out = []
-    kv, rr = by.get("P/D kv"), by.get("P/D round-robin")
-    akv, arr = by.get("P/D always"), by.get("P/D always, round-robin")
+    kv, rr = by.get("pd-kv"), by.get("pd-rr")
+    akv, arr = by.get("pd-always-kv"), by.get("pd-always-rr")
     for a, b, what in ((kv, rr, "conditional"), (akv, arr, "always")):
         if a and b and a.prefill_hit_ratio is not None and b.prefill_hit_ratio:
             out.append(
@@ -562,7 +576,7 @@ def summary_lines(rows: Sequence[PDRow]) -> list[str]:
     agg = by.get("aggregated")
     if agg and kv:
         out.append(
-            f"P/D kv vs aggregated: TTFT p50 {_ms(kv.ttft_p50)} vs {_ms(agg.ttft_p50)}, ITL p99 "
+            f"pd-kv vs aggregated: TTFT p50 {_ms(kv.ttft_p50)} vs {_ms(agg.ttft_p50)}, ITL p99 "
             f"{kv.itl_p99 * 1000:.1f} vs {agg.itl_p99 * 1000:.1f} ms"
         )
     return out

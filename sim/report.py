@@ -150,6 +150,13 @@ COLUMNS = (
 )
 
 
+SPREAD_NOTE = (
+    "spread tok / req: the busiest engine's prompt tokens / requests over the mean per engine "
+    "(1.00 = even; the fleet's size = all on one)"
+)
+"""The line under the table that says what its spread columns are."""
+
+
 def _cells(row: Row) -> list[str]:
     r2b = row.ratio_to_bound
     name = row.label or row.policy
@@ -189,6 +196,7 @@ def table(rows: Sequence[Row], title: str | None = None) -> str:
     bound = next((r.bound for r in rows if r.bound), None)
     if bound:
         out.append(f"infinite-cache bound (one shared cache, same units): {bound:.3f}")
+    out.append(SPREAD_NOTE)
     return "\n".join(out)
 
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from router.decision.policy import POLICIES
@@ -29,6 +35,8 @@ def test_quick_demo_prints_the_table_and_kv_wins(tmp_path: Path) -> None:
     out = proc.stdout
     assert "hit ratio" in out and "TTFT p50" in out
     assert "/dashboard" in out
+    assert "`make demo DEMO_ARGS=--keep`) leaves the last policy's fleet and router up" in out, out
+    assert "\nspread tok / req: the busiest engine's prompt tokens / requests over the mean" in out, out
     table = out[out.index("policy  ") :]
     for name in POLICIES:
         assert f"\n{name} " in table, table
@@ -37,3 +45,46 @@ def test_quick_demo_prints_the_table_and_kv_wins(tmp_path: Path) -> None:
     for r in rows.values():
         assert r["requests"] >= 50 and r["errors"] == 0  # the issue's small end-to-end fleet test
     assert rows["kv"]["hit_ratio"] > rows["round_robin"]["hit_ratio"], rows
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(WHY is not None, reason=f"kvrouter demo needs router/serve.py and router/app.py: {WHY}")
+def test_demo_keep_leaves_the_last_fleet_and_router_up_until_ctrl_c() -> None:
+    """Each policy's router lives for its run only, on a port of its own, so the dashboard URLs the
+    demo printed were dead by the time a newcomer opened one. --keep leaves the last one up, its URL
+    printed at the end, until Ctrl-C (SIGINT), which then stops the router and the engines."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "demo", "--quick", "--policies", "kv", "--keep"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # (its own process group: killed whole if the test fails)
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 200
+        while not any(line.startswith("  why there:") for line in seen):
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(seen)
+            seen.append(line)
+        text = "".join(seen)
+        took = next(line for line in seen if line.startswith("(demo took"))
+        assert "--keep" not in took, took  # (the hint to use it is for runs without it)
+        url = re.search(r"kept up \(--keep\): kv's fleet and router at (http://127\.0\.0\.1:\d+)", text)
+        assert url, text
+        client = openai.OpenAI(base_url=url[1] + "/v1", api_key="none", max_retries=0, timeout=30)
+        answer = client.completions.create(model="toy-model", prompt="hello", max_tokens=4)
+        assert answer.choices[0].text and answer.usage is not None and answer.usage.prompt_tokens > 0
+        assert httpx.get(url[1] + "/dashboard", timeout=30).status_code == 200
+        assert proc.poll() is None  # still up after the table
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+        assert code == 130, code
+        with pytest.raises(httpx.ConnectError):  # the router is gone with the demo
+            httpx.get(url[1] + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        proc.stdout.close()

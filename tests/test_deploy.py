@@ -99,7 +99,15 @@ CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_session_affinity_total": ("counter", frozenset({"result"})),
     "kvrouter_session_pins": ("gauge", frozenset()),
 }
-ALL_METRICS = {**EXPORTED_METRICS, **CLUSTER_METRICS}
+# Exported by kvrouter's own HTTP server (what `kvrouter serve` runs), not under another ASGI server.
+SERVER_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+    "kvrouter_client_connections": ("gauge", frozenset()),
+    "kvrouter_max_client_connections": ("gauge", frozenset()),
+    "kvrouter_client_limit_hits_total": ("counter", frozenset({"limit"})),
+    "kvrouter_open_fds": ("gauge", frozenset()),
+    "kvrouter_fd_limit": ("gauge", frozenset()),
+}
+ALL_METRICS = {**EXPORTED_METRICS, **CLUSTER_METRICS, **SERVER_METRICS}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Labels Prometheus attaches at scrape time, usable in any query.
 TARGET_LABELS = frozenset({"job", "instance"})
@@ -390,6 +398,16 @@ def test_the_image_has_what_the_kubernetes_manifest_turns_on() -> None:
     assert "[membership.kubernetes]" in manifest and "enabled = true" in manifest
     runs = " ".join(rest for w, rest in _dockerfile_instructions() if w == "RUN")
     assert "pip install '.[kubernetes]'" in runs, runs
+
+
+def test_the_image_has_the_mock_engines_the_mock_compose_stack_runs() -> None:
+    """The GPU-less compose stack runs `kvrouter mock-engine` from the router's image, and the
+    simulated fleet is a distribution of its own (kvrouter-sim, sim/pyproject.toml): without it in
+    the image that stack's engines would stop at once on an unknown command."""
+    compose = (DEPLOY / "compose" / "docker-compose.mock.yaml").read_text()
+    assert "mock-engine" in compose and "image: kvrouter:dev" in compose
+    runs = " ".join(rest for w, rest in _dockerfile_instructions() if w == "RUN")
+    assert "pip install '.[kubernetes]' ./sim" in runs, runs
 
 
 def test_the_engine_manifests_report_cached_tokens() -> None:

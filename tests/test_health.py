@@ -218,3 +218,54 @@ def test_no_probe_starts_once_the_checker_stops() -> None:
         assert errors == [] and b.checked_at == 0
 
     asyncio.run(main())
+
+
+def test_a_backend_that_goes_down_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A healthy engine that stops answering logged "is unhealthy" at the failure that crossed
+    ``unhealthy_after`` and "is not healthy" (the same error) at the next probe; one marked down by a
+    failed request likewise logged twice. One line each, and a new reason is still logged."""
+
+    async def main() -> None:
+        server = await asyncio.start_server(probe_backend(MODELS, METRICS), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        membership = Membership(MembershipConfig())
+        membership.reconcile("config", [BackendConfig("e", f"http://127.0.0.1:{port}")])
+        pool = UpstreamPool()
+        checker = HealthChecker(membership, HealthConfig(timeout_s=2, unhealthy_after=2), pool, None)
+        member = membership.get("e")
+        assert member is not None
+        try:
+            with caplog.at_level("INFO", logger="kvrouter.backends"):
+                await checker.check_all()
+                assert member.healthy
+                server.close()
+                await server.wait_closed()
+                pool.close()  # (no kept-alive connection: the next probes connect, and are refused)
+                for _ in range(4):
+                    await checker.check_all()
+                assert not member.healthy
+                down = [r.getMessage() for r in caplog.records if "healthy" in r.getMessage()]
+                assert len(down) == 2 and down[1].startswith(
+                    "backend e is unhealthy: UpstreamConnectError"
+                ), down
+                caplog.clear()
+                server = await asyncio.start_server(probe_backend(MODELS, METRICS), "127.0.0.1", port)
+                await checker.check_all()
+                assert member.healthy
+                checker.mark_failed(member, "connection reset by the engine")  # (a proxied request)
+                server.close()
+                await server.wait_closed()
+                pool.close()
+                for _ in range(3):
+                    await checker.check_all()
+                assert not member.healthy and "UpstreamConnectError" in member.last_error
+                lines = [r.getMessage() for r in caplog.records]
+                assert lines == [
+                    "backend e is healthy (models: lora-a, m)",
+                    "backend e marked unhealthy: connection reset by the engine",
+                ], lines
+        finally:
+            pool.close()
+            server.close()
+
+    asyncio.run(main())

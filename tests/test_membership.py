@@ -8,10 +8,12 @@ test_membership_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from harness import TIMEOUT
 
 from router.config import BackendConfig, MembershipConfig
@@ -505,3 +507,31 @@ def test_journal_lines_of_the_previous_version_replay_as_they_meant(tmp_path: Pa
     w = _Worker(journal, "1:2", [spec("a"), spec("b")])
     w.ms.tick(lambda m: 0, lambda m: True)
     assert sorted(w.ms.members) == ["a", "b"] and w.states()["a"] != "draining"
+
+
+def test_the_log_shows_moves_as_moves_and_never_a_state_to_itself(caplog: pytest.LogCaptureFixture) -> None:
+    """Every change was logged as "<change> -> <state>": "ready -> ready" for a backend becoming
+    ready, "draining -> draining" for one starting to drain, which read as nothing happening."""
+    ms, _, clock = setup(join_timeout_s=10, drain_timeout_s=5)
+    with caplog.at_level(logging.INFO, logger="kvrouter.membership"):
+        m, _ = ms.upsert(spec("a"), "admin")
+        m.healthy = True
+        ms.tick(lambda m: 0, lambda m: True)
+        ms.upsert(spec("a", role="prefill"), "admin")  # models, api_key or role: in place
+        ms.drain("a", remove=False, reason="operator")
+        ms.tick(lambda m: 0, lambda m: True)  # nothing in flight: drained, kept
+        ms.upsert(spec("a", role="prefill"), "admin")  # named again: readmitted
+        ms.drain("a", remove=True)
+        clock.now += 6
+        ms.tick(lambda m: 1, lambda m: True)  # the drain timed out: removed
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "backend a (admin) joined (added by admin)",
+        "backend a (admin): joining -> ready (healthy, index bootstrapped)",
+        "backend a (admin) updated, still ready (models, api_key or role changed)",
+        "backend a (admin): ready -> draining (operator)",
+        "backend a (admin) drained, still draining (no request in flight)",
+        "backend a (admin): draining -> ready, readmitted (named again by admin)",
+        "backend a (admin): ready -> draining (remove)",
+        "backend a (admin): draining -> gone, removed (drain timed out with 1 in flight)",
+    ], lines

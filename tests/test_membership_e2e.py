@@ -7,9 +7,11 @@ and several workers.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import httpx
+import openai
 import pytest
 import zmq
 from harness import TIMEOUT, FakeEngine, RouterRunner, wait_for
@@ -531,3 +534,110 @@ def test_a_failing_housekeeping_turn_does_not_stop_housekeeping(
         wait_for(lambda: len(calls) >= 3, "housekeeping turns after the one that failed")
     finally:
         router.stop()
+
+
+def _refusing_port() -> socket.socket:
+    """A socket bound to an ephemeral port but not listening: connections to it are refused (an
+    engine that is down), and no other test can take the port meanwhile."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def test_a_fleet_not_reached_yet_answers_503_with_retry_after_not_404(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every engine down at start, no `models` configured: nobody knows yet which models the fleet
+    serves, so an unknown model is "no backend available yet" (503, Retry-After), not "does not
+    exist" (404). A backend whose models are configured is known: another model is a 404."""
+    down, known = _refusing_port(), _refusing_port()
+    toml = (
+        "[health]\ninterval_s = 5.0\n"
+        f'[[backends]]\nname = "down"\nurl = "http://127.0.0.1:{down.getsockname()[1]}"\nkv_events = "auto"\n'
+    )
+    caplog.set_level(logging.INFO, logger="kvrouter")
+    router = RouterRunner(toml, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert caught.value.status_code == 503
+        assert caught.value.response.headers["retry-after"] == "1"
+        error = caught.value.response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert (error["type"], error["code"]) == ("service_unavailable", "no_backend_yet"), error
+        for path, body in (
+            ("/v1/completions", {"model": "m", "prompt": "hi"}),
+            ("/route", {"model": "m", "prompt": "hi"}),
+        ):
+            resp = httpx.post(router.url + path, json=body, timeout=TIMEOUT)
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_backend_yet", resp.text
+        ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvrouter ready")]
+        assert ready and ready[0].endswith(
+            '0/0 event sources connected, 1 backend(s) with kv_events = "auto" not listed yet'
+        ), ready
+    finally:
+        router.stop()
+    toml = (
+        "[health]\ninterval_s = 5.0\n"
+        f'[[backends]]\nname = "known"\nurl = "http://127.0.0.1:{known.getsockname()[1]}"\nmodels = ["m"]\n'
+        f'kv_events = "tcp://127.0.0.1:{known.getsockname()[1]}"\n'
+    )
+    caplog.clear()
+    router = RouterRunner(toml, tmp_path)
+    try:
+        other = httpx.post(
+            router.url + "/v1/completions", json={"model": "x", "prompt": "hi"}, timeout=TIMEOUT
+        )
+        assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found", other.text
+        served = httpx.post(
+            router.url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=TIMEOUT
+        )
+        assert served.status_code == 503 and served.json()["error"]["code"] == "no_healthy_backend"
+        assert served.headers["retry-after"] == "1"
+        ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvrouter ready")]
+        assert ready and ready[0].endswith(", 0/1 event sources connected"), ready
+    finally:
+        router.stop()
+        down.close()
+        known.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_shutdown_on_sigterm_is_logged_when_it_starts_and_when_it_is_done(
+    tmp_path: Path, workers: int
+) -> None:
+    """SIGTERM drains for up to server.drain_timeout_s and logged nothing: an operator could not tell
+    a router shutting down from one hung."""
+    down = _refusing_port()
+    port = free_port()
+    toml = (
+        f"[server]\nport = {port}\nworkers = {workers}\n"
+        f'[[backends]]\nname = "down"\nurl = "http://127.0.0.1:{down.getsockname()[1]}"\nkv_events = "auto"\n'
+    )
+    proc, _ = serve(tmp_path, toml)
+    log = tmp_path / "router.log"
+    try:
+        wait_for(lambda: log.read_text().count("kvrouter listening on") == workers, "router up", timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        down.close()
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    said: dict[str, list[str]] = {}  # process (the router or supervisor, each worker) -> what it said
+    for line in text.splitlines():
+        for what in ("kvrouter shutting down", "kvrouter stopped (shutdown took"):
+            if what in line:
+                worker = re.search(r" (worker-\d+) ", line)
+                said.setdefault(worker.group(1) if worker else "main", []).append(what)
+    expected = ["main"] + [f"worker-{i}" for i in range(workers) if workers > 1]
+    assert sorted(said) == expected, text[-3000:]
+    assert all(s == ["kvrouter shutting down", "kvrouter stopped (shutdown took"] for s in said.values()), (
+        said
+    )
+    if workers > 1:  # (the supervisor names the signal)
+        assert "kvrouter shutting down (SIGTERM): stopping 2 workers" in text, text[-3000:]

@@ -4,6 +4,7 @@ from a prefill engine in another process), the real router subprocess, every arm
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,11 +28,15 @@ def test_quick_pd_demo(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "hit prefill pool" in proc.stdout and "follow-up p50" in proc.stdout
+    # the arms, each explained under the header, named whole at the head of their progress lines
+    legend = "\n  pd-always-kv = 2 prefill + 2 decode engines, every request disaggregated, KV-aware"
+    assert legend in proc.stdout, proc.stdout
+    assert re.search(r"^  pd-always-kv +\[", proc.stdout, re.M), proc.stdout
     rows = {r["label"]: r for r in json.loads(out_json.read_text())["rows"]}
-    assert set(rows) == {"aggregated", "P/D kv", "P/D always"}
+    assert set(rows) == {"aggregated", "pd-kv", "pd-always-kv"}
     for r in rows.values():
         assert r["requests"] >= 50 and r["errors"] == 0, r
-    always, kv = rows["P/D always"], rows["P/D kv"]
+    always, kv = rows["pd-always-kv"], rows["pd-kv"]
     assert always["skip_ratio"] == 0 and always["prefill_legs"] == always["requests"]
     assert always["fallbacks"] == 0 and kv["fallbacks"] == 0
     assert always["prefill_hit_ratio"] > 0  # the prefill pool's engines served (and cached) prompts
@@ -52,10 +57,31 @@ def test_trace_scenario_scales_the_trace_the_engines_and_the_threshold() -> None
     assert scn.num_gpu_blocks == 64_000 // 32 and not scn.session_mode
     arms = {a.label: a for a in scn.arms}
     assert arms["aggregated"].both == 4
-    assert arms["P/D kv"].pd == {"min_uncached_tokens": PD_THRESHOLD_TOKENS // 32}
-    assert arms["P/D always, round-robin"].pd == {"min_uncached_tokens": 0, "prefill_policy": "round_robin"}
-    assert (arms["P/D kv"].prefill, arms["P/D kv"].decode) == (2, 2)
+    assert arms["pd-kv"].pd == {"min_uncached_tokens": PD_THRESHOLD_TOKENS // 32}
+    assert arms["pd-always-rr"].pd == {"min_uncached_tokens": 0, "prefill_policy": "round_robin"}
+    assert (arms["pd-kv"].prefill, arms["pd-kv"].decode) == (2, 2)
     # every request arrives within the deadline (at the replay's speed) and fits an engine
     assert requests and all(r.at_s / scn.speedup <= 10.0 for r in requests)
     assert all(len(r.prompt_token_ids or []) + r.max_tokens <= scn.num_gpu_blocks * 16 for r in requests)
     assert 0.0 < bound < 1.0  # requests share prefixes, and not all of them
+
+
+def test_the_arm_names_fit_a_progress_line_whole() -> None:
+    """ "P/D always, round-robin" was cut to "P/D always, r" at the head of its progress line, and its
+    comma split it in the header's comma-separated list of arms."""
+    import io
+
+    from sim.demo import ProgressLine
+    from sim.pd_demo import ARMS
+
+    for arm in ARMS:
+        assert re.fullmatch(r"[a-z][a-z-]*", arm.label), arm.label
+        out = io.StringIO()
+        bar = ProgressLine(arm.label, 10, out)
+        bar.update(10)
+        assert re.match(rf"  {arm.label} +\[#+\]", out.getvalue()), out.getvalue()
+        assert arm.describe().startswith(f"{arm.label} = ")
+    assert [a.describe() for a in ARMS][-1] == (
+        "pd-always-rr = 2 prefill + 2 decode engines, every request disaggregated, "
+        "round-robin prefill placement"
+    )

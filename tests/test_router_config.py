@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from router.config import (
     MembershipConfig,
     RouterConfig,
     ServerConfig,
+    decode_backend,
     load_config,
     parse_config,
     rank_endpoint,
@@ -78,6 +82,42 @@ def test_config_errors_name_the_key(data: dict[str, Any], message: str) -> None:
     assert str(err.value).startswith(message), str(err.value)
 
 
+def test_kvrouter_serve_reports_every_field_error_and_the_choices(tmp_path: Path) -> None:
+    """A file with several mistakes reported only the first (fix, restart, the next one, ...), and an
+    invalid choice in the file listed no choices while the same mistake through KVROUTER_POLICY
+    did. Every field error msgspec finds is on its own line; a choice lists the valid ones."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        '[policy]\nname = "fastest"\nload_weigth = 1\n[server]\nport = "8000"\n'
+        '[[backends]]\nname = "a"\nurl = "http://127.0.0.1:1"\nrole = "prefil"\ndp_size = "two"\n'
+        '[[backends]]\nname = "b"\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "kvrouter: config error: backends[0].role: Invalid enum value 'prefil'; must be one of both, decode, "
+        "prefill",
+        "kvrouter: config error: backends[0].dp_size: Expected `int`, got `str`",
+        "kvrouter: config error: backends[1].url: required",
+        "kvrouter: config error: policy.name: Invalid enum value 'fastest'; must be one of kv, least_loaded, "
+        "random, round_robin",
+        "kvrouter: config error: policy.load_weigth: unknown key",
+        "kvrouter: config error: server.port: Expected `int`, got `str`",
+    ], proc.stderr
+    with pytest.raises(ConfigError) as err:  # (the admin API's PUT body: one field, named)
+        decode_backend(b'{"url": "http://127.0.0.1:1", "role": "prefil"}', "c")
+    assert (str(err.value), err.value.field) == (
+        "role: Invalid enum value 'prefil'; must be one of both, decode, prefill",
+        "role",
+    )
+
+
 def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.toml")
@@ -121,6 +161,37 @@ def test_overrides() -> None:
 def test_example_configs_load(path: str) -> None:
     c = load_config(ROOT / path)
     assert c.backends
+
+
+def test_the_example_config_shows_the_code_defaults() -> None:
+    """deploy/fleet.example.toml says every value it shows outside [[backends]] is the default unless
+    a comment says otherwise; it showed load_weight = 1.0 while the default is 0.25."""
+    text = (ROOT / "deploy/fleet.example.toml").read_text()
+    marked: set[str] = set()  # keys whose own comment gives another default ("# default 127.0.0.1; ...")
+    section: str | None = ""
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("[["):
+            section = None  # (a backend's values are examples)
+        elif m := re.fullmatch(r"\[([\w.]+)\]", s):
+            section = m.group(1) + "."
+        elif section is not None and (m := re.match(r"(\w+)\s*=[^#]*#\s*default\b", s)):
+            marked.add(section + m.group(1))
+    shown = tomllib.loads(text)
+    del shown["backends"]
+    checked: list[str] = []
+
+    def compare(values: dict[str, Any], defaults: dict[str, Any], prefix: str) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                compare(value, defaults[key], f"{prefix}{key}.")
+            elif prefix + key not in marked:
+                checked.append(prefix + key)
+                assert value == defaults[key], f"{prefix}{key} = {value!r}: the default is {defaults[key]!r}"
+
+    compare(shown, msgspec.to_builtins(RouterConfig()), "")
+    assert marked == {"server.host"}, marked
+    assert {"block_size", "policy.load_weight", "health.interval_s", "index.max_residencies"} <= set(checked)
 
 
 STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [

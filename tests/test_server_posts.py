@@ -37,6 +37,8 @@ def _server(learn: bool) -> HttpServer:
     srv.connections = set()
     srv.stopping = False
     srv.keepalive_timeout = 5.0
+    srv.head_timeout = srv.body_timeout = 5.0
+    srv.authorize = lambda path, headers, query: None
     srv.write_timeout = 5.0
     if not learn:
         srv._remember_post = lambda data, req: None  # type: ignore[method-assign]

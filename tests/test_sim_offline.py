@@ -171,3 +171,14 @@ def test_the_table_says_when_requests_were_skipped_at_the_deadline() -> None:
 
     text = table([Row(policy="kv", requests=10, extra={"skipped": 3}), Row(policy="random", requests=10)])
     assert "kv (3 skipped at the deadline)" in text and "random (" not in text
+
+
+def test_the_table_explains_its_spread_columns() -> None:
+    """ "spread tok" and "spread req" were never explained: one line under the table says what they are."""
+    from sim.report import Row
+
+    lines = table([Row(policy="kv", requests=10, spread_tokens=1.5, spread_requests=1.25)]).splitlines()
+    assert lines[-1].startswith(
+        "spread tok / req: the busiest engine's prompt tokens / requests over the mean"
+    )
+    assert lines[-2].split()[-2:] == ["1.50", "1.25"]

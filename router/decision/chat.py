@@ -51,7 +51,13 @@ import jinja2.sandbox
 from tokenizers import Tokenizer, processors
 
 from router.decision.segments import SegmentCache
-from router.decision.tokenizer import ContentFormat, PrefixTokens, TokenizerError, TokenizerUnavailable
+from router.decision.tokenizer import (
+    ContentFormat,
+    PrefixTokens,
+    TokenizerError,
+    TokenizerUnavailable,
+    prompt_too_long,
+)
 
 __all__ = ["ChatTokenizer"]
 
@@ -82,6 +88,10 @@ def _raise_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
 
+_rendering = threading.local()
+"""``large``: the template rendered on this thread is a large request's (``render_chat``)."""
+
+
 def _tojson(
     value: Any,
     ensure_ascii: bool = False,
@@ -91,6 +101,14 @@ def _tojson(
 ) -> str:
     # Jinja's built-in tojson HTML-escapes <, >, & and ' ; HF replaces it with plain json.dumps, and
     # tool schemas rendered either way would tokenize differently.
+    if getattr(_rendering, "large", False):
+        # json's pure-Python encoder, same text: json.dumps encodes in one C call, which keeps the
+        # GIL from the event loop for as long as a client's giant tool schema takes (a worker
+        # thread gives it back only between bytecodes)
+        encoder = json.JSONEncoder(
+            ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+        return "".join(encoder.iterencode(value))
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -630,14 +648,17 @@ class ChatTokenizer:
         continue_final_message: bool = False,
         documents: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
+        large: bool = False,
     ) -> str:
         """Render the chat template to the exact prompt text the engine will tokenize.
 
         `chat_template_kwargs` keys reach the template only if it references them (vLLM filters them
         the same way), the explicit arguments win over them, and special tokens are defaults they can
         override. `chat_template` is a per-request template (vLLM only accepts it when trusted).
-        Raises `TokenizerError` for invalid messages, a missing template or a template error (such as
-        `raise_exception` for an unsupported role). Media parts render as :data:`MEDIA_MARK`.
+        `large`: a large request, rendered in a worker thread: ``tojson`` then encodes in short
+        steps (the same text). Raises `TokenizerError` for invalid messages, a missing template or
+        a template error (such as `raise_exception` for an unsupported role). Media parts render as
+        :data:`MEDIA_MARK`.
         """
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be true")
@@ -661,12 +682,15 @@ class ChatTokenizer:
             documents=list(documents) if documents is not None else None,
             add_generation_prompt=add_generation_prompt,
         )
+        _rendering.large = large
         try:
             rendered = template.render(**context)
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template error: {exc}") from exc
         except Exception as exc:  # templates can raise TypeError etc. on odd input; vLLM answers 400 too
             raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            _rendering.large = False
         if continue_final_message:
             rendered = _cut_after_final_message(rendered, _final_text(conversation[-1]))
         return rendered
@@ -681,9 +705,13 @@ class ChatTokenizer:
         documents: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
         add_special_tokens: bool = False,
+        large: bool = False,
+        max_chars: int | None = None,
     ) -> list[int]:
         """Render then encode. `add_special_tokens` defaults to False like vLLM's chat endpoint: the
-        template already starts with BOS, and the post-processor would add a second one."""
+        template already starts with BOS, and the post-processor would add a second one. `large`:
+        see :meth:`render_chat`; a prompt longer than `max_chars` is not encoded
+        (`TokenizerUnavailable`)."""
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -692,7 +720,10 @@ class ChatTokenizer:
             continue_final_message=continue_final_message,
             documents=documents,
             chat_template=chat_template,
+            large=large,
         )
+        if max_chars is not None and len(text) > max_chars:
+            raise prompt_too_long(len(text), max_chars)
         media = text.find(MEDIA_MARK)
         if media >= 0:
             ids = self.encode_prompt(text[:media], add_special_tokens=add_special_tokens)

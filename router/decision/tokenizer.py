@@ -12,14 +12,16 @@ token-id prompts only does not pay.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 
 from index.keys import TokenBuffer, check_token_ids
+from router.http.body import LARGE_BODY_BYTES, decode_json
 from router.http.upstream import UpstreamError, UpstreamPool
 
 if TYPE_CHECKING:
@@ -36,6 +38,8 @@ __all__ = [
 
 ContentFormat = Literal["auto", "string", "openai"]
 Endpoint = Literal["completions", "chat"]
+T = TypeVar("T")
+log = logging.getLogger("kvrouter.tokenizer")
 
 
 class TokenizerError(ValueError):
@@ -70,13 +74,18 @@ class RequestTokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Tuning of `RequestTokenizer`.
 
     - `inline_max_chars` (default 1024): prompts with at most this many characters of text are
-      tokenized on the event loop, larger ones in the pool. Measured with the toy tokenizer on 2
+      tokenized on the event loop, larger ones in the pool; a chat request is measured by its whole
+      body's bytes when the caller knows them (``size``): the template renders tools, documents and
+      template arguments too, and 10k tools in an 8 MB body, counted by their messages alone, were
+      rendered on the loop for 7-9 s. Measured with the toy tokenizer on 2
       shared cores (median): 256 chars 68 us inline vs 214 us through the pool; 1 KB 259 vs 444 us;
       2 KB 500 vs 678 us; 32 KB 9.4 vs 7.7 ms. Inline is cheaper up to tens of KB, but it holds the
       loop; 1 KB caps that stall near a quarter of a millisecond.
     - `max_workers` (default 2): threads for larger prompts. Encoding releases the GIL, so more
       threads than cores only queue.
     - `remote_timeout_s` (default 2.0): deadline of the one `/tokenize` call to a backend.
+    - `max_chars` (default 2 Mi, the config's ``tokenizer_max_chars``): prompt text longer than
+      this is not tokenized (`TokenizerUnavailable`: routed on load only).
     - `trust_request_chat_template` (default False): render a `chat_template` sent in the request
       body. Off, like vLLM's `--trust-request-chat-template`: a hostile template can burn the
       router's CPU, and an engine with the flag off rejects such requests anyway. When off, such
@@ -84,9 +93,17 @@ class RequestTokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     inline_max_chars: int = 1024
+    max_chars: int = 2 << 20
     max_workers: int = 2
     remote_timeout_s: float = 2.0
     trust_request_chat_template: bool = False
+
+
+def prompt_too_long(chars: int, limit: int) -> TokenizerUnavailable:
+    """A prompt over ``tokenizer_max_chars``: not tokenized, routed on load only."""
+    return TokenizerUnavailable(
+        f"the prompt is {chars} characters, over tokenizer_max_chars ({limit}): routed on load only"
+    )
 
 
 def _check_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -114,7 +131,8 @@ def _validate_ids(ids: list[Any], max_token_id: int | None) -> list[int]:
 
 
 def _text_size(messages: Any) -> int:
-    """Rough character count of a chat request, to decide between inline and threaded work."""
+    """Rough character count of a chat request's messages, to decide between inline and threaded
+    work when the body's size is not known."""
     total = 0
     if isinstance(messages, list):
         for msg in messages:
@@ -130,6 +148,11 @@ def _text_size(messages: Any) -> int:
             else:
                 total += 64  # tool calls and other fields: small but not free
     return total
+
+
+def _log_failure(done: Future[object]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("work in the worker threads failed", exc_info=done.exception())
 
 
 class RequestTokenizer:
@@ -178,8 +201,21 @@ class RequestTokenizer:
         """Stop the worker threads (pending work is cancelled)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def tokenize(self, endpoint: Endpoint, body: dict[str, Any], model: str) -> Sequence[int]:
-        """The prompt token ids the engine will see for `body` sent to `endpoint`.
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the worker threads: a request's work that grows with its input and
+        would hold the event loop (decoding a large body, validating it). Shares the tokenizing
+        threads: what the router computes for a request is bounded by them, whatever comes in."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def offload_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """:meth:`offload` without waiting for the result (a failure is logged)."""
+        self._pool.submit(fn, *args).add_done_callback(_log_failure)
+
+    async def tokenize(
+        self, endpoint: Endpoint, body: dict[str, Any], model: str, size: int | None = None
+    ) -> Sequence[int]:
+        """The prompt token ids the engine will see for `body` sent to `endpoint`; `size`: the
+        request body's bytes, when known (what a chat template may render is in them).
 
         completions: `prompt` as a string is encoded (`add_special_tokens` from the body, default
         true); as a list of ints it is validated and returned as is; as a batch (list of strings or
@@ -199,7 +235,7 @@ class RequestTokenizer:
             if endpoint == "completions":
                 return await self._completions(body, model)
             if endpoint == "chat":
-                return await self._chat(body, model)
+                return await self._chat(body, model, size)
             raise TokenizerError(f"unknown endpoint {endpoint!r}")
         finally:
             self.last_duration_s = time.perf_counter() - start
@@ -247,6 +283,8 @@ class RequestTokenizer:
             if prompt is None and body.get("prompt_embeds") is not None:
                 raise TokenizerUnavailable("prompt_embeds requests carry no tokens to route on")
             raise TokenizerError("prompt must be a string, a list of token ids, or a batch of them")
+        if len(prompt) > self.config.max_chars:
+            raise prompt_too_long(len(prompt), self.config.max_chars)
         if local is not None:
             self.local_requests += 1
             size = len(prompt)
@@ -263,7 +301,7 @@ class RequestTokenizer:
             payload["add_special_tokens"] = add_special
         return await self._remote(model, payload)
 
-    async def _chat(self, body: dict[str, Any], model: str) -> list[int]:
+    async def _chat(self, body: dict[str, Any], model: str, size: int | None) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise TokenizerError("messages must be a non-empty list")
@@ -281,6 +319,11 @@ class RequestTokenizer:
             raise TokenizerUnavailable("request-supplied chat_template is not trusted; routing on load only")
         if local is not None:
             self.local_requests += 1
+            if size is None:  # (what else the template may render: taken as large)
+                size = _text_size(messages)
+                if tools or documents or kwargs:
+                    size += LARGE_BODY_BYTES
+            large = size > LARGE_BODY_BYTES
 
             def work() -> list[int]:
                 return local.encode_chat(
@@ -292,9 +335,11 @@ class RequestTokenizer:
                     documents=documents,
                     chat_template=chat_template,
                     add_special_tokens=add_special,
+                    large=large,
+                    max_chars=self.config.max_chars,
                 )
 
-            return await self._run(_text_size(messages), work)
+            return await self._run(size, work)
         payload: dict[str, Any] = {
             "model": model,
             "messages": messages,
@@ -347,7 +392,12 @@ class RequestTokenizer:
                 f"remote tokenize at {url} answered {status}: {body[:200].decode('utf-8', 'replace')}", status
             )
         try:
-            data = msgspec.json.decode(body)
+            # (a long prompt's ids: decoded in pieces, off the event loop)
+            data = (
+                decode_json(body)
+                if len(body) <= LARGE_BODY_BYTES
+                else await self.offload(decode_json, body, False)
+            )
         except ValueError as exc:
             self.remote_failures += 1
             raise TokenizerUnavailable(f"remote tokenize at {url} returned invalid JSON") from exc

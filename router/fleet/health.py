@@ -29,6 +29,10 @@ from router.http.upstream import RouterResourceError, UpstreamError, UpstreamPoo
 
 log = logging.getLogger("kvrouter.backends")
 
+_LOGGED = "(went down, logged)"
+"""The reason last logged for a member marked unhealthy by a failed request: its next probe's
+error, whatever its wording, is the same outage."""
+
 _METRIC_RE = re.compile(
     r"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_perc)"
     r"(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)",
@@ -67,6 +71,7 @@ class HealthChecker:
         """A proxied request could not reach the member: skip it until a probe succeeds."""
         if member.healthy:
             log.warning("backend %s marked unhealthy: %s", member.name, error)
+            self._reported[member.name] = _LOGGED
         member.healthy = False
         member.failures = max(member.failures, self.health.unhealthy_after)
         member.last_error = error
@@ -105,6 +110,7 @@ class HealthChecker:
             return
         if models is not None:
             member.models = models
+            member.models_known = True
             member.lora_parents = parents
         elif parents:
             member.lora_parents = {a: p for a, p in parents.items() if a in member.models}
@@ -124,12 +130,16 @@ class HealthChecker:
         else:
             member.failures += 1
             member.last_error = error
-            if not member.healthy and self._reported.get(member.name) != error:
-                # (e.g. at start, or a backend that never came up: say why, once per reason)
+            reported = self._reported.get(member.name)
+            if not member.healthy and reported != error:
+                # (e.g. at start, or a backend that never came up: say why, once per reason; the
+                # first probe after it went down says nothing the line that said so did not)
                 self._reported[member.name] = error
-                log.warning("backend %s is not healthy: %s", member.name, error)
+                if reported != _LOGGED:
+                    log.warning("backend %s is not healthy: %s", member.name, error)
             if member.healthy and member.failures >= self.health.unhealthy_after:
                 log.warning("backend %s is unhealthy: %s", member.name, error)
+                self._reported[member.name] = error
                 member.healthy = False
 
     async def _models(

@@ -81,6 +81,7 @@ class Member:
         "last_error",
         "lora_parents",
         "models",
+        "models_known",
         "name",
         "origin",
         "reason",
@@ -121,6 +122,9 @@ class Member:
         self.kv_sources = "pending" if spec.kv_events == AUTO else ""
         """With ``kv_events = "auto"``: where its event streams come from ("pending", "listed",
         "fallback", or "error: ..." while none was read); "" otherwise."""
+        self.models_known = spec.models is not None
+        """The models it serves are known: configured, or read from its /v1/models. False for a
+        backend never reached: an unknown model may be one it serves (503, not 404)."""
         self.set_spec(spec)
         self.models: set[str] = set(spec.models or [])
 
@@ -137,6 +141,7 @@ class Member:
         self.base_path = urlsplit(self.url).path.rstrip("/")
         if spec.models is not None:
             self.models = set(spec.models)
+            self.models_known = True
 
     @property
     def cfg(self) -> BackendConfig:
@@ -242,6 +247,11 @@ class Membership:
         """Any member (whatever its state) serves this model."""
         return any(m.serves(model) for m in self.members.values())
 
+    def models_pending(self) -> bool:
+        """Some member's models are not known yet (never reached, none configured): a model no
+        member is known to serve may still be one of its."""
+        return any(not m.models_known for m in self.members.values())
+
     def lora_name(self, model: str) -> str | None:
         """The LoRA adapter name when ``model`` is one (its blocks are salted by it), else None."""
         for m in self.members.values():
@@ -269,19 +279,31 @@ class Membership:
         return out
 
     # --- changes -------------------------------------------------------------------------------
-    def _record(self, m: Member, change: str, reason: str = "") -> None:
+    def _record(self, m: Member, change: str, reason: str = "", before: State | None = None) -> None:
+        """Count and log a change; ``before``: the state it moved the member from (None: it stayed,
+        or it joined). A move logs as ``joining -> ready``, any other change as ``updated, still
+        ready``: never as ``ready -> ready``, which reads as a no-op."""
         self.version += 1
         t = Transition(self.clock(), m.name, m.origin, change, m.state, reason)
         self.transitions.append(t)
         key = (change, m.origin)
         self.changes[key] = self.changes.get(key, 0) + 1
         why = f" ({reason})" if reason else ""
-        log.info("backend %s (%s): %s -> %s%s", m.name, m.origin, change, m.state, why)
+        if before is not None and before != m.state:
+            named = "" if change == m.state else f", {change}"
+            log.info("backend %s (%s): %s -> %s%s%s", m.name, m.origin, before, m.state, named, why)
+        elif change == "joined":
+            log.info("backend %s (%s) joined%s", m.name, m.origin, why)
+        else:
+            log.info("backend %s (%s) %s, still %s%s", m.name, m.origin, change, m.state, why)
 
-    def _set_state(self, m: Member, state: State, reason: str) -> None:
+    def _set_state(self, m: Member, state: State, reason: str) -> State:
+        """Move the member; returns the state it left."""
+        before = m.state
         m.state = state
         m.state_since = self.clock()
         m.reason = reason
+        return before
 
     def upsert(self, spec: BackendConfig, origin: Origin, reason: str = "") -> tuple[Member, bool]:
         """Add a backend, or bring an existing one in line with ``spec``; returns (member, created).
@@ -311,10 +333,11 @@ class Membership:
             m.remove_when_drained = False
             if spec.models is None:
                 m.models = set()
+                m.models_known = False
                 m.lora_parents = {}
-            self._set_state(m, "joining", "new endpoints")
+            before = self._set_state(m, "joining", "new endpoints")
             m.joined_at = self.clock()
-            self._record(m, "replaced", reason or "url, event endpoints or dp_size changed")
+            self._record(m, "replaced", reason or "url, event endpoints or dp_size changed", before)
             for listener in self.listeners:
                 listener.joined(m)
             m.same_engine = False
@@ -323,8 +346,8 @@ class Membership:
         m.set_spec(spec)
         if m.state == "draining":
             m.remove_when_drained = False
-            self._set_state(m, "ready" if m.healthy else "joining", "readmitted")
-            self._record(m, "readmitted", reason or f"named again by {origin}")
+            before = self._set_state(m, "ready" if m.healthy else "joining", "readmitted")
+            self._record(m, "readmitted", reason or f"named again by {origin}", before)
         elif changed:
             self._record(m, "updated", reason or "models, api_key or role changed")
         return m, False
@@ -346,9 +369,9 @@ class Membership:
             return None
         m.remove_when_drained = m.remove_when_drained or remove
         if m.state != "draining":
-            self._set_state(m, "draining", reason)
+            before = self._set_state(m, "draining", reason)
             m.drain_deadline = self.clock() + self.config.drain_timeout_s
-            self._record(m, "draining", reason or ("remove" if remove else "drain"))
+            self._record(m, "draining", reason or ("remove" if remove else "drain"), before)
         return m
 
     def reconcile(self, origin: Origin, specs: Iterable[BackendConfig], reason: str = "") -> None:
@@ -392,8 +415,9 @@ class Membership:
             if m.state == "joining":
                 if m.healthy and (streams_ready(m) or now - m.joined_at >= self.config.join_timeout_s):
                     bootstrapped = streams_ready(m)
-                    self._set_state(m, "ready", "" if bootstrapped else "bootstrap not finished in time")
-                    self._record(m, "ready", "healthy, index bootstrapped" if bootstrapped else m.reason)
+                    late = "" if bootstrapped else "bootstrap not finished in time"
+                    before = self._set_state(m, "ready", late)
+                    self._record(m, "ready", late or "healthy, index bootstrapped", before)
             elif m.state == "draining":
                 busy = inflight(m)
                 timed_out = now >= m.drain_deadline
@@ -410,10 +434,10 @@ class Membership:
         m = self.members.pop(name, None)
         if m is None:
             return
-        self._set_state(m, "gone", reason)
+        before = self._set_state(m, "gone", reason)
         for listener in self.listeners:
             listener.left(m)
-        self._record(m, "removed", reason)
+        self._record(m, "removed", reason, before)
 
 
 __all__ = [

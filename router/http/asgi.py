@@ -61,11 +61,18 @@ class AsgiWriter:
         await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
 
 
+RETRY_AFTER = b"1"
+"""``Retry-After`` (seconds) of every 503: each is a state that passes (no backend reached yet, none
+healthy, the router overloaded), a retry costs the router microseconds and the engines nothing, and a
+backend can come back at any probe; clients that honour it (the openai SDK does) retry soon."""
+
+
 async def write_json(writer: ResponseWriter, status: int, body: bytes) -> None:
-    """A complete JSON response."""
-    await writer.start(
-        status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    )
+    """A complete JSON response (a 503 with ``Retry-After``)."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 503:
+        headers.append((b"retry-after", RETRY_AFTER))
+    await writer.start(status, headers)
     await writer.end(body)
 
 

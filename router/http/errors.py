@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 
+from router.http.body import decode_json
+
 
 class ApiError(Exception):
     """An error the client sees; ``status`` is the HTTP status."""
@@ -30,9 +32,10 @@ class ApiError(Exception):
 def json_body(raw: bytes) -> Any:
     """A request body decoded, or a 400: msgspec raises UnicodeDecodeError for invalid UTF-8 and
     RecursionError for ~1,000 nested arrays, not DecodeError (they were 500s, and a /route answered
-    in the read callback lost its connection)."""
+    in the read callback lost its connection). A large body is decoded in pieces
+    (:func:`router.http.body.decode_json`): call it off the event loop."""
     try:
-        return msgspec.json.decode(raw)
+        return decode_json(raw)
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise bad_request(f"The body is not valid JSON: {exc}") from None
 
@@ -79,14 +82,35 @@ def head_too_large(limit: int) -> ApiError:
     return ApiError(431, f"request head larger than {limit} bytes", "invalid_request_error", "head_too_large")
 
 
+def request_timeout(what: str, seconds: float) -> ApiError:
+    """408: the request's head or body did not arrive within its deadline."""
+    return ApiError(
+        408,
+        f"the request {what} did not arrive within {seconds:g} s",
+        "invalid_request_error",
+        "request_timeout",
+    )
+
+
+def too_many_connections(limit: int) -> ApiError:
+    """503: the router holds as many client connections as it may (sent with a Retry-After)."""
+    return ApiError(
+        503,
+        f"the router holds its maximum of {limit} client connections; retry later",
+        "service_unavailable",
+        "too_many_connections",
+    )
+
+
 def internal_error() -> ApiError:
     """500: a bug in kvrouter (logged with its traceback)."""
     return ApiError(500, "internal error in kvrouter", "internal_error", "internal_error")
 
 
-def unavailable(message: str) -> ApiError:
-    """503: no healthy backend for the model."""
-    return ApiError(503, message, "service_unavailable", "no_healthy_backend")
+def unavailable(message: str, code: str = "no_healthy_backend") -> ApiError:
+    """503: no healthy backend for the model (``no_backend_yet``: none reached yet that may serve
+    it). Sent with ``Retry-After`` (:func:`router.http.asgi.write_json`)."""
+    return ApiError(503, message, "service_unavailable", code)
 
 
 def bad_gateway(message: str) -> ApiError:

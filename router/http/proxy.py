@@ -30,12 +30,12 @@ from router.decision.service import Endpoint, Route, RouterService
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.http.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
+from router.http.body import BodyBuffer
 from router.http.errors import (
     ApiError,
     bad_gateway,
     bad_request,
     gateway_timeout,
-    json_body,
     too_large,
     unavailable,
 )
@@ -91,20 +91,16 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
                     raise too_large(limit)
             except ValueError:
                 raise bad_request("invalid Content-Length") from None
-    chunks: list[bytes] = []
-    size = 0
+    body = BodyBuffer(limit)
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise asyncio.CancelledError
         chunk = msg.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
+        if chunk and not body.add(chunk):
+            raise too_large(limit)
         if not msg.get("more_body", False):
-            return b"".join(chunks)
+            return body.take()
 
 
 class _ClientGone(Exception):
@@ -209,19 +205,25 @@ class ProxyHandler:
         when the client disconnects (``gone()`` then returns True); cancellation closes the upstream
         request, which is how vLLM learns to abort."""
         endpoint = PATHS[path]
+        size = len(body)
+        parsed: Any = None
         try:
             if not authorized:
                 self.authorize({"path": path, "headers": headers})
-            parsed = json_body(body)
+            parsed = await self.service.read_json(body)
             t0 = time.perf_counter()
             session = self.affinity.session_of(headers) if self.affinity is not None else None
-            route = await self.service.decide(endpoint, parsed, session=session)
+            route = await self.service.decide(endpoint, parsed, session=session, size=size)
             # the decision's own time: a staggered burst's hold (cluster.stagger_bursts) is counted
             # by kvrouter_cluster_held_decisions_total instead
             decision_s = time.perf_counter() - t0 - route.timings_us.get("held", 0.0) / 1e6
         except ApiError as err:
+            self.service.release(parsed, size)
             await send_error(writer, err)
             return
+        except asyncio.CancelledError:
+            self.service.release(parsed, size)
+            raise
         self.metrics.routed(
             route.backend,
             route.dp_rank,
@@ -232,32 +234,43 @@ class ProxyHandler:
             route.prompt_blocks,
             decision_s,
         )
+        sent = parsed
         if not self.server.forward_kv_report_mode:
-            body, parsed = self._without_report_mode(parsed, body)
-        body, parsed = self._without_engine_fields(parsed, body, headers)
+            parsed = self._without_report_mode(parsed)
+        parsed = self._without_engine_fields(parsed, headers)
         strip = False
         if self.checks is not None and parsed.get("stream") is True and route.pd is None:
-            body, strip = self._ask_for_usage(parsed, body)  # (not on P/D routes: their legs differ)
+            parsed, strip = self._ask_for_usage(parsed)  # (not on P/D routes: their legs differ)
         try:
+            if parsed is not sent:  # (rewritten: encoded once, off the loop when large)
+                body = await self.service.write_json(parsed, size)
             if route.pd is not None and self.pd is not None:  # P/D hook (router/pd/exchange.py)
-                await self.pd.run(
-                    path, list(headers), body, parsed, route, writer, self._exchange, self._headers
-                )
+                try:
+                    await self.pd.run(
+                        path, list(headers), body, parsed, route, writer, self._exchange, self._headers
+                    )
+                finally:
+                    self.service.release(parsed, size)
             else:
+                self.service.release(parsed, size)  # (what is sent is the bytes: not kept while it streams)
                 await self._exchange(path, headers, writer, body, route, strip)
         except asyncio.CancelledError:
             if gone():
                 log.debug("client disconnected; upstream request to %s cancelled", route.backend)
                 self.metrics.error(route.backend, "client_disconnect")
             raise
+        finally:
+            # (the prompt's block keys, for a retry's prediction: not kept with the recent decisions,
+            # where 50 prompts of a million tokens held 100 MB)
+            route.report = None
 
-    def _without_report_mode(self, parsed: dict[str, Any], body: bytes) -> tuple[bytes, dict[str, Any]]:
+    def _without_report_mode(self, parsed: dict[str, Any]) -> dict[str, Any]:
         """The request without ``vllm_xargs.kv_cache_report_mode`` (``server.forward_kv_report_mode``
-        says why), ``vllm_xargs`` itself gone when nothing else is left in it; the same bytes when
+        says why), ``vllm_xargs`` itself gone when nothing else is left in it; the same object when
         it is not there (the common case costs one dictionary lookup)."""
         xargs = parsed.get("vllm_xargs")
         if not isinstance(xargs, dict) or "kv_cache_report_mode" not in xargs:
-            return body, parsed
+            return parsed
         rest = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
         parsed = {k: v for k, v in parsed.items() if k != "vllm_xargs"}
         if rest:
@@ -272,19 +285,19 @@ class ProxyHandler:
                 "true passes it on (counted: kvrouter_kv_report_mode_removed_total)",
                 repr(xargs["kv_cache_report_mode"])[:40],
             )
-        return msgspec.json.encode(parsed), parsed
+        return parsed
 
     def _without_engine_fields(
-        self, parsed: dict[str, Any], body: bytes, headers: Iterable[tuple[bytes, bytes]]
-    ) -> tuple[bytes, dict[str, Any]]:
+        self, parsed: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]
+    ) -> dict[str, Any]:
         """The request without the body fields only the router sets for the engines
         (:data:`ENGINE_FIELDS`; ``trusted_api_keys`` says why and exempts a key). Removed here,
         before the route's paths split: ordinary and P/D routes, a skipped prefill leg, every
-        fallback and retry send these bytes or build on ``parsed``. The same bytes when none is
+        fallback and retry send these bytes or build on ``parsed``. The same object when none is
         there (the common case costs a dictionary lookup)."""
         fields = [f for f in ENGINE_FIELDS if f in parsed]
         if not fields or self.trusted(headers):
-            return body, parsed
+            return parsed
         for field in fields:
             self.metrics.client_fields_removed.inc((field,))
         if not self._fields_logged:
@@ -296,24 +309,23 @@ class ProxyHandler:
                 "kvrouter_client_fields_removed_total)",
                 ", ".join(fields),
             )
-        parsed = {k: v for k, v in parsed.items() if k not in fields}
-        return msgspec.json.encode(parsed), parsed
+        return {k: v for k, v in parsed.items() if k not in fields}
 
-    def _ask_for_usage(self, parsed: dict[str, Any], body: bytes) -> tuple[bytes, bool]:
+    def _ask_for_usage(self, parsed: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """On one in ``checks.stream_usage_every`` client streams that did not ask for usage, ask the
         engine for it (to check the prediction) and strip it from what the client receives: returns
-        (the body to send, whether to strip)."""
+        (the request to send, whether to strip)."""
         assert self.checks is not None
         every = self.checks.config.stream_usage_every
         opts = parsed.get("stream_options")
         if every <= 0 or (isinstance(opts, dict) and opts.get("include_usage")):
-            return body, False
+            return parsed, False
         self._streams_seen += 1
         if self._streams_seen % every:
-            return body, False
+            return parsed, False
         options = dict(opts) if isinstance(opts, dict) else {}
         options["include_usage"] = True
-        return msgspec.json.encode({**parsed, "stream_options": options}), True
+        return {**parsed, "stream_options": options}, True
 
     def _check_soon(
         self, route: Route, target: tuple[str, int], status: int, usage: dict[str, Any] | None

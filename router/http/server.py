@@ -18,7 +18,11 @@ What it implements, and no more:
   of its answer again until the second of their date ends (:attr:`HttpServer.canned`); a POST whose
   head repeats but for its content-length, read whole, reuses its parse too (:attr:`HttpServer.posts`);
 - limits: request line plus headers at most ``_MAX_HEAD`` bytes (431), body at most
-  ``max_body_bytes`` (413 as soon as it is known, then the connection is closed);
+  ``max_body_bytes`` (413 as soon as it is known, then the connection is closed), held in one
+  buffer; the whole head within ``head_timeout_s`` of its first byte and the whole body within
+  ``body_timeout_s`` of the head (408, then closed); a request with a body is authorized from its
+  head (401 before any of the body is read); at most ``max_client_connections`` open connections
+  (a new one past it is answered 503 with ``Retry-After`` and closed);
 - response framing: the handler's content-length, else chunked (1.1) or close-delimited (1.0);
   no body for HEAD, 204 and 304;
 - flow control: a handler's write waits while the client is not reading (transport high-water mark),
@@ -36,17 +40,29 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote
 
 import httptools
 
 from router.http.asgi import Headers, Message
-from router.http.errors import ApiError, bad_request, head_too_large, internal_error, too_large
+from router.http.body import BodyBuffer
+from router.http.errors import (
+    ApiError,
+    bad_request,
+    head_too_large,
+    internal_error,
+    request_timeout,
+    too_large,
+    too_many_connections,
+)
+from router.http.fds import client_connection_cap, fd_limit, open_fds
 from router.http.listen import server_socket
 from router.http.native import NativeEndpoints
 from router.http.proxy import PATHS, send_error
+from router.observe.exposition import Family, GaugeFamily
+from router.observe.metrics import LeanCounter
 
 if TYPE_CHECKING:
     from router.app import KVRouter
@@ -57,6 +73,17 @@ access = logging.getLogger("kvrouter.access")
 _MAX_HEAD = 64 * 1024
 _LINGER_S = 2.0
 """After refusing a request, how long the rest of what the client sends is read and dropped."""
+_RETRY_AFTER_S = 1
+"""The ``Retry-After`` of a connection refused at ``max_client_connections``."""
+_SLICE = 16 * 1024
+"""A larger read is parsed this much at a time (:data:`_READ_WORK`)."""
+_READ_WORK = 1024
+"""Parsing work (a request, a chunk, 256 bytes of body) past which a connection yields: the rest of
+its read, and reading, wait for the loop's next turn. libuv reads a ready socket up to 32 times in a
+row: 32 reads of 2-byte chunks (256 KB each, 10-40 ms of parsing) held the loop for 0.3 s, and 32
+reads of an 8 MB body 30 ms. Each connection yields at most once per 256 KB of body."""
+_ANSWERS_PER_TURN = 64
+"""Pipelined requests answered at once in one turn of the loop; the rest on the next turns."""
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 _NO_BODY = frozenset({204, 304})
 _BACKLOG = 2048
@@ -296,7 +323,22 @@ class _Connection(asyncio.Protocol):
         self._lost: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._idle_since: float | None = None
+        self._idle_for = server.head_timeout
+        """How long the connection may stay idle: a new one, until its first head is due; then the
+        keep-alive timeout."""
         self._linger: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        """When the part of a request arriving now (its head, else its body) is due, on the loop's
+        clock; 0: nothing is arriving. One lazy timer, as for the idle timeout."""
+        self._due_head = True
+        self._completed = 0
+        """Requests the parser completed on this connection."""
+        self._work = 0
+        """Parsing work since the connection last yielded (:data:`_READ_WORK`)."""
+        self._yielded = False
+        self._unread = b""
+        """What a read held past the slice after which the connection yielded."""
         self._reject: ApiError | None = None
         self._final: ApiError | None = None
         self._stop_reading = False
@@ -309,14 +351,18 @@ class _Connection(asyncio.Protocol):
         """A chunk header was parsed and no body followed yet: what comes may be the trailers of
         the last chunk, which httptools buffers whole until each line ends (counted like a head)."""
         self._trailer_seen = 0
+        self._refused = False
+        """Refused at ``max_client_connections`` and lingering (counted in ``HttpServer.refusing``)."""
+        self._body = BodyBuffer(server.max_body_bytes)
         self._reset_message()
 
     def _reset_message(self) -> None:
         self._url = b""
+        self._parsed: tuple[bytes, str, bytes] | None = None
         self._headers: Headers = []
         self._head_size = 0
-        self._body: list[bytes] = []
-        self._body_size = 0
+        if self._body.size:
+            self._body.clear()
 
     # --- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -325,12 +371,36 @@ class _Connection(asyncio.Protocol):
         self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
         name = transport.get_extra_info("sockname")
         self.sockname = (str(name[0]), int(name[1])) if isinstance(name, tuple) else None
-        self.server.connections.add(self)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self._refuse_connection()
+            return
+        server.connections.add(self)
         self._arm_idle()
+
+    def _refuse_connection(self) -> None:
+        """Past ``max_client_connections``: a 503 with Retry-After, then closed (lingering, as a
+        refused request is, unless many refused connections linger already: each holds a file
+        descriptor, which is what the cap saves)."""
+        server = self.server
+        server.limit_hits.inc(("max_client_connections",))
+        err = too_many_connections(server.max_connections)
+        retry = b"retry-after: %d\r\n" % _RETRY_AFTER_S
+        if server.refusing >= max(16, server.max_connections // 16):
+            self._stop_reading = True
+            self.write(self._error_response(err, retry))
+            self.close()
+            return
+        server.refusing += 1
+        self._refused = True
+        self._answer_and_close(err, retry)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
         self.server.connections.discard(self)
+        if self._refused:
+            self._refused = False
+            self.server.refusing -= 1
         self._cancel_timers()
         if self.task is not None and not self.task.done():
             self.task.cancel()
@@ -339,6 +409,28 @@ class _Connection(asyncio.Protocol):
                 fut.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if self._unread:  # (the rest of an earlier read waits for the loop's next turn: this after it)
+            self._unread += data
+            return
+        if len(data) <= _SLICE:
+            self._received(data)
+            return
+        for at in range(0, len(data), _SLICE):
+            self._received(data[at : at + _SLICE])
+            if (
+                (self._yielded or self.read_paused)
+                and at + _SLICE < len(data)
+                and not self._stop_reading
+                and not self.gone
+            ):
+                # parsed enough for this turn (or requests wait, pipelined): the rest on the next
+                self._unread = data[at + _SLICE :]
+                if not self._yielded:
+                    self._yielded = True
+                    self.loop.call_soon(self._unyield)
+                return
+
+    def _received(self, data: bytes) -> None:
         server = self.server
         canned = server.canned.get(data)
         if (
@@ -353,6 +445,8 @@ class _Connection(asyncio.Protocol):
         ):
             # a probe repeated within the second: its very answer again (:attr:`HttpServer.canned`)
             self.transport.write(canned)
+            self._idle_for = server.keepalive_timeout
+            self._due = 0.0  # (a whole request: what came before it was blank lines)
             self._idle_since = self.loop.time()
             if self._idle is None:
                 self._idle = self.loop.call_later(server.keepalive_timeout, self._idle_due)
@@ -360,6 +454,7 @@ class _Connection(asyncio.Protocol):
         self._disarm_idle()
         if self._stop_reading:
             return
+        self._idle_for = server.keepalive_timeout  # (it spoke: idle from now on means between requests)
         if not self._open and self._last:
             # at a message boundary, after a request that kept the connection (after one that ends
             # it the parser refuses what follows, and so does this connection): a head seen before
@@ -378,6 +473,7 @@ class _Connection(asyncio.Protocol):
                 return
         if self._maybe_trailers:
             self._trailer_seen += len(data)  # (reset by any body that follows: it was a chunk)
+        completed = self._completed
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -398,9 +494,82 @@ class _Connection(asyncio.Protocol):
         if self._reject is not None:
             self._refuse(self._reject)
             return
+        if self._open or self._completed == completed:
+            # a request still arriving, or bytes that began none (blank lines): its deadline runs
+            self._track_deadline()
+        if self._work > _READ_WORK:
+            self._yield_reading()
         if pending >= 0 and not self._open and not self._stop_reading and len(self.queue) == pending + 1:
             self.server.remember_head(data, self.queue[-1])
         self._after_read()
+
+    def _yield_reading(self) -> None:
+        """Read no more in this turn of the loop (:data:`_READ_WORK`)."""
+        self._work = 0
+        t = self.transport
+        if not self._yielded and not self.read_paused and t is not None and not t.is_closing():
+            self._yielded = True
+            t.pause_reading()
+            self.loop.call_soon(self._unyield)
+
+    def _unyield(self) -> None:
+        self._yielded = False
+        if self.gone:
+            self._unread = b""
+            return
+        if self._unread:
+            rest, self._unread = self._unread, b""
+            self.data_received(rest)
+            if self._yielded:
+                return
+        t = self.transport
+        if not self.read_paused and t is not None and not t.is_closing():
+            t.resume_reading()  # (unless reading was paused meanwhile for a request in flight)
+
+    def _track_deadline(self) -> None:
+        """The part of the request arriving now is due ``head_timeout_s`` after its first byte (the
+        head) or ``body_timeout_s`` after the head (the body): set when it starts arriving."""
+        head = self._in_head or not self._open
+        if self._due and self._due_head == head:
+            return
+        server = self.server
+        self._due_head = head
+        self._due = self.loop.time() + (server.head_timeout if head else server.body_timeout)
+        timer = self._deadline
+        if timer is not None and timer.when() > self._due:
+            timer.cancel()  # (set for a later part: a body's, before this next head)
+            timer = None
+        if timer is None:
+            self._deadline = self.loop.call_at(self._due, self._deadline_due)
+
+    def _deadline_due(self) -> None:
+        self._deadline = None
+        due = self._due
+        if not due or self._stop_reading or self.gone:
+            return
+        left = due - self.loop.time()
+        if left > 1e-3:
+            self._deadline = self.loop.call_later(left, self._deadline_due)
+            return
+        head = self._due_head
+        seconds = self.server.head_timeout if head else self.server.body_timeout
+        if self.read_paused:
+            # not reading (a request pipelined before it is being answered): its time starts again
+            self._due = self.loop.time() + seconds
+            self._deadline = self.loop.call_at(self._due, self._deadline_due)
+            return
+        self._due = 0.0
+        limit = "head_timeout_s" if head else "body_timeout_s"
+        self.server.limit_hits.inc((limit,))
+        what = "head" if head else "body"
+        log.info(
+            "client %s: request %s not complete after %g s: refused (server.%s)",
+            self.client[0] if self.client else "-",
+            what,
+            seconds,
+            limit,
+        )
+        self._refuse(request_timeout(what, seconds))
 
     def _head_again(self, data: bytes) -> bool:
         """The very bytes of a bodiless GET or HEAD parsed before (a probe, a poller): queued with
@@ -411,6 +580,7 @@ class _Connection(asyncio.Protocol):
         if known is None:
             return False
         method, path, raw_path, query, headers, version, keep_alive = known
+        self._due = 0.0
         if not keep_alive:
             self._stop_reading = True  # as the parser would refuse what follows
         if self.task is None and not self.queue and not self.write_paused and not server.access_log:
@@ -447,6 +617,7 @@ class _Connection(asyncio.Protocol):
         if known is None or int(digits) > server.max_body_bytes:
             return False
         path, raw_path, query, headers, at, version, keep_alive = known
+        self._due = 0.0
         if not keep_alive:
             self._stop_reading = True
         headers = list(headers)
@@ -497,6 +668,7 @@ class _Connection(asyncio.Protocol):
 
     def on_chunk_header(self) -> None:
         self._maybe_trailers = True
+        self._work += 1
 
     def on_chunk_complete(self) -> None:
         self._maybe_trailers = False
@@ -511,17 +683,30 @@ class _Connection(asyncio.Protocol):
             return
         limit = self.server.max_body_bytes
         expect = False
+        body = False
         for name, value in self._headers:
             if name == b"content-length":
                 try:
-                    if int(value) > limit:
-                        self._reject = too_large(limit)
-                        return
+                    length = int(value)
                 except ValueError:
                     self._reject = bad_request("invalid Content-Length")
                     return
+                if length > limit:
+                    self._reject = too_large(limit)
+                    return
+                body = length > 0
+            elif name == b"transfer-encoding":
+                body = True
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect = True
+        if body:
+            # authorized before any of the body is read: without a key, nothing of it is held
+            _, path, query = self._target()
+            try:
+                self.server.authorize(path, self._headers, query)
+            except ApiError as err:
+                self._reject = err
+                return
         if expect and self.task is None and not self.queue and self.parser.get_http_version() == "1.1":
             # only when nothing is in flight: mid-response it would corrupt the response being sent;
             # a client whose 100 is skipped sends its body after its own short wait anyway
@@ -530,25 +715,30 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._maybe_trailers = False
         self._trailer_seen = 0
-        if self._reject is not None:
-            return
-        self._body_size += len(body)
-        if self._body_size > self.server.max_body_bytes:
+        self._work += 1 + (len(body) >> 8)
+        if self._reject is None and not self._body.add(body):
             self._reject = too_large(self.server.max_body_bytes)
-            self._body = []
-            return
-        self._body.append(body)
+
+    def _target(self) -> tuple[bytes, str, bytes]:
+        """The request target's raw path, path (percent-decoded) and query, parsed once."""
+        if self._parsed is None:
+            parsed = httptools.parse_url(self._url)
+            raw_path: bytes = parsed.path
+            path = raw_path.decode("latin-1")
+            if "%" in path:
+                path = unquote(path)
+            self._parsed = (raw_path, path, parsed.query or b"")
+        return self._parsed
 
     def on_message_complete(self) -> None:
         self._open = False
+        self._due = 0.0
+        self._completed += 1
+        self._work += 1
         if self._reject is not None:
             return
-        parsed = httptools.parse_url(self._url)
-        raw_path: bytes = parsed.path
-        path = raw_path.decode("latin-1")
-        if "%" in path:
-            path = unquote(path)
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        raw_path, path, query = self._target()
+        body = self._body.take()
         keep_alive = self.parser.should_keep_alive()
         self._last = keep_alive
         self.queue.append(
@@ -556,7 +746,7 @@ class _Connection(asyncio.Protocol):
                 self.parser.get_method().decode("latin-1"),
                 path,
                 raw_path,
-                parsed.query or b"",
+                query,
                 self._headers,
                 body,
                 self.parser.get_http_version(),
@@ -567,6 +757,7 @@ class _Connection(asyncio.Protocol):
 
     # --- requests --------------------------------------------------------------------------------
     def _next(self) -> None:
+        answered = 0
         while True:
             if self.write_paused:
                 # the client reads none of what was answered (pipelining, never reading): answer the
@@ -590,6 +781,13 @@ class _Connection(asyncio.Protocol):
                 return
             if not self.queue:
                 break
+            answered += 1
+            if answered == _ANSWERS_PER_TURN:  # (many pipelined: the rest after the loop's other work)
+                if not self.read_paused and self.transport is not None:
+                    self.read_paused = True
+                    self.transport.pause_reading()
+                self.task = self.loop.create_task(self._answer_later())
+                return
         if self._final is not None:
             self._answer_and_close(self._final)
             return
@@ -597,6 +795,13 @@ class _Connection(asyncio.Protocol):
             self.read_paused = False
             self.transport.resume_reading()
         self._arm_idle()
+
+    async def _answer_later(self) -> None:
+        """The queued requests, on a later turn of the loop (:data:`_ANSWERS_PER_TURN`)."""
+        await asyncio.sleep(0)
+        self.task = None
+        if self.queue:
+            self._next()
 
     async def _after_drain(self) -> None:
         """The queued requests, once the client reads again (dropped by drain() after
@@ -696,16 +901,23 @@ class _Connection(asyncio.Protocol):
         if self.task is None:
             self._next()
 
-    def _answer_and_close(self, err: ApiError) -> None:
+    @staticmethod
+    def _error_response(err: ApiError, extra: bytes = b"") -> bytes:
+        """A refusal's whole response (``extra``: more header lines), closing the connection."""
+        body = err.body()
+        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
+            err.status,
+            _REASONS.get(err.status, b""),
+            len(body),
+        )
+        return head + extra + b"connection: close\r\n\r\n" + body
+
+    def _answer_and_close(self, err: ApiError, extra: bytes = b"") -> None:
         """Answer a refused request, then close *lingering*: our side is shut for writing and what the
         client still sends (the rest of a huge head or body) is read and dropped for a moment, so the
         kernel does not answer it with a reset that would destroy the answer before the client reads
         it (the lingering close of nginx and Apache)."""
-        body = err.body()
-        self.write(
-            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (err.status, _REASONS.get(err.status, b""), len(body), body)
-        )
+        self.write(self._error_response(err, extra))
         t = self.transport
         if t is None or t.is_closing() or not t.can_write_eof():
             self.close()
@@ -780,7 +992,7 @@ class _Connection(asyncio.Protocol):
         than the rest of answering a ``/health``)."""
         self._idle_since = self.loop.time()
         if self._idle is None:
-            self._idle = self.loop.call_later(self.server.keepalive_timeout, self._idle_due)
+            self._idle = self.loop.call_later(self._idle_for, self._idle_due)
 
     def _disarm_idle(self) -> None:
         self._idle_since = None
@@ -789,7 +1001,7 @@ class _Connection(asyncio.Protocol):
         self._idle = None
         if self._idle_since is None:
             return  # busy: armed again once idle
-        left = self._idle_since + self.server.keepalive_timeout - self.loop.time()
+        left = self._idle_since + self._idle_for - self.loop.time()
         if left > 1e-3:  # (the loop's clock counts milliseconds: less is due now, not a spin)
             self._idle = self.loop.call_later(left, self._idle_due)
         else:
@@ -797,10 +1009,36 @@ class _Connection(asyncio.Protocol):
 
     def _cancel_timers(self) -> None:
         self._idle_since = None
-        for timer in (self._idle, self._linger):
+        self._due = 0.0
+        for timer in (self._idle, self._linger, self._deadline):
             if timer is not None:
                 timer.cancel()
-        self._idle = self._linger = None
+        self._idle = self._linger = self._deadline = None
+
+
+class _ClientCollector:
+    """Client connections and the process's file descriptors, read at scrape time."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterable[Family]:
+        srv = self.server
+        for name, doc, value in (
+            ("kvrouter_client_connections", "Open client connections", len(srv.connections)),
+            (
+                "kvrouter_max_client_connections",
+                "Client connections accepted at most (server.max_client_connections, lowered to "
+                "what the file descriptor limit holds)",
+                srv.max_connections,
+            ),
+            ("kvrouter_open_fds", "File descriptors open in the process", open_fds()),
+            ("kvrouter_fd_limit", "The process's file descriptor limit (soft RLIMIT_NOFILE)", fd_limit()),
+        ):
+            if value is not None:
+                family = GaugeFamily(name, doc)
+                family.add_metric([], value)
+                yield family
 
 
 class HttpServer:
@@ -813,6 +1051,29 @@ class HttpServer:
         self.port = srv.port
         self.sock = sock
         self.max_body_bytes = srv.max_body_bytes
+        self.head_timeout = srv.head_timeout_s
+        self.body_timeout = srv.body_timeout_s
+        self.authorize = app.authorize_request
+        """Checks a request with a body from its head (raises the 401 / 403 / 404)."""
+        limit = fd_limit()
+        self.max_connections = client_connection_cap(srv.max_client_connections, limit)
+        """``server.max_client_connections``, lowered to what the file descriptor limit can hold."""
+        log.info(
+            "at most %d client connections (server.max_client_connections = %d, file descriptor limit %d)",
+            self.max_connections,
+            srv.max_client_connections,
+            limit,
+        )
+        self.refusing = 0
+        """Connections refused at the cap whose close lingers."""
+        self.limit_hits = LeanCounter(
+            "kvrouter_client_limit_hits",
+            "Client requests and connections refused at a limit, by its key: head_timeout_s, "
+            "body_timeout_s (408), max_client_connections (503)",
+            ["limit"],
+        )
+        app.metrics.add_series([self.limit_hits])
+        app.metrics.add_collector(_ClientCollector(self))
         self.keepalive_timeout = srv.keepalive_timeout_s
         self.write_timeout = srv.write_timeout_s
         self.drain_timeout = srv.drain_timeout_s

@@ -51,6 +51,7 @@ SUMMED = frozenset(
         "kvrouter_prediction_checks",
         "kvrouter_prediction_error_tokens",
         "kvrouter_prompt_tokens_mismatch",
+        "kvrouter_client_limit_hits",
         "kvrouter_cluster_held_decisions",
         "kvrouter_cluster_assumed_decisions",
         # each worker is a replica of its own (router/cluster): its traffic and pins add up
@@ -68,12 +69,19 @@ SUMMED = SUMMED | PD_SUMMED  # P/D series (router/pd/metrics.py) are request-pat
 """Counters and histograms summed over workers, a dead worker's last figures kept (retired); the
 families in none of these sets come from the lowest worker."""
 LIVE_SUMMED = frozenset(
-    {"kvrouter_tokenizer_cache_bytes", "kvrouter_tokenizer_cache_disabled", "kvrouter_session_pins"}
+    {
+        "kvrouter_tokenizer_cache_bytes",
+        "kvrouter_tokenizer_cache_disabled",
+        "kvrouter_session_pins",
+        "kvrouter_client_connections",
+        "kvrouter_max_client_connections",
+    }
 )
 """Gauges summed over the live workers only: a dead worker's memory or pins are gone with it."""
-LIVE_MAX = frozenset({"kvrouter_backend_ejected"})
+LIVE_MAX = frozenset({"kvrouter_backend_ejected", "kvrouter_open_fds"})
 """Gauges whose merged value is the highest of the live workers' (each worker has its breakers: a
-backend is shown ejected when any worker ejected it)."""
+backend is shown ejected when any worker ejected it; each has its file descriptor limit: the
+fullest one's descriptors are the headroom that matters)."""
 
 _DASH_COUNTERS = ("requests", "errors", "prompt_tokens", "matched_tokens")
 

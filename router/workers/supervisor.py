@@ -134,8 +134,10 @@ def worker_main(config: RouterConfig, ctx: WorkerContext, config_path: str | Non
     # not listening yet: the server listens once the router has started, so the kernel sends this
     # worker no connection before it can answer
     sock = bound_socket(config.server.host, config.server.port)
+    from router.serve import serve_until_stopped
+
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(HttpServer(app, sock=sock).run())
+        runner.run(serve_until_stopped(HttpServer(app, sock=sock)))
 
 
 class Supervisor:
@@ -146,6 +148,8 @@ class Supervisor:
         self.config_path = config_path
         self.workers = config.server.workers
         self.stopping = False
+        self.signal = ""
+        """The signal that stopped it (for the log)."""
         self._mp = multiprocessing.get_context("spawn")
         self._procs: dict[int, BaseProcess] = {}
         self._started: dict[int, float] = {}
@@ -172,6 +176,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True
+        self.signal = self.signal or signal.Signals(signum).name  # (logged by run(), not in here)
 
     def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
         """SIGHUP: every worker re-reads the config file (each applies it to its own membership)."""
@@ -199,7 +204,12 @@ class Supervisor:
             log.info("kvrouter supervising %d workers on http://%s:%d", self.workers, srv.host, srv.port)
             code = self._watch(run_dir)
         finally:
+            asked = time.monotonic()
+            if self.signal:
+                log.info("kvrouter shutting down (%s): stopping %d workers", self.signal, len(self._procs))
             self._stop_all()
+            if self.signal:
+                log.info("kvrouter stopped (shutdown took %.1f s)", time.monotonic() - asked)
             for s, handler in previous.items():
                 signal.signal(s, handler)
             reserve.close()
