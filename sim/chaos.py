@@ -419,6 +419,18 @@ class Soak:
     def all_engines(self) -> list[EngineProc]:
         return self.engines + ([self.hostile_engine] if self.hostile_engine is not None else [])
 
+    async def _stop_hostile(self) -> None:
+        p = self.hostile
+        if p is None or p.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(p.wait(), 30)
+        except TimeoutError:
+            os.killpg(p.pid, signal.SIGKILL)
+            await p.wait()
+
     async def _start_hostile(self) -> None:
         """The hostile proxy (in front of the hostile engine) and the store, in a process of their own."""
         cmd = [sys.executable, "-m", "sim.hostile"]
@@ -503,7 +515,7 @@ class Soak:
         """Clients that stop reading a stream, or hang up in the middle of one."""
         n = 0
         while not self._stop.is_set():
-            await asyncio.sleep(1.0)
+            await self._pause(1.0)
             n += 1
             path, body = self._body(10_000_000 + n)
             body["stream"] = True
@@ -522,9 +534,14 @@ class Soak:
                 if n % 2:
                     await asyncio.wait_for(reader.read(200), 10)  # a little, then hang up
                 else:
-                    await asyncio.sleep(4)  # read nothing past the router's write timeout
+                    await self._pause(4)  # read nothing past the router's write timeout
                 writer.transport.abort()
             self.report.misbehaving_clients += 1
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but not past the end of the run (which waits for every task)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
 
     async def _rogue(self) -> None:
         """Malformed frames at a high rate on an event endpoint the router follows."""
@@ -746,8 +763,7 @@ class Soak:
             k = 0
             while not self._stop.is_set():
                 due = self._t0 + (k + 1 + offset) * interval
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), max(0.0, due - time.monotonic()))
+                await self._pause(max(0.0, due - time.monotonic()))
                 if self._stop.is_set():
                     return
                 fault = faults[k % len(faults)]
@@ -798,16 +814,7 @@ class Soak:
                     await asyncio.wait_for(self.router.wait(), 60)
                 except TimeoutError:
                     self.router.kill()
-            for e in self.all_engines:
-                await e.stop()
-            if self.hostile is not None and self.hostile.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.hostile.pid, signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(self.hostile.wait(), 30)
-                except TimeoutError:
-                    os.killpg(self.hostile.pid, signal.SIGKILL)
-                    await self.hostile.wait()
+            await asyncio.gather(*(e.stop() for e in self.all_engines), self._stop_hostile())
             self.zctx.term()
         return self.report
 
