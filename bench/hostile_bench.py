@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import signal
 import statistics
@@ -62,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 from sim.chaos import judge, tag_of  # noqa: E402
 from sim.demo import free_port  # noqa: E402
 from sim.hostile import ENGINE_ATTACKS, STORE_ATTACKS, store_command  # noqa: E402
-from sim.procs import EngineProc, reset_peak, status_kb  # noqa: E402
+from sim.procs import EngineProc, reset_peak, status_kb, stop_group  # noqa: E402
 from sim.toy_tokenizer import build_toy_tokenizer  # noqa: E402
 
 MODEL = "mock-model"
@@ -445,17 +444,8 @@ async def run(seconds: float, clients: int, only: set[str] | None) -> dict[str, 
             await asyncio.gather(*tasks, return_exceptions=True)
             alive = router.returncode is None
         finally:
-            for p in (router, sources):
-                if p is not None and p.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        await asyncio.wait_for(p.wait(), 30)
-                    except TimeoutError:
-                        os.killpg(p.pid, signal.SIGKILL)
-                        await p.wait()
-            for e in [*engines, hostile]:
-                await e.stop()
+            await stop_group(router)
+            await asyncio.gather(stop_group(sources), *(e.stop() for e in [*engines, hostile]))
     base = rows[0]["p99_ms"]
     for r in rows:
         r["p99_ratio"] = round(r["p99_ms"] / base, 2) if r["p99_ms"] and base else None

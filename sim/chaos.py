@@ -67,7 +67,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import random
 import re
 import signal
@@ -85,7 +84,7 @@ import zmq
 import zmq.asyncio
 
 from sim.hostile import store_command
-from sim.procs import EngineProc, status_kb
+from sim.procs import EngineProc, status_kb, stop_group
 
 FAULTS = ("kill_restart", "gap_replayed", "stream_stall", "gap_lost", "hang", "fail_5xx", "reset_streams")
 HOSTILE_FAULTS = (
@@ -418,18 +417,6 @@ class Soak:
     @property
     def all_engines(self) -> list[EngineProc]:
         return self.engines + ([self.hostile_engine] if self.hostile_engine is not None else [])
-
-    async def _stop_hostile(self) -> None:
-        p = self.hostile
-        if p is None or p.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(p.wait(), 30)
-        except TimeoutError:
-            os.killpg(p.pid, signal.SIGKILL)
-            await p.wait()
 
     async def _start_hostile(self) -> None:
         """The hostile proxy (in front of the hostile engine) and the store, in a process of their own."""
@@ -814,7 +801,7 @@ class Soak:
                     await asyncio.wait_for(self.router.wait(), 60)
                 except TimeoutError:
                     self.router.kill()
-            await asyncio.gather(*(e.stop() for e in self.all_engines), self._stop_hostile())
+            await asyncio.gather(*(e.stop() for e in self.all_engines), stop_group(self.hostile))
             self.zctx.term()
         return self.report
 

@@ -86,6 +86,21 @@ class EngineProc:
             await self.proc.wait()
 
 
+async def stop_group(proc: asyncio.subprocess.Process | None, timeout: float = 30.0) -> None:
+    """SIGTERM to the process group a process leads (started with ``start_new_session``) and wait;
+    SIGKILL after ``timeout``."""
+    if proc is None or proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+
 def status_kb(pid: int, field: str) -> int:
     """A ``/proc/<pid>/status`` figure in kB (VmRSS: resident now; VmHWM: its peak)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -99,4 +114,4 @@ def reset_peak(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
-__all__ = ["EngineProc", "reset_peak", "status_kb"]
+__all__ = ["EngineProc", "reset_peak", "status_kb", "stop_group"]
