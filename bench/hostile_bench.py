@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,6 +322,29 @@ async def _wait_ready(url: str, backends: int) -> None:
     raise RuntimeError("the router did not become ready")
 
 
+@contextlib.asynccontextmanager
+async def _attacking(name: str, port: int, done: list[int | None]) -> AsyncIterator[None]:
+    """An attacker process through the block: its attack begun before, the process ended after
+    (SIGTERM, SIGKILL after 60 s) whatever happens; ``done[0]``: what it says it did."""
+    cmd = [sys.executable, __file__, "--attacker", name, "--port", str(port)]
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        if (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() != b"ready":
+            raise RuntimeError(f"the {name} attacker did not start")
+        yield
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 60)
+            done[0] = json.loads(out.splitlines()[-1])["done"]
+        except (TimeoutError, ValueError, IndexError):
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+
+
 async def _attacks_sent(c: httpx.AsyncClient, kind: str, proxy: str, store: str) -> int:
     """The attacks the hostile engine (or store) sent so far."""
     if kind == "store":
@@ -333,7 +357,6 @@ async def _phase(
     bench: Bench, name: str, kind: str, seconds: float, proxy: str, store: str, router_port: int
 ) -> dict[str, Any]:
     """One attack (or none) for ``seconds``, the figures of the requests that started meanwhile."""
-    proc: asyncio.subprocess.Process | None = None
     async with httpx.AsyncClient(timeout=10) as c:
         sent = await _attacks_sent(c, kind, proxy, store)
         if kind == "engine":
@@ -343,37 +366,19 @@ async def _phase(
         rss0 = status_kb(bench.pid, "VmRSS")
         if kind == "store":
             await store_command(store, "HOSTILE", "ATTACK", name)
-        if kind in ("engine", "client"):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                __file__,
-                "--attacker",
-                name,
-                "--port",
-                str(router_port),
-                stdout=asyncio.subprocess.PIPE,
-            )
-            assert proc.stdout is not None
-            assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"ready"
-        t0 = time.monotonic()
-        await asyncio.sleep(seconds)
-        t1 = time.monotonic()
-        peak = status_kb(bench.pid, "VmHWM")
-        done = None
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                out, _ = await asyncio.wait_for(proc.communicate(), 60)
-                done = json.loads(out.splitlines()[-1])["done"]
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        done: list[int | None] = [None]
+        attacker = _attacking(name, router_port, done) if kind in ("engine", "client") else None
+        async with attacker or contextlib.nullcontext():
+            t0 = time.monotonic()
+            await asyncio.sleep(seconds)
+            t1 = time.monotonic()
+            peak = status_kb(bench.pid, "VmHWM")
         if kind == "engine":
             (await c.post(f"{proxy}/hostile/attack", json={"attack": None})).raise_for_status()
         if kind == "store":
             await store_command(store, "HOSTILE", "ATTACK", "OFF")
         if kind in ("engine", "store"):
-            done = await _attacks_sent(c, kind, proxy, store) - sent
+            done[0] = await _attacks_sent(c, kind, proxy, store) - sent
     window = [s for s in bench.samples if t0 <= s.start < t1]
     ok = [s.latency for s in window if s.verdict == "ok"]
     health = [lat for t, lat in bench.health if t0 <= t < t1]
@@ -387,7 +392,7 @@ async def _phase(
         "rss_delta_mb": round((peak - rss0) / 1024, 1),
         "health_max_ms": round(1000 * max(health), 1) if health else None,
         "health_probes": len(health),
-        "attack_volume": done,
+        "attack_volume": done[0],
     }
 
 
