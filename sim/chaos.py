@@ -16,18 +16,46 @@ engine, held for a while, then healed:
 | ``fail_5xx`` | every completion answers 500 (its health probe passes) | yes |
 | ``reset_streams`` | streams lose their connection after two tokens | yes |
 
+Two more lanes of faults run beside those, on their own grid (offset by a third and two thirds of
+the interval), so that a short soak holds one of each within its time. A hostile engine: one more
+mock engine, reached through a proxy (sim/hostile.py, in a process of its own) that relays its
+answers byte for byte, and while the fault is on answers every request (``engine_endless_sse``:
+every stream) with the attack:
+
+| fault | what the engine does |
+|---|---|
+| ``engine_trailing_bytes`` | the answer, then in the same write the previous answer (another request's) |
+| ``engine_upgrade`` | ``101 Switching Protocols`` nobody asked for, the connection held |
+| ``engine_endless_head`` | header lines without end |
+| ``engine_trickled_head`` | the head a byte every 0.2 s |
+| ``engine_endless_sse`` | a first event, then one that never ends |
+| ``engine_drop`` | reads the request, closes without an answer |
+
+And a hostile store: the router's cluster link (``[cluster] redis_url``) talks to a RESP server that
+behaves like an empty Redis, and while the fault is on sends every subscription a 2 GB bulk string's
+header and a trickle (``store_huge_bulk``), arrays 100k deep (``store_deep_arrays``) or an endless
+line (``store_endless_line``). A hostile fault is held for ``fault_hold_s`` and at least until one
+attack went out (the breaker may have ejected the engine for a moment), 10 s more at most.
+
 Invariants, checked all along and reported at the end:
 
-- the router never exits; its RSS stays under ``rss_bound_mb``;
+- the router never exits; its RSS stays under ``rss_bound_mb`` and grows by at most
+  ``rss_growth_bound_mb`` over its size before the load;
 - every request ends complete or with a clean, well-formed error (an OpenAI JSON error; an SSE stream
   that ends with an error event and ``[DONE]``), never a hang past the timeouts, never a truncated
   body; misbehaving clients are not judged (they leave), but what they leave behind must be released;
+- no answer is poisoned: each request carries its own ``x-request-id`` (which the engine names its
+  answer by, as vLLM does), and every completion and every streamed chunk a client receives must
+  carry that id, never another request's;
+- every hostile fault was delivered (the proxy or the store counts the attacks it sent);
 - after each fault heals, the index converges to what the engines really hold: per engine, when the
   router has applied the engine's last published batch, the distinct blocks it indexes equal the
   distinct hashes the engine's own events describe (``/admin/cache``); the time from the heal to
   that point is reported per fault; where replay is available nothing may be lost
   (``lost_batches`` does not move);
-- a backend failing requests is ejected (``kvrouter_backend_ejections_total``) and readmitted.
+- a backend failing requests is ejected (``kvrouter_backend_ejections_total``) and readmitted;
+- after a store fault heals, the link is back (connected, and receiving its messages again): the time
+  from the heal is its convergence time.
 
 The report holds the figures and an SVG plot of hit ratio, error rate and divergence over time with
 the faults marked.
@@ -45,6 +73,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,9 +83,19 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from sim.procs import EngineProc
+from sim.hostile import store_command
+from sim.procs import EngineProc, status_kb, stop_group
 
 FAULTS = ("kill_restart", "gap_replayed", "stream_stall", "gap_lost", "hang", "fail_5xx", "reset_streams")
+HOSTILE_FAULTS = (
+    "engine_trailing_bytes",
+    "engine_upgrade",
+    "engine_endless_head",
+    "engine_trickled_head",
+    "engine_endless_sse",
+    "engine_drop",
+)
+STORE_FAULTS = ("store_huge_bulk", "store_deep_arrays", "store_endless_line")
 ADMIN = "chaos-admin"
 
 
@@ -69,7 +108,17 @@ class SoakConfig(msgspec.Struct, kw_only=True):
     fault_interval_s: float = 12.0
     fault_hold_s: float = 4.0
     faults: list[str] = msgspec.field(default_factory=lambda: list(FAULTS))
+    hostile_faults: list[str] = msgspec.field(default_factory=lambda: list(HOSTILE_FAULTS))
+    """The hostile engine's lane (empty: no hostile engine)."""
+    store_faults: list[str] = msgspec.field(default_factory=lambda: list(STORE_FAULTS))
+    """The store's lane (empty: no store, the router decides alone)."""
     rss_bound_mb: float = 700.0
+    rss_growth_bound_mb: float = 160.0
+    """Most the router's RSS may grow over its size before the load: what the soak grows by without
+    attacks (~60 MB in 10 minutes: the index, caches and buffers filling, the allocator keeping what
+    it freed), plus what the router's default limits let the attacks make it hold at once: a store
+    reply of 32 MiB (``max_reply_bytes``), an SSE event of 16 MiB per stream on the hostile engine
+    (``max_sse_event_bytes``; up to one per client), 64 KiB per engine head."""
     converge_bound_s: float = 2.0
     """The stated bound: divergence back to 0 within this long of a heal."""
     rogue_rate: float = 2000.0
@@ -103,6 +152,8 @@ class FaultRecord:
     converged_s: float | None = None
     lost_before: float = 0.0
     lost_after: float = 0.0
+    attacks: int | None = None
+    """Hostile faults: the attacks the proxy or the store sent meanwhile."""
 
 
 @dataclass
@@ -112,15 +163,20 @@ class SoakReport:
     clean_errors: int = 0
     bad: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    poisoned: int = 0
+    poisoned_examples: list[str] = field(default_factory=list)
     misbehaving_clients: int = 0
     faults: list[FaultRecord] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     router_alive: bool = True
+    rss_start_mb: float = 0.0
     rss_max_mb: float = 0.0
     ejections: float = 0.0
     retries_refused: float = 0.0
     decode_errors: float = 0.0
     inflight_after: float = 0.0
+    upstream_violations: dict[str, float] = field(default_factory=dict)
+    store_failures: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
     def summary(self, cfg: SoakConfig) -> dict[str, Any]:
@@ -138,6 +194,14 @@ class SoakReport:
             for k, v in sorted(per.items())
         }
         replayed = [f for f in self.faults if f.fault in ("gap_replayed", "stream_stall", "kill_restart")]
+        rss_by_minute: dict[int, float] = {}
+        for x in self.samples:
+            m = int(x.t // 60)
+            rss_by_minute[m] = max(rss_by_minute.get(m, 0.0), x.rss_mb)
+        attacks: dict[str, list[int]] = {}
+        for f in self.faults:
+            if f.attacks is not None:
+                attacks.setdefault(f.fault, []).append(f.attacks)
         return {
             "seconds": round(self.seconds, 1),
             "requests": self.requests,
@@ -145,10 +209,20 @@ class SoakReport:
             "clean_errors": self.clean_errors,
             "bad_responses": self.bad,
             "bad_examples": self.bad_examples[:10],
+            "poisoned_responses": self.poisoned,
+            "poisoned_examples": self.poisoned_examples[:10],
             "misbehaving_clients": self.misbehaving_clients,
             "router_alive": self.router_alive,
+            "rss_start_mb": round(self.rss_start_mb, 1),
             "rss_max_mb": round(self.rss_max_mb, 1),
+            "rss_growth_mb": round(self.rss_max_mb - self.rss_start_mb, 1),
+            # by minute: a maximum alone cannot tell an attack's peak from a leak's trend
+            "rss_max_mb_by_minute": [round(v, 1) for _, v in sorted(rss_by_minute.items())],
             "rss_bound_mb": cfg.rss_bound_mb,
+            "rss_growth_bound_mb": cfg.rss_growth_bound_mb,
+            "attacks_by_fault": dict(sorted(attacks.items())),
+            "upstream_violations": self.upstream_violations,
+            "store_failures": self.store_failures,
             "faults": len(self.faults),
             "converge_by_fault": converge,
             "converge_bound_s": cfg.converge_bound_s,
@@ -168,11 +242,72 @@ class SoakReport:
         return (
             self.router_alive
             and self.bad == 0
+            and self.poisoned == 0
             and self.rss_max_mb <= cfg.rss_bound_mb
+            and self.rss_max_mb - self.rss_start_mb <= cfg.rss_growth_bound_mb
+            and all(f.attacks != 0 for f in self.faults)
             and converged
             and s["lost_batches_during_replayed_faults"] == 0
             and self.inflight_after == 0
         )
+
+
+TAG = re.compile(rb"soak-\d{10}")
+"""How the soak names a request (``x-request-id``; fixed width, so no tag is a part of another)."""
+
+
+def tag_of(i: int) -> str:
+    return f"soak-{i:010d}"
+
+
+def foreign(tag: str, seen: bytes) -> str:
+    """Another request's tag among the bytes a client received (an answer, or what its HTTP parser
+    choked on), or ''."""
+    return next((t.decode() for t in TAG.findall(seen) if t.decode() != tag), "")
+
+
+def judge(tag: str, status: int, raw: bytes, stream: bool) -> tuple[str, str]:
+    """What a well-behaved client makes of an answer to its request ``tag``: ``ok`` (complete, its
+    own), ``clean`` (an OpenAI-shaped error, or a stream ended by an error event and ``[DONE]``),
+    ``poisoned`` (holding bytes of another request's answer) or ``bad`` (anything else: truncated,
+    malformed); and why, when not ok."""
+    other = foreign(tag, raw)
+    if other:
+        return "poisoned", f"{tag} got bytes of {other}'s answer: {raw[:200]!r}"
+    if status != 200:
+        try:
+            err = json.loads(raw).get("error")
+        except (ValueError, AttributeError):
+            err = None
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return "clean", ""
+        return "bad", f"{status} malformed error: {raw[:200]!r}"
+    if not stream:
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return "bad", f"200, not JSON: {raw[:200]!r}"
+        if not isinstance(data, dict) or not data.get("choices"):
+            return "bad", f"200 without choices: {raw[:200]!r}"
+        if tag not in str(data.get("id")):
+            return "bad", f"{tag} got an answer named {str(data.get('id'))[:80]!r}"
+        return "ok", ""
+    events = [e for e in raw.decode("utf-8", "replace").split("\n\n") if e]
+    if not events or events[-1] != "data: [DONE]" or not all(e.startswith("data: ") for e in events):
+        return "bad", f"truncated or malformed stream: ...{raw[-200:]!r}"
+    verdict = "ok"
+    for e in events[:-1]:
+        try:
+            data = json.loads(e[6:])
+        except ValueError:
+            return "bad", f"an event that is not JSON: {e[:200]!r}"
+        if not isinstance(data, dict):
+            return "bad", f"an event that is not an object: {e[:200]!r}"
+        if "error" in data:
+            verdict = "clean"
+        elif tag not in str(data.get("id")):
+            return "bad", f"{tag} got a chunk named {str(data.get('id'))[:80]!r}"
+    return verdict, ""
 
 
 def free_port() -> int:
@@ -197,6 +332,12 @@ class Soak:
         self._t0 = 0.0
         self.zctx = zmq.asyncio.Context()
         self._rogue_endpoint = ""
+        self.hostile_engine: EngineProc | None = None
+        """The engine behind the hostile proxy (its lane's faults only; the others never touch it)."""
+        self.hostile: asyncio.subprocess.Process | None = None
+        """``python -m sim.hostile``: the proxy and the store."""
+        self.proxy_url = ""
+        self.store_url = ""
 
     # --- set-up ------------------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -211,24 +352,39 @@ class Soak:
         ]
         if cfg.tokenizer:
             args += ["--tokenizer", cfg.tokenizer]
-        for i in range(cfg.engines):
-            e = EngineProc(f"engine-{i}", args)
-            await e.start()
-            self.engines.append(e)
+        self.engines = [EngineProc(f"engine-{i}", args) for i in range(cfg.engines)]
+        if cfg.hostile_faults:
+            self.hostile_engine = EngineProc("hostile-0", args)
+        await asyncio.gather(*(e.start() for e in self.all_engines))  # (at once: start-up is seconds each)
+        await self._start_hostile()
         self._rogue_endpoint = f"tcp://127.0.0.1:{free_port()}"
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         tok = f'tokenizer = "{cfg.tokenizer}"\n' if cfg.tokenizer else ""
+        # (a hostile engine's trickled head is cut after 2 s; an ejected engine is tried again after
+        # 1-4 s, so that one ejected during a fault takes traffic, and attacks, in the next)
         toml = (
             f'{tok}block_size = 16\nadmin_keys = ["{ADMIN}"]\n'
             f"[server]\nport = {port}\nread_timeout_s = 8\nwrite_timeout_s = 3\nconnect_timeout_s = 2\n"
+            "upstream_head_timeout_s = 2\n"
             "[health]\ninterval_s = 1.0\ntimeout_s = 1.0\nunhealthy_after = 1\n"
+            "[health.breaker]\neject_s = 1.0\nmax_eject_s = 4.0\n"
             "[index.subscriber]\nreplay_timeout_s = 1.0\nreplay_retry_s = 1.0\n"
         )
+        if self.store_url:
+            toml += (
+                f'[cluster]\nredis_url = "{self.store_url}"\nreconnect_min_s = 0.05\nreconnect_max_s = 1.0\n'
+            )
         for e in self.engines:
             toml += (
                 f'[[backends]]\nname = "{e.name}"\nurl = "{e.url}"\nkv_events = "{e.kv_events}"\n'
                 f'kv_replay = "{e.kv_replay}"\nmodels = ["{cfg.model}"]\n'
+            )
+        if self.hostile_engine is not None:
+            h = self.hostile_engine
+            toml += (
+                f'[[backends]]\nname = "{h.name}"\nurl = "{self.proxy_url}"\nkv_events = "{h.kv_events}"\n'
+                f'kv_replay = "{h.kv_replay}"\nmodels = ["{cfg.model}"]\n'
             )
         # the rogue: an event stream of garbage; its HTTP side answers nothing (never routed to)
         toml += (
@@ -241,16 +397,44 @@ class Soak:
         self.router = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "router.cli", "serve", "--config", str(path), stdout=log, stderr=log
         )
+        backends = len(self.all_engines)
         async with httpx.AsyncClient(timeout=5) as c:
             deadline = time.monotonic() + 120
             while True:
                 with contextlib.suppress(httpx.HTTPError):
                     r = await c.get(f"{self.url}/ready")
-                    if r.status_code == 200 and len(r.json()["healthy_backends"]) == cfg.engines:
+                    if (
+                        r.status_code == 200
+                        and len(r.json()["healthy_backends"]) == backends
+                        and (not self.store_url or await self._metric(c, "kvrouter_cluster_connected") == 1)
+                    ):
+                        self.report.rss_start_mb = self._rss_mb()
                         return
                 if time.monotonic() > deadline:
                     raise RuntimeError("router did not become ready")
                 await asyncio.sleep(0.1)
+
+    @property
+    def all_engines(self) -> list[EngineProc]:
+        return self.engines + ([self.hostile_engine] if self.hostile_engine is not None else [])
+
+    async def _start_hostile(self) -> None:
+        """The hostile proxy (in front of the hostile engine) and the store, in a process of their own."""
+        cmd = [sys.executable, "-m", "sim.hostile"]
+        if self.hostile_engine is not None:
+            cmd += ["--proxy", self.hostile_engine.url]
+        if self.cfg.store_faults:
+            cmd.append("--store")
+        if len(cmd) == 3:
+            return
+        log = (self.workdir / "hostile.log").open("wb")
+        self.hostile = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True
+        )
+        assert self.hostile.stdout is not None
+        info = json.loads(await asyncio.wait_for(self.hostile.stdout.readline(), 60))
+        self.proxy_url = info["proxies"][0] if info["proxies"] else ""
+        self.store_url = info["store"] or ""
 
     # --- load --------------------------------------------------------------------------------------
     def _body(self, i: int) -> tuple[str, dict[str, Any]]:
@@ -275,42 +459,36 @@ class Soak:
 
     async def _one(self, client: httpx.AsyncClient, i: int) -> None:
         path, body = self._body(i)
+        tag = tag_of(i)
         self.report.requests += 1
+        headers = {"x-request-id": tag}
         try:
-            if not body["stream"]:
-                r = await client.post(f"{self.url}{path}", json=body)
-                if r.status_code == 200:
-                    data = r.json()
-                    if not data.get("choices"):
-                        return self._bad(f"200 without choices: {r.text[:200]}")
-                    self.report.ok += 1
-                    return None
-                err = r.json().get("error")  # a clean error is OpenAI-shaped
-                if not isinstance(err, dict) or not isinstance(err.get("message"), str):
-                    return self._bad(f"{r.status_code} malformed error: {r.text[:200]}")
-                self.report.clean_errors += 1
-                return None
-            async with client.stream("POST", f"{self.url}{path}", json=body) as r:
-                raw = b"".join([c async for c in r.aiter_raw()])
-                status = r.status_code
-            if status != 200:
-                err = json.loads(raw).get("error")
-                if not isinstance(err, dict):
-                    return self._bad(f"stream {status} malformed error: {raw[:200]!r}")
-                self.report.clean_errors += 1
-                return None
-            events = [e for e in raw.decode("utf-8", "replace").split("\n\n") if e]
-            if not events or events[-1] != "data: [DONE]" or not all(e.startswith("data: ") for e in events):
-                return self._bad(f"truncated or malformed stream: ...{raw[-200:]!r}")
-            if any('"error"' in e and "error" in json.loads(e[6:]) for e in events[:-1]):
-                self.report.clean_errors += 1
+            if body["stream"]:
+                async with client.stream("POST", f"{self.url}{path}", json=body, headers=headers) as r:
+                    raw = b"".join([c async for c in r.aiter_raw()])
             else:
-                self.report.ok += 1
+                r = await client.post(f"{self.url}{path}", json=body, headers=headers)
+                raw = r.content
         except httpx.TimeoutException as exc:
-            self._bad(f"{path}: no answer within {self.cfg.request_timeout_s} s ({type(exc).__name__})")
-        except (httpx.HTTPError, ValueError) as exc:
-            self._bad(f"{path}: {type(exc).__name__}: {exc}")
-        return None
+            return self._bad(
+                f"{path}: no answer within {self.cfg.request_timeout_s} s ({type(exc).__name__})"
+            )
+        except httpx.HTTPError as exc:
+            verdict, why = "bad", f"{type(exc).__name__}: {exc}"
+            if foreign(tag, str(exc).encode()):  # (the parser choked on another answer's bytes)
+                verdict = "poisoned"
+        else:
+            verdict, why = judge(tag, r.status_code, raw, body["stream"])
+        if verdict == "ok":
+            self.report.ok += 1
+        elif verdict == "clean":
+            self.report.clean_errors += 1
+        elif verdict == "poisoned":
+            self.report.poisoned += 1
+            if len(self.report.poisoned_examples) < 50:
+                self.report.poisoned_examples.append(f"{path}: {why}")
+        else:
+            self._bad(f"{path}: {why}")
 
     async def _clients(self, k: int) -> None:
         timeout = httpx.Timeout(self.cfg.request_timeout_s)
@@ -324,7 +502,7 @@ class Soak:
         """Clients that stop reading a stream, or hang up in the middle of one."""
         n = 0
         while not self._stop.is_set():
-            await asyncio.sleep(1.0)
+            await self._pause(1.0)
             n += 1
             path, body = self._body(10_000_000 + n)
             body["stream"] = True
@@ -335,6 +513,7 @@ class Soak:
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
                 writer.write(
                     f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    f"x-request-id: {tag_of(10_000_000 + n)}\r\n"
                     f"content-length: {len(payload)}\r\n\r\n".encode()
                     + payload
                 )
@@ -342,9 +521,14 @@ class Soak:
                 if n % 2:
                     await asyncio.wait_for(reader.read(200), 10)  # a little, then hang up
                 else:
-                    await asyncio.sleep(4)  # read nothing past the router's write timeout
+                    await self._pause(4)  # read nothing past the router's write timeout
                 writer.transport.abort()
             self.report.misbehaving_clients += 1
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but not past the end of the run (which waits for every task)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
 
     async def _rogue(self) -> None:
         """Malformed frames at a high rate on an event endpoint the router follows."""
@@ -395,15 +579,21 @@ class Soak:
                 out += float(m.group(2))
         return out
 
+    async def _by_label(self, c: httpx.AsyncClient, name: str, label: str) -> dict[str, float]:
+        """A counter's series by the value of one label (the series that are not 0)."""
+        text = (await c.get(f"{self.url}/metrics", timeout=5)).text
+        out: dict[str, float] = {}
+        for m in re.finditer(rf'^{re.escape(name)}\{{[^}}]*{label}="([^"]*)"[^}}]*\}} (\S+)$', text, re.M):
+            if float(m.group(2)):
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
     def _rss_mb(self) -> float:
         assert self.router is not None
         try:
-            for line in Path(f"/proc/{self.router.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
+            return status_kb(self.router.pid, "VmRSS") / 1024
+        except (OSError, KeyError):
+            return 0.0
 
     async def _watch(self) -> None:
         async with httpx.AsyncClient(timeout=5) as c:
@@ -420,7 +610,7 @@ class Soak:
                     matched = await self._metric(c, "kvrouter_matched_tokens_total", 'medium="GPU"')
                     hit = (matched - last[1]) / (prompt - last[0]) if prompt > last[0] else None
                     last = (prompt, matched)
-                    div = await self._divergence(c, self.engines)
+                    div = await self._divergence(c, self.all_engines)
                     self.report.samples.append(
                         Sample(
                             time.monotonic() - self._t0,
@@ -483,21 +673,89 @@ class Soak:
             await asyncio.sleep(0.05)
         return None
 
+    async def _hostile_fault(self, c: httpx.AsyncClient, fault: str, k: int) -> FaultRecord:
+        """One fault of the hostile engine's or the store's lane (the ``k``-th of its lane)."""
+        store = fault.startswith("store_")
+        attack = fault.split("_", 1)[1]
+        engine = self.hostile_engine
+        where = "store" if store or engine is None else engine.name
+        rec = FaultRecord(fault, where, time.monotonic() - self._t0)
+        before = await self._attacks(c, store)
+        await self._arm(c, store, attack)
+        await asyncio.sleep(self.cfg.fault_hold_s)
+        give_up = time.monotonic() + 10
+        while await self._attacks(c, store) == before and time.monotonic() < give_up:
+            await asyncio.sleep(0.1)
+        await self._arm(c, store, None)
+        rec.heal = time.monotonic() - self._t0
+        rec.attacks = await self._attacks(c, store) - before
+        if store:
+            rec.converged_s = await self._link_back(c)
+        else:
+            assert engine is not None
+            rec.converged_s = await self._converge(c, engine)
+        return rec
+
+    async def _arm(self, c: httpx.AsyncClient, store: bool, attack: str | None) -> None:
+        if store:
+            await store_command(self.store_url, "HOSTILE", "ATTACK", attack or "OFF")
+        else:
+            body = {"attack": attack, "streams_only": attack == "endless_sse"}
+            (await c.post(f"{self.proxy_url}/hostile/attack", json=body, timeout=5)).raise_for_status()
+
+    async def _attacks(self, c: httpx.AsyncClient, store: bool) -> int:
+        """How many attacks the store (or the proxy) sent so far."""
+        if store:
+            return int((await store_command(self.store_url, "HOSTILE", "COUNT"))[1:])
+        n: int = (await c.get(f"{self.proxy_url}/hostile/attack", timeout=5)).json()["attacked"]
+        return n
+
+    async def _link_back(self, c: httpx.AsyncClient) -> float | None:
+        """Seconds from the heal until the link is connected and receives messages again (None: not in
+        30 s)."""
+        received = 'direction="received"'
+        start = time.monotonic()
+        before = await self._metric(c, "kvrouter_cluster_messages_total", received)
+        while time.monotonic() - start < 30:
+            if (
+                await self._metric(c, "kvrouter_cluster_connected") == 1
+                and await self._metric(c, "kvrouter_cluster_messages_total", received) > before
+            ):
+                return time.monotonic() - start
+            await asyncio.sleep(0.05)
+        return None
+
     async def _schedule(self) -> None:
+        """The lanes of faults, each on its own grid, a third of the interval apart."""
+        lanes = [
+            (self.cfg.faults, 0.0, self._engine_fault),
+            (self.cfg.hostile_faults, 1 / 3, self._hostile_fault),
+            (self.cfg.store_faults, 2 / 3, self._hostile_fault),
+        ]
+        await asyncio.gather(*(self._lane(faults, offset, run) for faults, offset, run in lanes if faults))
+
+    def _engine_fault(self, c: httpx.AsyncClient, fault: str, k: int) -> Awaitable[FaultRecord]:
+        return self._fault(c, fault, self.engines[k % len(self.engines)])
+
+    async def _lane(
+        self,
+        faults: list[str],
+        offset: float,
+        run: Callable[[httpx.AsyncClient, str, int], Awaitable[FaultRecord]],
+    ) -> None:
         # faults start on a fixed grid (t0 + k * interval), not an interval after the previous one
         # ended: a fault's own hold, heal and convergence do not push the rest of the schedule out
+        interval = self.cfg.fault_interval_s
         async with httpx.AsyncClient(timeout=10) as c:
             k = 0
             while not self._stop.is_set():
-                due = self._t0 + (k + 1) * self.cfg.fault_interval_s
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), max(0.0, due - time.monotonic()))
+                due = self._t0 + (k + 1 + offset) * interval
+                await self._pause(max(0.0, due - time.monotonic()))
                 if self._stop.is_set():
                     return
-                fault = self.cfg.faults[k % len(self.cfg.faults)]
-                engine = self.engines[k % len(self.engines)]
+                fault = faults[k % len(faults)]
+                self.report.faults.append(await run(c, fault, k))
                 k += 1
-                self.report.faults.append(await self._fault(c, fault, engine))
 
     # --- the run -----------------------------------------------------------------------------------
     async def run(self) -> SoakReport:
@@ -521,6 +779,12 @@ class Soak:
                     c, "kvrouter_retries_total", 'result="refused"'
                 )
                 self.report.decode_errors = await self._metric(c, "kvrouter_kv_decode_errors_total")
+                self.report.upstream_violations = await self._by_label(
+                    c, "kvrouter_upstream_violations_total", "reason"
+                )
+                self.report.store_failures = await self._by_label(
+                    c, "kvrouter_cluster_failures_total", "kind"
+                )
                 deadline = time.monotonic() + 15  # what clients left behind must be released
                 while True:
                     self.report.inflight_after = await self._metric(c, "kvrouter_inflight_requests")
@@ -537,8 +801,7 @@ class Soak:
                     await asyncio.wait_for(self.router.wait(), 60)
                 except TimeoutError:
                     self.router.kill()
-            for e in self.engines:
-                await e.stop()
+            await asyncio.gather(*(e.stop() for e in self.all_engines), stop_group(self.hostile))
             self.zctx.term()
         return self.report
 
@@ -604,4 +867,15 @@ def write_report(report: SoakReport, cfg: SoakConfig, out_dir: Path) -> dict[str
     return summary
 
 
-__all__ = ["FAULTS", "Soak", "SoakConfig", "SoakReport", "svg_plot", "write_report"]
+__all__ = [
+    "FAULTS",
+    "HOSTILE_FAULTS",
+    "STORE_FAULTS",
+    "Soak",
+    "SoakConfig",
+    "SoakReport",
+    "judge",
+    "svg_plot",
+    "tag_of",
+    "write_report",
+]

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -85,4 +86,32 @@ class EngineProc:
             await self.proc.wait()
 
 
-__all__ = ["EngineProc"]
+async def stop_group(proc: asyncio.subprocess.Process | None, timeout: float = 30.0) -> None:
+    """SIGTERM to the process group a process leads (started with ``start_new_session``) and wait;
+    SIGKILL after ``timeout``."""
+    if proc is None or proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+
+def status_kb(pid: int, field: str) -> int:
+    """A ``/proc/<pid>/status`` figure in kB (VmRSS: resident now; VmHWM: its peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak(pid: int) -> None:
+    """Start VmHWM (the peak resident size) again from the current size."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+__all__ = ["EngineProc", "reset_peak", "status_kb", "stop_group"]

@@ -1,11 +1,12 @@
 """Hostile engines for the tests of the router's upstream side: a raw-socket engine writing exactly
-the bytes a test scripts, the real ``kvrouter serve`` in a subprocess in front of it (so that its
-memory and its event loop are its own to measure), a raw keep-alive HTTP/1.1 client, and a probe of
-the router's responsiveness.
+the bytes a test scripts (sim/hostile.py, shared with the chaos soak), the real ``kvrouter serve``
+in a subprocess in front of it (so that its memory and its event loop are its own to measure), a raw
+keep-alive HTTP/1.1 client, and a probe of the router's responsiveness.
 
 The engine answers ``GET /health`` and ``GET /v1/models`` like vLLM and every POST by the first word
-of its ``prompt`` (``"<attack> <token>"``): the test registers what each word does, and the engine
-records every POST it read (word, token, connection, position on that connection).
+of its ``prompt`` (``"<attack> <token>"``): the test registers what each word does (any other word
+gets the sound answer), and the engine records every POST it read (word, token, connection,
+position on that connection).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,200 +28,9 @@ import httptools
 from harness import TIMEOUT, wait_for
 
 from sim.demo import free_port
+from sim.procs import reset_peak, status_kb
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class Post:
-    """One POST the engine read."""
-
-    def __init__(self, path: str, body: dict[str, Any], conn: int, index: int) -> None:
-        self.path = path
-        self.body = body
-        self.conn = conn
-        """The engine's connection number (0, 1, ...: accepted order)."""
-        self.index = index
-        """Position of this request on its connection (0: the first)."""
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):  # chat: the last message
-            prompt = str(body.get("messages", [{}])[-1].get("content", ""))
-        self.word, _, self.token = prompt.partition(" ")
-
-
-Attack = Callable[[socket.socket, Post], bool]
-"""Writes an answer (or anything else) on the socket; True keeps the connection for the next request."""
-
-
-def framed(status: str, body: bytes, headers: str = "content-type: application/json\r\n") -> bytes:
-    """A complete response with a content-length."""
-    return f"HTTP/1.1 {status}\r\n{headers}content-length: {len(body)}\r\n\r\n".encode() + body
-
-
-def completion(token: str, extra: dict[str, Any] | None = None) -> bytes:
-    """An OpenAI completion whose text is ``token`` (so a client can tell its own answer)."""
-    body = {
-        "id": f"cmpl-{token}",
-        "object": "text_completion",
-        "created": 1,
-        "model": "toy",
-        "choices": [{"index": 0, "text": token, "finish_reason": "length", "logprobs": None}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        **(extra or {}),
-    }
-    return json.dumps(body).encode()
-
-
-def sse_event(token: str) -> bytes:
-    chunk = {
-        "id": f"cmpl-{token}",
-        "object": "text_completion",
-        "created": 1,
-        "model": "toy",
-        "choices": [{"index": 0, "text": token, "finish_reason": None, "logprobs": None}],
-    }
-    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
-
-
-def chunk(data: bytes) -> bytes:
-    """One chunk of a chunked body."""
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-TRANSFER_PARAMS = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_block_ids": [1, 2],
-    "remote_engine_id": "hostile",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5600,
-}
-"""What the engine answers a P/D prefill leg with (``kv_transfer_params.do_remote_decode``)."""
-
-
-def answer_ok(sock: socket.socket, post: Post) -> bool:
-    """What a sound engine does: the completion (or a stream of it) for the request's token, with
-    transfer parameters when it is a prefill leg."""
-    params = post.body.get("kv_transfer_params")
-    if isinstance(params, dict) and params.get("do_remote_decode"):
-        sock.sendall(framed("200 OK", completion(post.token, {"kv_transfer_params": TRANSFER_PARAMS})))
-    elif post.body.get("stream"):
-        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-        body = chunk(sse_event(post.token)) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
-        sock.sendall(head + body)
-    else:
-        sock.sendall(framed("200 OK", completion(post.token)))
-    return True
-
-
-def send_for(sock: socket.socket, piece: bytes, total: int) -> int:
-    """Send ``piece`` again and again, ``total`` bytes at most, until the peer stops reading it
-    (closes); returns the bytes sent."""
-    sent = 0
-    view = memoryview(piece)
-    with contextlib.suppress(OSError):
-        while sent < total:
-            sock.sendall(view)
-            sent += len(piece)
-    return sent
-
-
-class HostileEngine:
-    """A raw-socket engine on 127.0.0.1:0 (threads: one accepting, one per connection)."""
-
-    def __init__(self, attacks: dict[str, Attack]) -> None:
-        self.attacks = {"ok": answer_ok, **attacks}
-        self.posts: list[Post] = []
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port: int = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self.threads: list[threading.Thread] = []
-        self.lock = threading.Lock()
-        self.accepted = 0
-        self._stop = False
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def posts_of(self, token: str) -> list[Post]:
-        with self.lock:
-            return [p for p in self.posts if p.token == token]
-
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with self.lock:
-                n = self.accepted
-                self.accepted += 1
-                self.conns.append(conn)
-            t = threading.Thread(target=self._serve, args=(conn, n), daemon=True)
-            self.threads.append(t)
-            t.start()
-
-    def _serve(self, conn: socket.socket, n: int) -> None:
-        buf = b""
-        index = 0
-        try:
-            conn.settimeout(TIMEOUT)
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                length = 0
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    if name.strip().lower() == "content-length":
-                        length = int(value)
-                while len(buf) < length:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                body, buf = buf[:length], buf[length:]
-                if method == "GET":
-                    if path.startswith("/v1/models"):
-                        models = {"object": "list", "data": [{"id": "toy", "object": "model"}]}
-                        conn.sendall(framed("200 OK", json.dumps(models).encode()))
-                    else:
-                        conn.sendall(framed("200 OK", b'{"status": "ok"}'))
-                    index += 1
-                    continue
-                post = Post(path, json.loads(body), n, index)
-                index += 1
-                with self.lock:
-                    self.posts.append(post)
-                if not self.attacks[post.word](conn, post):
-                    return
-        except OSError:
-            return
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self._stop = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)  # (wakes the accept: closing alone does not)
-        self.sock.close()
-        with self.lock:
-            for c in self.conns:
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
-        self.thread.join(TIMEOUT)
-        for t in self.threads:
-            t.join(TIMEOUT)
 
 
 class RouterProcess:
@@ -263,14 +73,11 @@ class RouterProcess:
 
     def status_kb(self, field: str) -> int:
         """A ``/proc/<pid>/status`` figure in kB (VmRSS, VmHWM)."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-        raise KeyError(field)
+        return status_kb(self.proc.pid, field)
 
     def reset_peak(self) -> None:
         """Start VmHWM (the peak resident size) again from the current size."""
-        Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+        reset_peak(self.proc.pid)
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one series of the router's /metrics (0 when absent)."""

@@ -583,7 +583,9 @@ def answer_bytes(a: Answer, token: str) -> list[bytes]:
 def test_a_fuzzing_engine_never_crashes_hangs_or_leaks_through_the_router(
     tmp_path: Path, tokdir: Path
 ) -> None:
-    from hostile import HostileEngine, Post, RawClient, RouterProcess
+    from hostile import RawClient, RouterProcess
+
+    from sim.hostile import HostileEngine, Post
 
     scripts: dict[str, list[bytes]] = {}
     pauses: dict[str, float] = {}

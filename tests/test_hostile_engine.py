@@ -21,22 +21,26 @@ from typing import Any
 import pytest
 import zmq
 from harness import FakeEngine
-from hostile import (
-    HostileEngine,
-    Post,
-    RawClient,
-    RouterProcess,
-    Watch,
-    chunk,
-    completion,
-    framed,
-    send_for,
-    sse_event,
-)
+from hostile import RawClient, RouterProcess, Watch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.http.sse import EventBuffer, EventTooLarge
+from sim.hostile import (
+    ATTACK_BYTES,
+    HostileEngine,
+    Post,
+    completion,
+    drop,
+    endless_header_line,
+    endless_sse_event,
+    framed,
+    many_headers,
+    send_for,
+    sse_event,
+    trickle,
+    upgrade,
+)
 
 SSE_LIMIT = 1 << 20
 """The test router's server.max_sse_event_bytes."""
@@ -44,8 +48,6 @@ HEAD_LIMIT = 65536
 """server.upstream_max_head_bytes (its default)."""
 HEAD_TIMEOUT = 1.0
 """The test router's server.upstream_head_timeout_s."""
-ATTACK_BYTES = 64 << 20
-"""How much an endless attack sends at most (before the router stops reading it)."""
 SLACK_KB = 8 << 10
 """Peak memory allowed over a limit: what one request costs the router anyway (read buffers,
 parsing, allocator rounding)."""
@@ -54,16 +56,6 @@ MAX_STALL_S = 0.05
 
 def token() -> str:
     return uuid.uuid4().hex[:12]
-
-
-def _hold_until_closed(sock: socket.socket, seconds: float = 30.0) -> None:
-    """Keep the connection open (sending nothing) until the router closes it."""
-    sock.settimeout(seconds)
-    try:
-        while sock.recv(65536):
-            pass
-    except OSError:
-        pass
 
 
 POISON = framed("200 OK", b'{"POISONED": true}', "content-type: application/json\r\nx-injected: 1\r\n")
@@ -81,12 +73,6 @@ def smuggle_unframed(sock: socket.socket, post: Post) -> bool:
 def smuggle_framed(sock: socket.socket, post: Post) -> bool:
     sock.sendall(framed("200 OK", completion(post.token)) + POISON)
     return True
-
-
-def upgrade(sock: socket.socket, post: Post) -> bool:
-    sock.sendall(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n")
-    _hold_until_closed(sock)
-    return False
 
 
 def interim(sock: socket.socket, post: Post) -> bool:
@@ -113,28 +99,6 @@ def framing(sock: socket.socket, post: Post) -> bool:
     return False
 
 
-def many_headers(sock: socket.socket, post: Post) -> bool:
-    sock.sendall(b"HTTP/1.1 200 OK\r\n")
-    send_for(sock, b"x-f: a\r\n" * (1 << 17), ATTACK_BYTES)
-    return False
-
-
-def endless_header_line(sock: socket.socket, post: Post) -> bool:
-    sock.sendall(b"HTTP/1.1 200 OK\r\nx-long: ")
-    send_for(sock, b"a" * (1 << 20), ATTACK_BYTES)
-    return False
-
-
-def endless_sse_event(sock: socket.socket, post: Post) -> bool:
-    sock.sendall(
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-        + chunk(sse_event(post.token))
-        + chunk(b"data: ")
-    )
-    send_for(sock, chunk(b"a" * (1 << 20)), ATTACK_BYTES)
-    return False
-
-
 def endless_sse_event_with_length(sock: socket.socket, post: Post) -> bool:
     first = sse_event(post.token)
     length = len(first) + len(b"data: ") + ATTACK_BYTES
@@ -145,21 +109,6 @@ def endless_sse_event_with_length(sock: socket.socket, post: Post) -> bool:
     )
     send_for(sock, b"a" * (1 << 20), ATTACK_BYTES)
     return False
-
-
-def trickle(sock: socket.socket, post: Post) -> bool:
-    head = b"HTTP/1.1 200 OK\r\nx-slow: " + b"a" * 200
-    try:
-        for i in range(len(head)):  # a byte every 0.2 s: never idle long, never done
-            sock.sendall(head[i : i + 1])
-            time.sleep(0.2)
-    except OSError:
-        pass  # the router closed it
-    return False
-
-
-def drop(sock: socket.socket, post: Post) -> bool:
-    return False  # the request was read: closed without an answer
 
 
 ATTACKS = {

@@ -1,8 +1,8 @@
 """A broken or hostile store cannot stall, bloat or crash the router's cluster link.
 
 The parser (router/cluster/resp.py) against replies cut at every place, and against each limit; then
-the real router with its cluster link in front of a hostile RESP server (asyncio on 127.0.0.1:0,
-in a thread of its own) that answers the handshake like Redis and then sends one attack on the
+the real router with its cluster link in front of a hostile RESP server (sim/hostile.py: asyncio on
+127.0.0.1:0, in a thread of its own) that answers the handshake like Redis and then sends one attack on the
 subscription: a huge array in small pieces, an endless line, a 2 GB bulk string's header and a
 trickle of bytes, arrays 100k deep. During each, a timer on the router's event loop measures the
 longest stall (the loop's own CPU time between two ticks, which the machine's other load does not
@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import httpx
 import pytest
@@ -30,6 +30,7 @@ from redis_harness import RedisServer
 from router.cluster.config import ClusterConfig, ClusterError, validate_cluster
 from router.cluster.resp import ProtocolError, ReplyLimits, ReplyParser, RespError
 from sim.engine import EngineConfig
+from sim.hostile import HostileStore
 
 LIMITS = ReplyLimits(max_bytes=1 << 20, max_items=300_000, max_depth=8)
 WINDOW_S = 3.0
@@ -166,120 +167,6 @@ def test_cluster_config_bounds_the_limits() -> None:
 
 
 # ---- a hostile store in front of the real router -------------------------------------------------------
-
-
-def _bulk(data: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(data), data)
-
-
-async def _command(reader: asyncio.StreamReader) -> list[bytes] | None:
-    """One command (an array of bulk strings), or None at the end of the connection."""
-    line = await reader.readline()
-    if not line:
-        return None
-    args = []
-    for _ in range(int(line[1:])):
-        n = int((await reader.readline())[1:])
-        args.append((await reader.readexactly(n + 2))[:-2])
-    return args
-
-
-class HostileStore:
-    """Answers the link's commands like Redis (an empty store: no peers, no pins) and delivers what it
-    publishes back to it; once ``arm()`` is called, sends ``attack`` on every subscription instead."""
-
-    ANSWERS: ClassVar[dict[bytes, bytes]] = {
-        b"HKEYS": b"*0\r\n",
-        b"SCAN": b"*2\r\n$1\r\n0\r\n*0\r\n",
-        b"GET": b"$-1\r\n",
-        b"PTTL": b":-2\r\n",
-    }
-
-    def __init__(self, attack: str) -> None:
-        self.attack = attack
-        self.subscriptions: list[float] = []
-        """When each SUBSCRIBE came: one per attempt of the link that got that far."""
-        self.attacks = 0
-        self._subscribers: set[asyncio.StreamWriter] = set()
-        self.loop = asyncio.new_event_loop()
-        self._armed = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", 0), self.loop
-        ).result(TIMEOUT)
-        self.port: int = self.server.sockets[0].getsockname()[1]
-
-    def arm(self) -> None:
-        self.loop.call_soon_threadsafe(self._armed.set)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        attack: asyncio.Task[None] | None = None
-        try:
-            while (cmd := await _command(reader)) is not None:
-                name = cmd[0].upper()
-                if name == b"SUBSCRIBE":
-                    self.subscriptions.append(time.monotonic())
-                    writer.write(b"*3\r\n$9\r\nsubscribe\r\n" + _bulk(cmd[1]) + b":1\r\n")
-                    self._subscribers.add(writer)
-                    attack = asyncio.ensure_future(self._attack(writer))
-                elif name == b"PUBLISH":
-                    for sub in self._subscribers:
-                        sub.write(b"*3\r\n$7\r\nmessage\r\n" + _bulk(cmd[1]) + _bulk(cmd[2]))
-                    writer.write(b":%d\r\n" % len(self._subscribers))
-                else:
-                    writer.write(self.ANSWERS.get(name, b"+OK\r\n" if name != b"PING" else b"+PONG\r\n"))
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            self._subscribers.discard(writer)
-            if attack is not None:
-                attack.cancel()
-            writer.close()
-
-    async def _attack(self, w: asyncio.StreamWriter) -> None:
-        await self._armed.wait()
-        if self.attack == "array_in_pieces" and self.attacks:
-            return  # (once: a huge reply within the limits, then an ordinary store)
-        self._subscribers.discard(w)  # (nothing else goes on this connection: it is mid-reply)
-        self.attacks += 1
-        try:
-            if self.attack == "array_in_pieces":  # 250k elements, 1 MB, in 4 KiB pieces
-                n = 250_000
-                w.write(b"*%d\r\n" % n)
-                for _ in range(n // 1000):
-                    w.write(b":1\r\n" * 1000)
-                    await w.drain()
-                    await asyncio.sleep(0.001)  # (each piece a read of its own)
-                self._subscribers.add(w)
-            elif self.attack == "endless_line":
-                w.write(b"+")
-                while True:
-                    w.write(b"a" * 65536)
-                    await w.drain()
-            elif self.attack == "huge_bulk":
-                w.write(b"$2000000000\r\n")
-                while True:
-                    w.write(b"x")
-                    await w.drain()
-                    await asyncio.sleep(0.01)
-            elif self.attack == "deep_arrays":
-                w.write(b"*1\r\n" * 100_000 + b":1\r\n")
-                await w.drain()
-        except ConnectionError:
-            pass
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.server.close()
-            for w in list(self._subscribers):
-                w.close()
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(TIMEOUT)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(TIMEOUT)
 
 
 class LoopWatch:
