@@ -806,7 +806,7 @@ def drain(
     targets = sentinel_targets(stream)
     spy = None
     profiler = os.environ.get("KVBENCH_PROFILE")
-    if profiler:  # profile kvrouter's drain, e.g. KVBENCH_PROFILE="perf record -g -p {pid} -o /tmp/x"
+    if profiler:  # profile kvrouter's drain, e.g. KVBENCH_PROFILE="perf record -g -p {pid} -o perf.data"
         assert svcs[0].proc is not None
         cmd = profiler.format(pid=svcs[0].proc.pid, blocks=stream.blocks).split()
         spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
