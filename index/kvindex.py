@@ -148,15 +148,17 @@ class KVIndex:
         default_size = self.config.block_size or 16
         index_of = self.store.source_index
         stats = self.ingestor.stats
-        grouped: list[int] | None = None
+        hybrid: dict[int, list[int]] = {}  # block size -> sources of hybrid models (matched apart)
         for source in candidates:  # one dict lookup or two per candidate: this loop is O(fleet)
             sidx = index_of(source)
             if sidx is not None:
                 st = stats.get(sidx)
                 size = st.block_size if st is not None and st.block_size else default_size
-                by_size.setdefault(size, []).append(sidx)
+                plain = by_size.setdefault(size, [])
                 if st is not None and (st.groups or st.groups_bad):
-                    grouped = [*(grouped or ()), sidx]
+                    hybrid.setdefault(size, []).append(sidx)
+                else:
+                    plain.append(sidx)
         main_size = self.config.block_size or (next(iter(by_size)) if by_size else 16)
         extra: dict[int, Sequence[Any]] | None = {0: [cache_salt]} if cache_salt else None
         keys: dict[int, list[int]] = {}
@@ -166,13 +168,10 @@ class KVIndex:
         for size, sidxs in by_size.items():
             ks, arr = prompt_keys_both(tokens, size, lora_name=lora_name, extra_keys=extra)
             keys[size] = ks
-            if grouped:  # hybrid models: vLLM's hybrid rule, source by source
-                for sidx in grouped:
-                    if sidx in sidxs:
-                        hm = self._match_groups(sidx, stats[sidx], size, arr, ks, len(tokens), now)
-                        if hm is not None:
-                            matches[hm.source] = hm
-                sidxs = [x for x in sidxs if x not in grouped]
+            for sidx in hybrid.get(size, ()):  # hybrid models: vLLM's hybrid rule, source by source
+                hm = self._match_groups(sidx, stats[sidx], size, arr, ks, len(tokens), now)
+                if hm is not None:
+                    matches[hm.source] = hm
             for m in self.store.lookup(arr, sidxs):  # skips a source removed meanwhile
                 if predictions:
                     sidx = index_of(m.source)
