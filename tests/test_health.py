@@ -269,3 +269,55 @@ def test_a_backend_that_goes_down_is_logged_once(caplog: pytest.LogCaptureFixtur
             server.close()
 
     asyncio.run(main())
+
+
+def test_a_round_spreads_its_probes_over_the_interval_with_bounded_concurrency() -> None:
+    """Members probed before start over the round's spread, member k (in order) not before its
+    slot k x spread / n; never more than ``max_concurrent`` probes in flight. (Only lower bounds
+    on time: a loaded machine makes probes late, never early.)"""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        arrivals: list[float] = []
+        inflight = peak = 0
+
+        async def hold() -> None:
+            nonlocal inflight, peak
+            arrivals.append(loop.time())
+            inflight += 1
+            peak = max(peak, inflight)
+            await asyncio.sleep(0.02)  # (the engine's answer takes a while: probes overlap)
+            inflight -= 1
+
+        server = await asyncio.start_server(probe_backend(MODELS, METRICS, hold=hold), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        names = [f"e{i}" for i in range(6)]
+        membership = Membership(MembershipConfig())
+        membership.reconcile("config", [BackendConfig(n, url, models=["m"]) for n in names])
+        pool = UpstreamPool()
+        checker = HealthChecker(membership, HealthConfig(timeout_s=10), pool, None, max_concurrent=2)
+        try:
+            # (each probe asks /health, then /v1/models for LoRA adapters: two requests per member)
+            await checker.check_all(spread_s=0.6)  # never probed: all at once (bounded), no waiting
+            assert len(arrivals) == 12 and peak <= 2
+            assert all(m.healthy for m in membership.members.values())
+            arrivals.clear()
+            peak = 0
+            began = loop.time()
+            await checker.check_all(spread_s=0.6)
+            assert len(arrivals) == 12 and peak <= 2
+            for k in range(6):  # before slot k, only members 0..k-1 can have asked anything
+                assert sorted(arrivals)[2 * k] - began >= k * 0.1 - 0.005, (k, arrivals)
+            # a member removed before its moment is not probed
+            arrivals.clear()
+            round_ = asyncio.ensure_future(checker.check_all(spread_s=0.6))
+            membership.remove("e5", "test")
+            await asyncio.wait_for(round_, 30)
+            assert len(arrivals) == 10
+        finally:
+            await checker.stop()
+            pool.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())

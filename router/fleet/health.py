@@ -1,6 +1,9 @@
 """Health of the fleet's members: active probes, passive failures, models, optional engine metrics.
 
-Active checks run in one asyncio task: ``GET /health`` every ``interval_s``; a member is skipped
+Active checks run in one asyncio task: ``GET /health`` every ``interval_s``, each member's probe at
+its own jittered moment of the interval and at most :attr:`HealthChecker.max_concurrent` at once
+(one burst of every probe held the event loop ~0.3 s per round at 1,000 backends); a member never
+probed yet goes first, without waiting for its moment. A member is skipped
 after ``unhealthy_after`` consecutive failures and comes back at the first success. Its index entries
 are kept meanwhile (a brief outage should not cost the cache state): a failed check is never a
 membership change. A connection failure while proxying marks the member unhealthy at once (passive
@@ -16,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -50,7 +54,16 @@ class HealthChecker:
         client: UpstreamPool,
         loads: LoadTracker | None = None,
         discover: Callable[[Member, bool, float], Awaitable[None]] | None = None,
+        *,
+        max_concurrent: int = 32,
+        rng: random.Random | None = None,
     ) -> None:
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
+        self.max_concurrent = max_concurrent
+        """Probes of one round in flight at once, at most."""
+        self.rng = rng or random.Random()
+        """Draws each probe's moment within its share of the interval (the jitter)."""
         self.membership = membership
         self.health = health
         self.client = client
@@ -205,24 +218,57 @@ class HealthChecker:
         except Exception:
             log.exception("probing %s failed", member.name)
 
-    async def check_all(self) -> None:
-        """Probe every member concurrently. A member whose probe :meth:`probe_soon` started is
-        still in flight for the same spec is not probed twice: that probe is awaited instead (at
-        start-up, every member of the config file just joined, and was probed twice)."""
+    async def check_all(self, spread_s: float = 0.0) -> None:
+        """Probe every member, at most :attr:`max_concurrent` at once. With ``spread_s`` the
+        members already probed once start over that many seconds, member i of n at a random moment
+        of its slot ``[i, i + 1) * spread_s / n`` (a member gone meanwhile is skipped); the others
+        start at once. A member whose probe :meth:`probe_soon` started is still in flight for the
+        same spec is not probed twice: that probe is awaited instead (at start-up, every member of
+        the config file just joined, and was probed twice)."""
         members = self.membership.members
         for name in [n for n in self._reported if n not in members]:  # (bounded by the fleet)
             del self._reported[name]
         running = {id(m): t for t, (m, spec) in self._probes.items() if m.declared is spec}
-        await asyncio.gather(*(running.get(id(m)) or self.check(m) for m in list(members.values())))
+        fresh = [m for m in members.values() if not m.checked_at]
+        known = [m for m in members.values() if m.checked_at]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        slot = spread_s / len(known) if known and spread_s > 0 else 0.0
+        started: list[asyncio.Future[None]] = []
+        inflight: set[asyncio.Future[None]] = set()
+        try:
+            for i, m in enumerate(fresh + known):
+                if slot and i >= len(fresh):
+                    delay = start + (i - len(fresh) + self.rng.random()) * slot - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if members.get(m.name) is not m:
+                        continue
+                while len(inflight) >= self.max_concurrent:
+                    _, pending = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                    inflight = set(pending)
+                probe: asyncio.Future[None] | None = running.get(id(m))
+                if probe is None:
+                    probe = loop.create_task(self.check(m), name=f"kvrouter-probe-{m.name}")
+                started.append(probe)
+                inflight.add(probe)
+            await asyncio.gather(*started)
+        finally:
+            for t in started:  # (cancelled, or one probe failed: the others stop with the round)
+                if t not in running.values():
+                    t.cancel()
         self.checks += 1
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            began = loop.time()
+            interval = self.health.interval_s
             try:
-                await self.check_all()
+                await self.check_all(spread_s=interval)
             except Exception:  # a bug in one probe must not end health checking
                 log.exception("health check round failed")
-            await asyncio.sleep(self.health.interval_s)
+            await asyncio.sleep(max(interval - (loop.time() - began), 0.0))
 
     def start(self) -> None:
         """Start the periodic health checks."""

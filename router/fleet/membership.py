@@ -48,6 +48,9 @@ STATES: tuple[State, ...] = ("joining", "ready", "draining", "gone")
 Origin = Literal["config", "admin", "kubernetes"]
 Target = tuple[str, int]
 
+_MAX_INDEXED_MODELS = 4096
+"""Models the candidate index holds at once (a request's model is the client's string)."""
+
 # fields whose change needs new event subscriptions (and so a new join); the others are updated in place
 _REJOIN_FIELDS = ("url", "kv_events", "kv_replay", "kv_bind", "kv_topic", "dp_size")
 
@@ -68,36 +71,39 @@ class Member:
     """One backend: its spec, its membership state, and what health probes learned about it."""
 
     __slots__ = (
+        "_discovery_ready",
+        "_healthy",
+        "_lora_parents",
+        "_models",
+        "_owner",
+        "_spec",
+        "_state",
         "base_path",
         "checked_at",
         "declared",
         "discovered_dp",
-        "discovery_ready",
         "drain_deadline",
         "failures",
-        "healthy",
         "joined_at",
         "kv_sources",
         "last_error",
-        "lora_parents",
-        "models",
         "models_known",
         "name",
         "origin",
         "reason",
         "remove_when_drained",
         "same_engine",
-        "spec",
-        "state",
         "state_since",
         "upstream_key",
         "url",
     )
 
     def __init__(self, spec: BackendConfig, origin: Origin, now: float) -> None:
+        self._owner: Membership | None = None
+        """The membership holding it, told when what makes it a candidate changes."""
         self.name = spec.name
         self.origin: Origin = origin
-        self.state: State = "joining"
+        self.state = "joining"
         self.state_since = now
         self.joined_at = now
         self.reason = ""
@@ -108,14 +114,11 @@ class Member:
         self.checked_at = 0.0
         self.last_error = ""
         self.discovery_ready = True
-        """False while the discovery source reports the backend not ready (a Kubernetes readiness
-        flap): skipped like a failed health check, index kept."""
         self.same_engine = False
         """True while a re-join changes only the event endpoints (same URL and DP size): the
         listeners keep what belongs to the engine itself (the load of its running requests, its
         breaker) instead of forgetting it as they do for a backend that left."""
-        self.lora_parents: dict[str, str] = {}
-        """LoRA adapter name -> base model, from /v1/models."""
+        self.lora_parents = {}
         self.discovered_dp: int | None = None
         """With ``kv_events = "auto"``: the DP size the engine's /kv_event_sources listed (it
         overrides the spec's); None until listed."""
@@ -126,7 +129,7 @@ class Member:
         """The models it serves are known: configured, or read from its /v1/models. False for a
         backend never reached: an unknown model may be one it serves (503, not 404)."""
         self.set_spec(spec)
-        self.models: set[str] = set(spec.models or [])
+        self.models = set(spec.models or [])
 
     def set_spec(self, spec: BackendConfig) -> None:
         """Take a new spec (its name is this member's). ``declared`` keeps it as its origin gave it
@@ -142,6 +145,79 @@ class Member:
         if spec.models is not None:
             self.models = set(spec.models)
             self.models_known = True
+
+    # --- what makes it a candidate: a change tells the membership (its candidate index) ---------
+    def _changed(self) -> None:
+        owner = self._owner
+        if owner is not None:
+            owner.routing_changed()
+
+    @property
+    def state(self) -> State:
+        """Where it is in its life (module docstring)."""
+        return self._state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        if getattr(self, "_state", None) != value:
+            self._state = value
+            self._changed()
+
+    @property
+    def healthy(self) -> bool:
+        """The last probe (or proxied request) found it up, serving some model."""
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        if getattr(self, "_healthy", None) != value:
+            self._healthy = value
+            self._changed()
+
+    @property
+    def discovery_ready(self) -> bool:
+        """False while the discovery source reports the backend not ready (a Kubernetes readiness
+        flap): skipped like a failed health check, index kept."""
+        return self._discovery_ready
+
+    @discovery_ready.setter
+    def discovery_ready(self, value: bool) -> None:
+        if getattr(self, "_discovery_ready", None) != value:
+            self._discovery_ready = value
+            self._changed()
+
+    @property
+    def models(self) -> set[str]:
+        """The models it serves (replace the set to change it: the candidate index is told)."""
+        return self._models
+
+    @models.setter
+    def models(self, value: set[str]) -> None:
+        if getattr(self, "_models", None) != value:
+            self._models = value
+            self._changed()
+
+    @property
+    def lora_parents(self) -> dict[str, str]:
+        """LoRA adapter name -> base model, from /v1/models."""
+        return self._lora_parents
+
+    @lora_parents.setter
+    def lora_parents(self, value: dict[str, str]) -> None:
+        if getattr(self, "_lora_parents", None) != value:
+            self._lora_parents = value
+            self._changed()
+
+    @property
+    def spec(self) -> BackendConfig:
+        """The spec the router uses (:meth:`set_spec`)."""
+        return self._spec
+
+    @spec.setter
+    def spec(self, value: BackendConfig) -> None:
+        if getattr(self, "_spec", None) is not value:
+            self._spec = value
+            self._changed()
 
     @property
     def cfg(self) -> BackendConfig:
@@ -221,6 +297,13 @@ class Membership:
         """(change, origin) -> count, for kvrouter_membership_changes_total."""
         self.version = 0
         """Bumped at every change (cheap cache invalidation for readers)."""
+        self.routing = 0
+        """Bumped whenever the candidates of some model may have changed: a change above, or a
+        member's state, health, discovery readiness, models, LoRA adapters or spec."""
+        self._routable: dict[str, list[Member]] = {}
+        """The candidate index: model -> :meth:`routable_for`'s answer, rebuilt for a model at its
+        first decision after a change (every decision asks; a scan cost ~0.1 us per member)."""
+        self._lora: dict[str, str | None] = {}
 
     # --- queries -------------------------------------------------------------------------------
     def get(self, name: str) -> Member | None:
@@ -230,18 +313,33 @@ class Membership:
     def __iter__(self) -> Iterable[Member]:
         return iter(list(self.members.values()))
 
+    def routing_changed(self) -> None:
+        """Something that decides who is a candidate changed: the candidate index starts over."""
+        self.routing += 1
+        if self._routable:
+            self._routable = {}
+        if self._lora:
+            self._lora = {}
+
     def routable_for(self, model: str) -> list[Member]:
         """Members that may take a new request for ``model`` now (:attr:`Member.routable` and
-        :meth:`Member.serves`, inlined: every decision asks, two calls per member cost ~1 us)."""
-        return [
-            m
-            for m in self.members.values()
-            if m.state == "ready" and m.healthy and m.discovery_ready and model in m.models
-        ]
+        :meth:`Member.serves`), in membership order. From the candidate index: the same list object
+        until a change (callers must not modify it), so a caller may key its own caches on it; a
+        change costs one scan of the members at the model's next decision, a decision none."""
+        found = self._routable.get(model)
+        if found is None:
+            if len(self._routable) >= _MAX_INDEXED_MODELS:
+                self._routable = {}  # (bounded: a client naming endless unknown models)
+            found = self._routable[model] = [
+                m
+                for m in self.members.values()
+                if m.state == "ready" and m.healthy and m.discovery_ready and model in m.models
+            ]
+        return found
 
     def can_serve(self, model: str) -> bool:
         """Some member may take a request for ``model`` now (a cheap check before tokenizing)."""
-        return any(m.routable and m.serves(model) for m in self.members.values())
+        return bool(self.routable_for(model))
 
     def known(self, model: str) -> bool:
         """Any member (whatever its state) serves this model."""
@@ -253,11 +351,15 @@ class Membership:
         return any(not m.models_known for m in self.members.values())
 
     def lora_name(self, model: str) -> str | None:
-        """The LoRA adapter name when ``model`` is one (its blocks are salted by it), else None."""
-        for m in self.members.values():
-            if model in m.lora_parents:
-                return model
-        return None
+        """The LoRA adapter name when ``model`` is one (its blocks are salted by it), else None
+        (indexed like :meth:`routable_for`: every decision asks)."""
+        lora = self._lora
+        if model in lora:
+            return lora[model]
+        if len(lora) >= _MAX_INDEXED_MODELS:
+            lora.clear()
+        found = lora[model] = next((model for m in self.members.values() if model in m.lora_parents), None)
+        return found
 
     def models(self) -> dict[str, list[Member]]:
         """Every model served by the fleet -> the members serving it (any state but gone)."""
@@ -284,6 +386,7 @@ class Membership:
         or it joined). A move logs as ``joining -> ready``, any other change as ``updated, still
         ready``: never as ``ready -> ready``, which reads as a no-op."""
         self.version += 1
+        self.routing_changed()
         t = Transition(self.clock(), m.name, m.origin, change, m.state, reason)
         self.transitions.append(t)
         key = (change, m.origin)
@@ -314,6 +417,7 @@ class Membership:
         m = self.members.get(spec.name)
         if m is None:
             m = Member(spec, origin, self.clock())
+            m._owner = self
             self.members[spec.name] = m
             self._record(m, "joined", reason or f"added by {origin}")
             for listener in self.listeners:
@@ -435,6 +539,7 @@ class Membership:
         if m is None:
             return
         before = self._set_state(m, "gone", reason)
+        m._owner = None  # (a removed member's later changes make no candidate)
         for listener in self.listeners:
             listener.left(m)
         self._record(m, "removed", reason, before)
