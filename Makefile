@@ -9,7 +9,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 
 # (the C core is built by the install: a changed source is rebuilt by the next make)
 INSTALL_DEPS := pyproject.toml sim/pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrecv.h \
-  router/decision/_explain.c
+  router/decision/_kernel.c
 NEW_VENV := test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); $(BIN)/pip install -q --upgrade pip
 
 # make test: the router, kvrouter-sim (the simulated fleet, ./sim) and the test tools; what make demo

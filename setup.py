@@ -1,5 +1,5 @@
-"""The compiled index core (index/_kvcore.c) and the /route decision kernel
-(router/decision/_explain.c), built with the machine's C compiler at install time;
+"""The compiled index core (index/_kvcore.c) and the decision's scoring kernel
+(router/decision/_kernel.c), built with the machine's C compiler at install time;
 everything else is declared in pyproject.toml."""
 
 from setuptools import Extension, setup
@@ -21,8 +21,8 @@ setup(
             ],
         ),
         Extension(
-            "router.decision._explain",
-            sources=["router/decision/_explain.c"],
+            "router.decision._kernel",
+            sources=["router/decision/_kernel.c"],
             # no fused multiply-add: the scores round exactly as Python's arithmetic does
             extra_compile_args=["-O2", "-std=gnu11", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         ),

@@ -407,6 +407,9 @@ class Ingestor:
         self.store = store
         self.block_size = block_size
         self.stats: dict[int, SourceStats] = {}
+        self.layout_version = 0
+        """Bumped when a source's block size or KV cache groups change, or a source is added: how a
+        source is matched (readers cache per candidate set what this says)."""
         self.lag_observer: Callable[[float], None] | None = None
         """Called with now - batch.ts for every applied batch (metrics)."""
         self.on_reset: Callable[[int], None] | None = None
@@ -426,6 +429,7 @@ class Ingestor:
         """Register a source with the store and give it counters."""
         sidx = self.store.add_source(source)
         self.stats[sidx] = SourceStats()
+        self.layout_version += 1
         if self.on_reset is not None:
             self.on_reset(sidx)  # a reused slot starts without the previous holder's predictions
         return sidx
@@ -654,6 +658,7 @@ class Ingestor:
                 ends.append(len(ops) // _ROW)
                 counts.append(_NO_COUNTS)
                 self._forget_groups(stats[sidx])
+                self.layout_version += 1
                 continue
             st = stats[sidx]
             se = sb = re = rb = 0
@@ -947,6 +952,7 @@ class Ingestor:
                 self._group_fault(sidx, st, f"KV cache group {group} with block size {spec.block_size}")
                 return None
             st.groups[group] = spec
+            self.layout_version += 1
             # (its GPU medium registered on either path alike: media are numbered in registration order)
             gpu = self._registers(group_medium("GPU", group))
             if self._core is not None and gpu and spec.kind.isascii():
@@ -980,6 +986,7 @@ class Ingestor:
         if not st.groups_bad:
             log.warning("source %s: %s: its matches are 0 until it restarts", self.source_name(sidx), what)
         st.groups_bad = True
+        self.layout_version += 1
         self._bad_event(sidx, st, what)
 
     @staticmethod
@@ -1031,6 +1038,8 @@ class Ingestor:
             log.warning(
                 "source %s: block size changed from %d to %d", self.source_name(sidx), st.block_size, bs
             )
+        if st.block_size != bs:
+            self.layout_version += 1
         st.block_size = bs
         if self._core is not None:
             self._core.set_block_size(sidx, bs)  # the C path takes this source's events of this size now

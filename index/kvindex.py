@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -62,9 +62,45 @@ class MatchReport(msgspec.Struct):
     prompt_tokens: int
     block_size: int
     prompt_blocks: int
-    matches: dict[SourceId, SourceMatch]
+    matches: Mapping[SourceId, SourceMatch]
     keys: dict[int, list[int]]
     """Prompt keys per block size (reused by predict())."""
+
+
+class SourcePlan:
+    """How a candidate set's sources are matched (:meth:`KVIndex.plan`): their store indices by
+    block size, the hybrid ones, the unknown ones; valid while no source comes or goes and no
+    source's block size or KV cache groups change (:meth:`KVIndex.plan_valid`)."""
+
+    __slots__ = ("groups", "hybrid", "main_size", "n", "pos_of", "unknown", "version")
+
+    def __init__(self, version: tuple[int, int], n: int, main_size: int) -> None:
+        self.version = version
+        self.n = n
+        self.main_size = main_size
+        self.groups: list[tuple[int, list[int], list[int] | None]] = []
+        """(block size, store indices, their candidate positions; None: every candidate in order)."""
+        self.hybrid: list[tuple[int, int, int]] = []
+        """(candidate position, store index, block size) of hybrid models' sources."""
+        self.unknown: list[int] = []
+        """Positions of candidates the index does not follow."""
+        self.pos_of: dict[int, tuple[int, int]] = {}
+        """Store index -> (candidate position, block size) of the plain sources."""
+
+
+class PlanMatch(msgspec.Struct):
+    """A prompt matched against a :class:`SourcePlan`'s candidates, as lists in candidate order."""
+
+    block_size: int
+    prompt_blocks: int
+    keys: dict[int, list[int]]
+    matched: list[int]
+    media: list[dict[str, int] | None] | None
+    """Per candidate its blocks by medium, where the offs do not say it (None: nowhere)."""
+    offs: list[list[int] | None] | None
+    """Per candidate the index's per-medium counts of its blocks off GPU (None: all on GPU)."""
+    groups: dict[int, SourceMatch]
+    """Hybrid models' matches by candidate position."""
 
 
 class KVIndex:
@@ -182,6 +218,150 @@ class KVIndex:
         if main_size not in keys:
             keys[main_size] = prompt_keys(tokens, main_size, lora_name=lora_name, extra_keys=extra)
         return MatchReport(len(tokens), main_size, len(tokens) // main_size, matches, keys)
+
+    def plan(self, candidates: Sequence[SourceId]) -> SourcePlan:
+        """What :meth:`match_plan` needs of a candidate set, found once (a decision over the same
+        candidates then costs no Python per candidate). O(candidates)."""
+        version = (self.store.generation, self.ingestor.layout_version)  # (read first: a race re-plans)
+        default_size = self.config.block_size or 16
+        index_of = self.store.source_index
+        stats = self.ingestor.stats
+        by_size: dict[int, tuple[list[int], list[int]]] = {}
+        hybrid: list[tuple[int, int, int]] = []
+        unknown: list[int] = []
+        for i, source in enumerate(candidates):
+            sidx = index_of(source)
+            if sidx is None:
+                unknown.append(i)
+                continue
+            st = stats.get(sidx)
+            size = st.block_size if st is not None and st.block_size else default_size
+            plain = by_size.setdefault(size, ([], []))
+            if st is not None and (st.groups or st.groups_bad):
+                hybrid.append((i, sidx, size))
+            else:
+                plain[0].append(sidx)
+                plain[1].append(i)
+        main_size = self.config.block_size or (next(iter(by_size)) if by_size else 16)
+        plan = SourcePlan(version, len(candidates), main_size)
+        plan.hybrid = hybrid
+        plan.unknown = unknown
+        for size, (sidxs, where) in by_size.items():
+            identity = len(sidxs) == len(candidates)
+            plan.groups.append((size, sidxs, None if identity else where))
+            for sidx, i in zip(sidxs, where, strict=True):
+                plan.pos_of[sidx] = (i, size)
+        return plan
+
+    def plan_valid(self, plan: SourcePlan) -> bool:
+        """Whether a plan still says how its candidates are matched."""
+        return plan.version == (self.store.generation, self.ingestor.layout_version)
+
+    def match_plan(
+        self,
+        tokens: Sequence[int],
+        plan: SourcePlan,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> PlanMatch:
+        """:meth:`match` over a :class:`SourcePlan`'s candidates, as lists in candidate order: one
+        compiled lookup per block size, no object per candidate (a dict only for a candidate with
+        predictions, a hybrid model's or one the index does not follow). Same answer as
+        :meth:`match`."""
+        n = plan.n
+        extra: dict[int, Sequence[Any]] | None = {0: [cache_salt]} if cache_salt else None
+        keys: dict[int, list[int]] = {}
+        arrays: dict[int, bytes] = {}
+        matched: list[int] | None = None
+        offs: list[list[int] | None] | None = None
+        media: list[dict[str, int] | None] | None = None
+        lookup = self.store.core.lookup
+        for size, sidxs, where in plan.groups:
+            ks, arr = prompt_keys_both(tokens, size, lora_name=lora_name, extra_keys=extra)
+            keys[size] = ks
+            arrays[size] = arr
+            blocks, off = lookup(arr, sidxs)
+            if where is None:
+                matched, offs = blocks, off
+                continue
+            if matched is None:
+                matched = [0] * n
+            for j, i in enumerate(where):
+                matched[i] = blocks[j]
+            if off is not None:
+                if offs is None:
+                    offs = [None] * n
+                for j, i in enumerate(where):
+                    offs[i] = off[j]
+        if matched is None:
+            matched = [0] * n
+        if plan.unknown:
+            media = [None] * n
+            for i in plan.unknown:
+                media[i] = {}
+        groups: dict[int, SourceMatch] = {}
+        now = time.monotonic()
+        if plan.hybrid:
+            stats = self.ingestor.stats
+            for i, sidx, size in plan.hybrid:
+                if size not in keys:
+                    ks, arr = prompt_keys_both(tokens, size, lora_name=lora_name, extra_keys=extra)
+                    keys[size] = ks
+                    arrays[size] = arr
+                st = stats.get(sidx)
+                hm = (
+                    self._match_groups(sidx, st, size, arrays[size], keys[size], len(tokens), now)
+                    if st
+                    else None
+                )
+                if media is None:
+                    media = [None] * n
+                if hm is None:
+                    matched[i] = 0
+                    media[i] = {}
+                    continue
+                matched[i] = hm.blocks
+                media[i] = hm.by_medium
+                groups[i] = hm
+        predictions = self._predicted
+        if predictions:
+            pos_of = plan.pos_of
+            names = self.store._media_names
+            for sidx, predicted in list(predictions.items()):  # (sources with predictions: recent choices)
+                at = pos_of.get(sidx) if predicted else None
+                if at is None:
+                    continue
+                i, size = at
+                ks = keys[size]
+                b = j = matched[i]
+                while j < len(ks) and predicted.get(ks[j], 0.0) > now:
+                    j += 1
+                if j == b:
+                    continue
+                row = offs[i] if offs is not None else None
+                by = {"GPU": b}
+                if row:
+                    for k, c in enumerate(row):
+                        if c:
+                            by[names[k]] = c
+                            by["GPU"] -= c
+                by[PREDICTED] = j - b
+                if media is None:
+                    media = [None] * n
+                media[i] = by
+                matched[i] = j
+        main = plan.main_size
+        if main not in keys:
+            keys[main] = prompt_keys(tokens, main, lora_name=lora_name, extra_keys=extra)
+        return PlanMatch(main, len(tokens) // main, keys, matched, media, offs, groups)
+
+    def medium_roles(self) -> tuple[tuple[str, ...], bytes]:
+        """The index's medium names by medium index and what the policy credits each as (1 GPU,
+        2 CPU, 3 STORAGE, 0 another): the columns of :meth:`match_plan`'s ``offs``."""
+        names = tuple(self.store._media_names)
+        roles = bytes({"GPU": 1, "CPU": 2, "STORAGE": 3}.get(m, 0) for m in names)
+        return names, roles
 
     def match_counts(
         self,

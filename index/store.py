@@ -110,6 +110,8 @@ class PrefixStore:
         self._families: list[int] = list(range(len(MEDIA)))
         self._sources: list[SourceId | None] = []
         self._index_of: dict[SourceId, int] = {}
+        self.generation = 0
+        """Bumped when a source is registered or unregistered (readers cache source indices)."""
         self._retiring: set[int] = set()
         """Slots detached from their source whose residencies are not dropped yet: not reused, so a
         source that comes back under the same id meanwhile gets a fresh slot, not the old blocks."""
@@ -152,6 +154,7 @@ class PrefixStore:
             self._sources.append(None)
         self._sources[idx] = source
         self._index_of[source] = idx
+        self.generation += 1
         return idx
 
     def remove_source(self, source: SourceId) -> None:
@@ -171,6 +174,7 @@ class PrefixStore:
             return None
         self._sources[idx] = None
         self._retiring.add(idx)
+        self.generation += 1
         return idx
 
     def release(self, idx: int) -> None:

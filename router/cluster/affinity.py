@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from router.cluster.wire import session_id
-from router.decision.policy import CandidateScore, Decision
+from router.decision.record import Decision
 from router.fleet.load import Target
 
 Result = Literal["new", "kept", "steered", "overloaded", "unavailable"]
@@ -96,32 +96,29 @@ class SessionAffinity:
         """Apply the pin of ``session`` to a policy's decision (changing its choice when the pin holds)
         and pin the outcome (unless ``dry_run``); returns what happened."""
         target = self.pinned(session)
-        scores = decision.candidates
         result: Result
         if target is None:
             result = "new"
         else:
-            pinned = next((s for s in scores if (s.backend, s.dp_rank) == target), None)
-            if pinned is None:
+            i = decision.index_of(target)
+            if i is None:
                 result = "unavailable"
-            elif not self._within_bound(pinned, scores):
+            elif not self._within_bound(decision.inflight_of(i), decision.total_inflight(), decision.size):
                 result = "overloaded"
             elif (decision.backend, decision.dp_rank) == target:
                 result = "kept"
             else:
-                for s in scores:
-                    s.chosen = s is pinned
-                decision.backend, decision.dp_rank = target
+                decision.choose_index(i)
                 result = "steered"
         if not dry_run:
             self.results[result] += 1
             self.pin(session, (decision.backend, decision.dp_rank))
         return result
 
-    def _within_bound(self, pinned: CandidateScore, scores: list[CandidateScore]) -> bool:
-        total = sum(s.inflight for s in scores)
-        capacity = math.ceil(self.load_factor * (total + 1) / len(scores))
-        return pinned.inflight + 1 <= capacity
+    def _within_bound(self, pinned: int, total: int, n: int) -> bool:
+        """The pinned target's in-flight requests plus this one fit its share of the load bound."""
+        capacity = math.ceil(self.load_factor * (total + 1) / n)
+        return pinned + 1 <= capacity
 
     def purge(self, limit: int = 10_000) -> None:
         """Drop expired pins from the least recently used end, up to ``limit`` of them (pins share one

@@ -135,6 +135,14 @@ class UnseenPeers:
         self.request_blocks += a * (uncached_blocks - self.request_blocks)
         self._recent.append(now)
 
+    def spread_args(self, policy: Policy, count: float, candidates: int) -> tuple[float, float] | None:
+        """What :meth:`router.decision.policy.Policy.decide` places for ``count`` assumed requests
+        over that many candidates: (count, blocks each), or None for none; counted as assumed."""
+        if count <= 0 or candidates < 2:
+            return None
+        self.assumed_total += count
+        return count, self.request_blocks + policy.config.decode_weight
+
     def spread(self, policy: Policy, candidates: Sequence[Candidate], block_size: int, count: float) -> None:
         """Place ``count`` assumed requests, one at a time, on the least loaded candidates (by the
         policy's load terms, these requests' own included) and set each candidate's

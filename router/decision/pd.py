@@ -37,7 +37,7 @@ from typing import Literal
 import msgspec
 
 from index.kvindex import PREDICTED
-from router.decision.policy import Candidate, CandidateScore, Decision, Policy, PolicyConfig, explain
+from router.decision.policy import Candidate, CandidateScore, Decision, Policy, PolicyConfig
 from router.fleet.load import Target
 from router.pd.config import PDConfig
 
@@ -88,9 +88,7 @@ class PDPlan(msgspec.Struct):
         return self.prefill_backend, self.prefill_dp_rank
 
     def explain(self) -> None:
-        """Fill in the prefill candidates' reasons (when shown, as for the decode candidates)."""
-        if self.prefill_candidates and not any(c.reason for c in self.prefill_candidates):
-            explain(self.prefill_policy, self.prefill_candidates, self.prefill_outcome or "load")
+        """(The prefill candidates carry their reasons from the decision's record already.)"""
 
 
 class PDPlanner:
@@ -176,7 +174,7 @@ class PDPlanner:
             plan.prefill_backend = pre.backend
             plan.prefill_dp_rank = pre.dp_rank
             plan.prefill_outcome = pre.outcome
-            plan.prefill_candidates = pre.candidates
+            plan.prefill_candidates = pre.scored.scores(pre.outcome) if pre.scored else pre.candidates
             plan.prefill_matched_blocks = best.matched_blocks
             plan.prefill_uncached_tokens = max(prompt_tokens - best.matched_blocks * block_size, 0)
         return decision, plan

@@ -21,18 +21,23 @@ cannot see yet but expects: the decisions other router replicas are making at th
 (router/cluster/unseen.py); 0 for a router alone.
 
 The module is pure (no I/O): the router, the simulated fleet and the offline trace simulator all use
-the same code. Defaults and the measurements behind them are in the README.
+the same code. The arithmetic and the choice run in one compiled pass (router/decision/_kernel.c,
+no Python object per candidate), which :meth:`Policy.decide` feeds from compact per-candidate
+lists; :meth:`Policy.choose` takes :class:`Candidate` objects for callers that have them. The same
+rules written in plain Python live in the tests only (tests/policy_reference.py), which compare the
+two over random fleets. Defaults and the measurements behind them are in the README.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
 
+from router.decision import _kernel
+from router.decision.record import CandidateScore, Decision, Inputs, Scored
 from router.fleet.load import TargetLoad
 
 PolicyName = Literal["kv", "round_robin", "least_loaded", "random"]
@@ -79,34 +84,7 @@ class Candidate(msgspec.Struct):
     """Load assumed on top of ``load``, in the policy's load-term units (router/cluster/unseen.py)."""
 
 
-class CandidateScore(msgspec.Struct):
-    """A candidate's terms and verdict, as shown by ``/route``."""
-
-    backend: str
-    dp_rank: int
-    matched_blocks: int
-    blocks_by_medium: dict[str, int]
-    credit_blocks: float
-    prefill_blocks: float
-    queued_blocks: float
-    inflight: int
-    engine_waiting: float
-    score: float
-    """The cost; lower is better."""
-    chosen: bool = False
-    reason: str = ""
-    assumed_blocks: float = 0.0
-    """Load assumed from other replicas' concurrent decisions (0 for a router alone)."""
-
-
-class Decision(msgspec.Struct):
-    """The chosen target, how it was chosen (outcome) and every candidate's score."""
-
-    backend: str
-    dp_rank: int
-    outcome: Literal["prefix", "load", "fallback"]
-    """prefix: a cached prefix decided it; load: load alone did; fallback: no prompt keys (load only)."""
-    candidates: list[CandidateScore]
+_KINDS: dict[str, int] = {"kv": 0, "round_robin": 1, "least_loaded": 2, "random": 3}
 
 
 class Policy:
@@ -116,6 +94,8 @@ class Policy:
         self.config = config or PolicyConfig()
         self.rng = rng or random.Random()
         self._turn = 0
+        self._params_for: PolicyConfig | None = None
+        self._params: tuple[float | int, ...] = ()
 
     def _next_turn(self) -> int:
         turn = self._turn
@@ -132,6 +112,69 @@ class Policy:
             + c.assumed_blocks
         )
 
+    def decide(
+        self,
+        inputs: Inputs,
+        prompt_blocks: int,
+        block_size: int,
+        matched: list[int],
+        loads: list[TargetLoad],
+        *,
+        media: list[dict[str, int] | None] | None = None,
+        offs: list[list[int] | None] | None = None,
+        have_prompt: bool = True,
+        dry_run: bool = False,
+        assumed: list[float] | None = None,
+        spread: tuple[float, float] | None = None,
+    ) -> Decision:
+        """THE decision over ``inputs``' candidates (one compiled pass: see the module docstring):
+        ``matched[i]`` blocks of the prompt cached on candidate i, by medium in ``media[i]`` (a
+        dict) or ``offs[i]`` (the index's per-medium counts off GPU, named by
+        ``inputs.medium_names``), else all on GPU; ``loads[i]`` its load record; ``assumed[i]``
+        load assumed on it; ``spread``: (count, blocks each) of other replicas' unseen decisions
+        to place on the least loaded first."""
+        if not matched:
+            raise ValueError("no candidates")
+        cfg = self.config
+        if self._params_for is not cfg:
+            self._params_for = cfg
+            self._params = (
+                _KINDS[cfg.name],
+                cfg.gpu_credit,
+                cfg.cpu_credit,
+                cfg.storage_credit,
+                cfg.predicted_credit,
+                cfg.min_match_blocks,
+                cfg.min_match_ratio,
+                cfg.load_weight,
+                cfg.decode_weight,
+                cfg.waiting_weight,
+                cfg.temperature,
+            )
+        order: list[int] | None = None
+        turn = 0
+        if cfg.name == "round_robin":
+            order = inputs.order()
+            turn = self._turn if dry_run else self._next_turn()
+        record, best, prefix, inflight = _kernel.score(
+            (prompt_blocks, block_size, *self._params),
+            matched,
+            media,
+            offs,
+            inputs.roles,
+            loads,
+            assumed,
+            spread,
+            self.rng,
+            order,
+            turn,
+        )
+        outcome: Literal["prefix", "load", "fallback"]
+        outcome = "fallback" if not have_prompt else "prefix" if prefix else "load"
+        scored = Scored(inputs, record, best, inflight, cfg.name, media, offs)
+        backend, rank = inputs.targets[best]
+        return Decision(backend, rank, outcome, scored=scored)
+
     def choose(
         self,
         prompt_blocks: int,
@@ -140,137 +183,24 @@ class Policy:
         have_prompt: bool = True,
         dry_run: bool = False,
     ) -> Decision:
-        """Pick a target among ``candidates`` (non-empty) for a prompt of ``prompt_blocks`` blocks."""
+        """Pick a target among ``candidates`` (non-empty) for a prompt of ``prompt_blocks`` blocks:
+        :meth:`decide` over :class:`Candidate` objects (each one's ``blocks_by_medium`` is the
+        scores' too: shared, not copied)."""
         if not candidates:
             raise ValueError("no candidates")
-        cfg = self.config
-        scores: list[CandidateScore] = []
-        append = scores.append
-        kv = cfg.name == "kv"
-        bs = max(block_size, 1)
-        load_weight, decode_weight, waiting_weight = cfg.load_weight, cfg.decode_weight, cfg.waiting_weight
-        # the credit: prefill blocks a candidate's cached prefix saves, 0 below the minimum-match
-        # thresholds (taken once: a /route over 64 candidates runs this loop 64 times)
-        min_blocks = max(cfg.min_match_blocks, 1)
-        min_ratio = cfg.min_match_ratio * prompt_blocks if prompt_blocks else 0.0
-        gpu, cpu, storage, predicted = (
-            cfg.gpu_credit,
-            cfg.cpu_credit,
-            cfg.storage_credit,
-            cfg.predicted_credit,
+        inputs = Inputs([(c.backend, c.dp_rank) for c in candidates])
+        assumed = [c.assumed_blocks for c in candidates]
+        return self.decide(
+            inputs,
+            prompt_blocks,
+            block_size,
+            [c.matched_blocks for c in candidates],
+            [c.load for c in candidates],
+            media=[c.blocks_by_medium for c in candidates],
+            have_prompt=have_prompt,
+            dry_run=dry_run,
+            assumed=assumed if any(assumed) else None,
         )
-        for c in candidates:
-            load = c.load
-            matched = c.matched_blocks
-            by = c.blocks_by_medium
-            credit = 0.0
-            if kv and matched >= min_blocks and matched >= min_ratio:
-                credit = (
-                    gpu * by.get("GPU", 0)
-                    + cpu * by.get("CPU", 0)
-                    + storage * by.get("STORAGE", 0)
-                    + predicted * by.get("PREDICTED", 0)
-                )
-            prefill = prompt_blocks - credit if prompt_blocks > credit else 0.0
-            pending = load.pending_prefill_tokens
-            queued = pending / bs if pending else 0.0
-            if credit:
-                # predicted blocks are prefill of this very prefix already queued there: waiting for
-                # them is not extra work, it is this request's own prefix being computed
-                queued = max(queued - by.get("PREDICTED", 0), 0.0)
-            active = load.active
-            waiting = load.engine_waiting
-            assumed = c.assumed_blocks
-            cost = prefill + load_weight * (
-                queued + decode_weight * active + waiting_weight * waiting + assumed
-            )
-            append(
-                CandidateScore(
-                    c.backend,
-                    c.dp_rank,
-                    matched,
-                    by,  # shared, not copied: neither side changes it
-                    credit,  # (terms rounded when shown, by explain(); the cost now: ties compare it)
-                    prefill,
-                    queued,
-                    active,
-                    waiting,
-                    round(cost, 3) if cost % 1 else cost,
-                    False,
-                    "",
-                    assumed,
-                )
-            )
-        chosen = self._pick(scores, candidates, dry_run)
-        best = scores[chosen]
-        best.chosen = True
-        min_credit = min(s.credit_blocks for s in scores)
-        outcome: Literal["prefix", "load", "fallback"]
-        if not have_prompt:
-            outcome = "fallback"
-        elif cfg.name == "kv" and best.credit_blocks > 0 and best.credit_blocks > min_credit:
-            outcome = "prefix"
-        else:
-            outcome = "load"
-        return Decision(best.backend, best.dp_rank, outcome, scores)
-
-    def _pick(
-        self, scores: list[CandidateScore], candidates: Sequence[Candidate], dry_run: bool = False
-    ) -> int:
-        cfg = self.config
-        n = len(scores)
-        if cfg.name == "round_robin":
-            order = sorted(range(n), key=lambda i: (scores[i].backend, scores[i].dp_rank))
-            turn = self._turn if dry_run else self._next_turn()
-            return order[turn % n]
-        if cfg.name == "random":
-            return self.rng.randrange(n)
-        if cfg.name == "least_loaded":
-            keys = [(c.load.active, c.load.pending_prefill_tokens) for c in candidates]
-            low = min(keys)
-            return self.rng.choice([i for i in range(n) if keys[i] == low])
-        costs = [s.score for s in scores]
-        lo, hi = min(costs), max(costs)
-        if cfg.temperature > 0 and hi > lo:
-            weights = [math.exp(-(c - lo) / ((hi - lo) * cfg.temperature)) for c in costs]
-            return self.rng.choices(range(n), weights=weights)[0]
-        return self.rng.choice([i for i in range(n) if costs[i] == lo])
 
 
-def explain(policy: str, scores: list[CandidateScore], outcome: str) -> None:
-    """Fill in each candidate's ``reason`` (why it won or lost). Called when a decision is shown
-    (``/route``, the dashboard), not when it is made: the proxy never reads the reasons."""
-    best = next((s for s in scores if s.chosen), None)
-    if best is None:
-        return
-    for s in scores:  # (whole numbers, most terms, skip round(): a /route may show 64 candidates)
-        if s.credit_blocks % 1:
-            s.credit_blocks = round(s.credit_blocks, 3)
-        if s.prefill_blocks % 1:
-            s.prefill_blocks = round(s.prefill_blocks, 3)
-        if s.queued_blocks % 1:
-            s.queued_blocks = round(s.queued_blocks, 3)
-        if s.assumed_blocks % 1:
-            s.assumed_blocks = round(s.assumed_blocks, 3)
-    for s in scores:
-        if policy != "kv":
-            s.reason = f"{policy}: chosen" if s.chosen else f"{policy}: not chosen"
-            continue
-        if s.chosen:
-            if outcome == "prefix":
-                s.reason = f"lowest cost; cached prefix saves {s.credit_blocks:g} of the prompt's blocks"
-            else:
-                s.reason = "lowest cost; placed by load"
-            continue
-        if s.matched_blocks and s.credit_blocks == 0:
-            why = f"its {s.matched_blocks}-block match is below the minimum-match threshold"
-        elif s.credit_blocks >= best.credit_blocks and s.score > best.score:
-            why = (
-                f"more cached ({s.credit_blocks:g} blocks) but busier "
-                f"(queued {s.queued_blocks:g} blocks, {s.inflight} in flight)"
-            )
-        elif s.score == best.score:
-            why = "tied on cost; lost the random tie-break"
-        else:
-            why = f"cost {s.score:g} vs {best.score:g}"
-        s.reason = why
+__all__ = ["POLICIES", "Candidate", "CandidateScore", "Decision", "Policy", "PolicyConfig", "PolicyName"]

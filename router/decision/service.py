@@ -10,20 +10,20 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from index.keys import TokenBuffer
-from index.kvindex import KVIndex, MatchReport
+from index.kvindex import KVIndex, MatchReport, PlanMatch, SourcePlan
 from index.store import GroupMatch, SourceMatch
-from router.decision._explain import explain_kv
 from router.decision.pd import PDPlan, PDPlanner
-from router.decision.policy import Candidate, CandidateScore, Decision, Policy, PolicyConfig, explain
+from router.decision.policy import Candidate, Policy
+from router.decision.record import TOP_K, CandidateScore, Decision, Inputs, Scored
 from router.decision.tokenizer import PrefixTokens, RequestTokenizer, TokenizerError, TokenizerUnavailable
 from router.fleet.breaker import Breakers
-from router.fleet.load import LoadTracker
+from router.fleet.load import LoadTracker, TargetLoad
 from router.fleet.membership import Member, Membership
 from router.http.body import LARGE_BODY_BYTES, release
 from router.http.errors import ApiError, bad_request, json_body, not_found_model, unavailable
@@ -76,68 +76,254 @@ class RouteView(msgspec.Struct):
     allows of the prefix and which groups limited the match."""
 
 
-_SHOWN = len(RouteView.__struct_fields__)
+class KeptRoute(RouteView):
+    """A decision as the dashboard's recent decisions keep it: the chosen candidate and the lowest
+    scores (:data:`router.decision.record.TOP_K`), and how many there were."""
 
-
-class Route(RouteView):
-    """A decision with everything ``/route`` shows and the proxy needs (the shown fields first)."""
-
-    report: MatchReport | None = None
-    members: dict[str, Member] = {}
-    """The candidates' members as they were when decided (the proxy sends to these, even if the
-    membership changed meanwhile: a request decided before a drain still goes where it was sent)."""
+    candidates_total: int = 0
 
     def explain(self) -> dict[str, Any]:
-        """The JSON body of ``/route`` (and of the dashboard's recent decisions), as builtins."""
-        out: dict[str, Any] = msgspec.to_builtins(self._view())
+        """The decision as builtins (the dashboard's JSON)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+class Route:
+    """A decision with everything ``/route`` shows and the proxy needs; the candidates' scores are
+    the decision's compact record (router/decision/record.py), made into objects or JSON only when
+    shown."""
+
+    __slots__ = (
+        "_candidates",
+        "affinity",
+        "backend",
+        "block_size",
+        "decision",
+        "dp_rank",
+        "endpoint",
+        "kv_groups",
+        "matched_blocks",
+        "members",
+        "model",
+        "outcome",
+        "pd",
+        "policy",
+        "prompt_blocks",
+        "prompt_tokens",
+        "report",
+        "time",
+        "timings_us",
+        "tokenize_error",
+    )
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        endpoint: Endpoint,
+        backend: str,
+        dp_rank: int,
+        outcome: str,
+        prompt_tokens: int,
+        prompt_blocks: int,
+        block_size: int,
+        matched_blocks: int,
+        decision: Decision,
+        tokenize_error: str | None = None,
+        timings_us: dict[str, float] | None = None,
+        time: float = 0.0,
+        policy: str = "kv",
+        affinity: str = "",
+        pd: PDPlan | None = None,
+        kv_groups: list[TargetGroups] | None = None,
+        report: MatchReport | None = None,
+        members: dict[str, Member] | None = None,
+    ) -> None:
+        self.model = model
+        self.endpoint: Endpoint = endpoint
+        self.backend = backend
+        self.dp_rank = dp_rank
+        self.outcome = outcome
+        self.prompt_tokens = prompt_tokens
+        self.prompt_blocks = prompt_blocks
+        self.block_size = block_size
+        self.matched_blocks = matched_blocks
+        self.decision = decision
+        """The policy's decision (its record of every candidate's score)."""
+        self.tokenize_error = tokenize_error
+        self.timings_us = timings_us or {}
+        self.time = time
+        self.policy = policy
+        self.affinity = affinity
+        self.pd = pd
+        self.kv_groups = kv_groups
+        self.report = report
+        """The match (its prompt keys, for predictions); the proxy drops it once sent."""
+        self.members = members or {}
+        """The candidates' members as they were when decided (the proxy sends to these, even if the
+        membership changed meanwhile: a request decided before a drain still goes where it was sent)."""
+        self._candidates: list[CandidateScore] | None = None
+
+    @property
+    def candidates(self) -> list[CandidateScore]:
+        """Every candidate's score as objects (made from the record at the first use; the reasons
+        worded for this route's outcome)."""
+        if self._candidates is None:
+            scored = self.decision.scored
+            self._candidates = scored.scores(self.outcome) if scored is not None else self.decision.candidates
+        return self._candidates
+
+    def _view(self, candidates: list[CandidateScore]) -> RouteView:
+        return RouteView(
+            self.model,
+            self.endpoint,
+            self.backend,
+            self.dp_rank,
+            self.outcome,
+            self.prompt_tokens,
+            self.prompt_blocks,
+            self.block_size,
+            self.matched_blocks,
+            candidates,
+            self.tokenize_error,
+            {k: round(v, 1) for k, v in self.timings_us.items()},
+            self.time,
+            self.policy,
+            self.affinity,
+            self.pd,
+            self.kv_groups,
+        )
+
+    def explain(self) -> dict[str, Any]:
+        """The JSON body of ``/route``, as builtins."""
+        out: dict[str, Any] = msgspec.to_builtins(self._view(self.candidates))
         return out
 
     def explain_json(self) -> bytes:
-        """:meth:`explain` encoded, without building the dicts (``/route`` over many candidates)."""
-        return msgspec.json.encode(self._view())
+        """:meth:`explain` encoded: the candidates written from the record by the kernel's writer
+        (``/route`` over many candidates builds no object per candidate), the rest by msgspec."""
+        scored = self.decision.scored
+        if scored is None or self._candidates is not None:
+            return msgspec.json.encode(self._view(self.candidates))
+        rest = msgspec.json.encode(self._view([]))
+        # (the first '"candidates":[]' is the field: in the strings before it, encoded as JSON,
+        # every quote follows a backslash)
+        return rest.replace(b'"candidates":[]', b'"candidates":' + scored.render(self.outcome), 1)
 
-    def _view(self) -> RouteView:
-        """What is shown: everything but the match report and the members; the candidates'
-        reasons are written here, the first time the decision is shown."""
-        if self.candidates and not any(c.reason for c in self.candidates):
-            explain(self.policy, self.candidates, self.outcome)
-        if self.pd is not None:
-            self.pd.explain()
-        if self.report is not None and self.kv_groups is None:
-            self.kv_groups = _kv_groups(self.report) or None
-        view = RouteView(*msgspec.structs.astuple(self)[:_SHOWN])
-        view.timings_us = {k: round(v, 1) for k, v in self.timings_us.items()}  # off the hot path
-        return view
+    def kept(self) -> KeptRoute:
+        """What the recent decisions keep of this one: bounded in objects whatever the fleet's width."""
+        scored = self.decision.scored
+        if scored is not None:
+            total = scored.size
+            candidates = scored.top().scores(self.outcome)
+        else:
+            total = len(self.candidates)
+            candidates = sorted(self.candidates, key=lambda c: (not c.chosen, c.score))[:TOP_K]
+        view = self._view(candidates)
+        fields = {f: getattr(view, f) for f in view.__struct_fields__}
+        return KeptRoute(**fields, candidates_total=total)
+
+    def media_of(self, target: tuple[str, int]) -> dict[str, int]:
+        """A candidate's matched blocks by medium ({} for one that was not a candidate)."""
+        scored = self.decision.scored
+        if scored is not None:
+            i = scored.inputs.index_of(target)
+            return scored.by_medium(i) if i is not None else {}
+        return next((c.blocks_by_medium for c in self.candidates if (c.backend, c.dp_rank) == target), {})
+
+    def chosen_media(self) -> dict[str, int]:
+        """The chosen candidate's matched blocks by medium."""
+        return self.media_of((self.backend, self.dp_rank))
+
+    def matched_of(self, target: tuple[str, int]) -> int | None:
+        """A candidate's matched blocks (None: not a candidate)."""
+        scored = self.decision.scored
+        if scored is not None:
+            i = scored.inputs.index_of(target)
+            return scored.matched(i) if i is not None else None
+        return next((c.matched_blocks for c in self.candidates if (c.backend, c.dp_rank) == target), None)
 
     def ranked(self) -> list[tuple[str, int]]:
         """Targets from best to worst score, the chosen one first (for failover)."""
-        rest = sorted((c for c in self.candidates if not c.chosen), key=lambda c: c.score)
-        return [(self.backend, self.dp_rank)] + [(c.backend, c.dp_rank) for c in rest]
+        scored = self.decision.scored
+        first = (self.backend, self.dp_rank)
+        if scored is not None:
+            col = scored.scores_column()
+            targets = scored.inputs.targets
+            rest = sorted((i for i in range(scored.size) if targets[i] != first), key=col.__getitem__)
+            return [first] + [targets[i] for i in rest]
+        others = sorted((c for c in self.candidates if not c.chosen), key=lambda c: c.score)
+        return [first] + [(c.backend, c.dp_rank) for c in others]
 
 
-def _kv_groups(report: MatchReport) -> list[TargetGroups]:
+class _Matches(Mapping[tuple[str, int], SourceMatch]):
+    """A match's per-candidate results as :class:`MatchReport` holds them, made on access (the
+    predictions after a decision ask for one or two)."""
+
+    def __init__(self, inputs: Inputs, found: PlanMatch) -> None:
+        self.inputs = inputs
+        self.found = found
+
+    def __getitem__(self, target: tuple[str, int]) -> SourceMatch:
+        i = self.inputs.index_of(target)
+        if i is None:
+            raise KeyError(target)
+        found = self.found
+        group = found.groups.get(i)
+        if group is not None:
+            return group
+        by = found.media[i] if found.media is not None else None
+        if by == {}:
+            raise KeyError(target)  # (a candidate the index does not follow: no match entry)
+        if by is None:
+            by = Scored(self.inputs, b"", 0, 0, "kv", None, found.offs).offs_medium(found.matched[i], i)
+        return SourceMatch(target, found.matched[i], by)
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter([t for t in self.inputs.targets if t in self])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, target: object) -> bool:
+        try:
+            self[target]  # type: ignore[index]
+        except KeyError:
+            return False
+        return True
+
+
+def _kv_groups(inputs: Inputs, found: PlanMatch) -> list[TargetGroups]:
     out = []
-    for (backend, rank), m in report.matches.items():
+    for i, m in found.groups.items():
         if m.groups:
             least = min(g.blocks for g in m.groups)
             limited = [g.group for g in m.groups if g.blocks == least]
+            backend, rank = inputs.targets[i]
             out.append(TargetGroups(backend, rank, m.blocks, m.groups, limited))
     return out
 
 
-def kernel_weights(cfg: PolicyConfig) -> tuple[float | int, ...]:
-    """The policy's weights in the order router/decision/_explain.c reads them."""
-    return (
-        cfg.gpu_credit,
-        cfg.cpu_credit,
-        cfg.storage_credit,
-        cfg.predicted_credit,
-        cfg.min_match_blocks,
-        cfg.min_match_ratio,
-        cfg.load_weight,
-        cfg.decode_weight,
-        cfg.waiting_weight,
-    )
+class _Plan:
+    """One candidate set as every decision over it needs it, built once (O(candidates)) and kept
+    while the candidates, the index's sources and the load records stay the same."""
+
+    __slots__ = ("backends", "inputs", "key", "loads", "members", "sources")
+
+    def __init__(
+        self,
+        key: tuple[Any, ...],
+        backends: list[Member],
+        inputs: Inputs,
+        sources: SourcePlan,
+        loads: list[TargetLoad],
+    ) -> None:
+        self.key = key
+        self.backends = backends
+        self.inputs = inputs
+        self.sources = sources
+        self.loads = loads
+        self.members = {b.name: b for b in backends}
 
 
 def validate_body(endpoint: Endpoint, body: Any) -> str:
@@ -212,16 +398,15 @@ class RouterService:
         self.loads = loads
         self.policy = policy
         self.tokenizer = tokenizer
-        self.recent: collections.deque[Route] = collections.deque(maxlen=recent)
+        self.recent: collections.deque[KeptRoute] = collections.deque(maxlen=recent)
+        """The last decisions (not dry runs), each kept with its chosen candidate and the lowest
+        scores only (:meth:`Route.kept`): bounded in objects whatever the fleet's width."""
         self.affinity: SessionAffinity | None = None
         """Session pins (``[cluster] session_header``), applied after the policy (router/cluster)."""
         self.unseen: UnseenPeers | None = None
         """Other replicas' concurrent decisions, assumed as load (router/cluster/unseen.py)."""
-        self._view: tuple[int, list[Member], list[tuple[str, int]], list[bytes], list[int]] | None = None
-        """:meth:`explain_json_now`'s targets, their names in JSON and their ranks, for the candidates
-        it last saw (membership version, members): the same list of members while nothing changes."""
-        self._params_for: PolicyConfig | None = None
-        self._params: tuple[float | int, ...] = ()
+        self._plan_cache: _Plan | None = None
+        """The last candidate set's plan (:meth:`_plan`)."""
 
     async def read_json(self, raw: bytes, parse: Callable[[bytes], Any] = json_body) -> Any:
         """``parse(raw)`` (the body decoded, or a 400): on the event loop up to
@@ -321,18 +506,6 @@ class RouterService:
         needed: a completions prompt already in token ids (``TokenBuffer``). None otherwise (the
         caller then awaits :meth:`decide`). The server answers such a ``/route`` in the callback
         that read it, without a task (~50 us less per lookup); the answer is the same."""
-        front = self._token_prompt(endpoint, body)
-        if front is None:
-            return None
-        t0, model, backends, tokens = front
-        return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session, backends)
-
-    def _token_prompt(
-        self, endpoint: Endpoint, body: dict[str, Any]
-    ) -> tuple[float, str, list[Member], Sequence[int]] | None:
-        """What both token-id paths (:meth:`explain_now`, :meth:`explain_json_now`) take first, with
-        the same checks in the same order: (start, model, candidates, tokens), or None when the
-        prompt is not token ids."""
         t0 = time.perf_counter()
         model = validate_body(endpoint, body)
         backends = self.candidates_for(model)  # 404 / 503 before tokenizing; no await follows
@@ -340,91 +513,16 @@ class RouterService:
             tokens = self.tokenizer.tokenize_now(endpoint, body, model)
         except TokenizerError as exc:
             raise bad_request(str(exc)) from None
-        return None if tokens is None else (t0, model, backends, tokens)
+        if tokens is None:
+            return None
+        return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session, backends)
 
     def explain_json_now(
         self, endpoint: Endpoint, body: dict[str, Any], *, session: int | None = None
     ) -> bytes | None:
-        """:meth:`explain_now`'s answer as ``/route`` writes it, scored and written by compiled code
-        (router/decision/_explain.c) when the decision is the plain kv policy's: no load assumed
-        from other replicas' concurrent decisions (``cluster.assume_concurrent_decisions``), no
-        session pin, no P/D pools, temperature 0, no debug log of every route. None otherwise,
-        and for any body :meth:`explain_now` would not answer now: the caller then takes that
-        (Python) path. The answer is the same bytes (tests/test_explain_kernel.py); building the
-        candidates' Python objects cost most of a lookup in the running service (BENCHMARKS.md,
-        issue 11)."""
-        policy = self.policy
-        cfg = policy.config
-        if (
-            cfg.name != "kv"
-            or cfg.temperature > 0
-            or self.unseen is not None
-            or (session is not None and self.affinity is not None)
-            or log.isEnabledFor(logging.DEBUG)
-        ):
-            return None
-        front = self._token_prompt(endpoint, body)
-        if front is None:
-            return None
-        t0, model, backends, tokens = front
-        if self._disaggregated(model):
-            return None
-        t1 = time.perf_counter()
-        view = self._view
-        version = self.membership.version
-        if (
-            view is None
-            or view[0] != version
-            or len(view[1]) != len(backends)
-            or any(a is not b for a, b in zip(view[1], backends, strict=True))
-        ):
-            targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
-            view = self._view = (
-                version,
-                backends,
-                targets,
-                [msgspec.json.encode(t[0]) for t in targets],
-                [t[1] for t in targets],
-            )
-        _, _, targets, tnames, ranks = view
-        cache_salt = body.get("cache_salt")
-        lora_name = self.membership.lora_name(model)
-        try:
-            counts = self.index.match_counts(tokens, targets, lora_name=lora_name, cache_salt=cache_salt)
-            if counts is None:  # predictions, several block sizes: the report's path
-                report = self.index.match(tokens, targets, lora_name=lora_name, cache_salt=cache_salt)
-                block_size = report.block_size
-                matched = [(m.blocks if (m := report.matches.get(t)) else 0) for t in targets]
-                media: list[dict[str, int] | None] = [
-                    (m.by_medium if (m := report.matches.get(t)) else {}) for t in targets
-                ]
-            else:
-                block_size, matched, media = counts
-        except ValueError as exc:
-            raise bad_request(f"invalid prompt token ids: {exc}") from None
-        t2 = time.perf_counter()
-        get_load = self.loads.get
-        loads = [get_load(t) for t in targets]
-        if self._params_for is not cfg:
-            self._params_for = cfg
-            self._params = kernel_weights(cfg)
-        head = b'{"model":%s,"endpoint":"%s",' % (msgspec.json.encode(model), endpoint.encode())
-        answer: bytes = explain_kv(
-            head,
-            tnames,
-            ranks,
-            matched,
-            media,
-            loads,
-            (len(tokens), len(tokens) // block_size, block_size, *self._params),
-            policy.rng,
-            msgspec.json.encode,
-            time.perf_counter,
-            t0,
-            t1,
-            t2,
-        )
-        return answer
+        """:meth:`explain_now`'s answer as ``/route`` writes it (None when that is None)."""
+        route = self.explain_now(endpoint, body, session=session)
+        return route.explain_json() if route is not None else None
 
     def _servable_model(self, endpoint: Endpoint, body: dict[str, Any]) -> str:
         """The body's model, validated; 404 / 503 when no backend may take it, before any tokenizing
@@ -435,6 +533,28 @@ class RouterService:
         if not self.membership.can_serve(model):
             self.candidates_for(model)  # raises
         return model
+
+    def _plan(self, backends: list[Member]) -> _Plan:
+        """The candidate set's plan, kept while nothing it depends on changed (the candidate
+        list is the membership's own object until a change: its identity is the key)."""
+        index = self.index
+        key = (id(backends), self.loads.generation, len(index.store._media_names))
+        plan = self._plan_cache
+        if (
+            plan is not None
+            and plan.key == key
+            and plan.backends is backends
+            and index.plan_valid(plan.sources)
+        ):
+            return plan
+        targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
+        names, roles = index.medium_roles()
+        record = self.loads.record
+        plan = _Plan(
+            key, backends, Inputs(targets, names, roles), index.plan(targets), [record(t) for t in targets]
+        )
+        self._plan_cache = plan
+        return plan
 
     def _choose(
         self,
@@ -449,66 +569,96 @@ class RouterService:
         session: int | None,
         backends: list[Member] | None = None,
     ) -> Route:
-        """Match and choose, from the prompt's tokens on (nothing here yields to the event loop);
-        ``backends``: the candidates, when the caller took them with no await since."""
+        """THE decision, from the prompt's tokens on (nothing here yields to the event loop): match,
+        score and choose (router/decision/policy.py ``Policy.decide``, one compiled pass), the P/D
+        pools, the session pin, predict-on-route; ``backends``: the candidates, when the caller took
+        them with no await since."""
         unseen = self.unseen
+        policy = self.policy
         t1 = time.perf_counter()
         if backends is None:
             backends = self.candidates_for(model)
-        targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
-        report: MatchReport | None = None
+        plan = self._plan(backends)
+        inputs = plan.inputs
+        found: PlanMatch | None = None
         if tokens is not None:
             try:
-                report = self.index.match(
+                found = self.index.match_plan(
                     tokens,
-                    targets,
+                    plan.sources,
                     lora_name=self.membership.lora_name(model),
                     cache_salt=body.get("cache_salt"),
                 )
             except ValueError as exc:
                 raise bad_request(f"invalid prompt token ids: {exc}") from None
         t2 = time.perf_counter()
-        matches = report.matches if report is not None else {}
-        block_size = report.block_size if report is not None else (self.index.config.block_size or 16)
-        prompt_blocks = report.prompt_blocks if report is not None else 0
-        cands = []
-        get_load = self.loads.get
-        for target in targets:
-            m = matches.get(target)
-            # the report's per-medium dicts are built for this request and never changed: shared
-            if m is None:
-                cands.append(Candidate(target[0], target[1], 0, {}, get_load(target)))
-            else:
-                cands.append(Candidate(target[0], target[1], m.blocks, m.by_medium, get_load(target)))
-        # --- P/D hook (router/decision/pd.py): two pools when prefill-role engines take this model
-        pools = self._pools(model, backends, cands) if self.pd is not None else None
-        plan: PDPlan | None = None
-        if pools is None:
-            if unseen is not None and self.policy.config.name == "kv":
-                unseen.spread(self.policy, cands, block_size, unseen.assumed())
-            decision: Decision = self.policy.choose(
-                prompt_blocks, block_size, cands, have_prompt=tokens is not None, dry_run=dry_run
-            )
-            if unseen is not None and not dry_run:
-                unseen.decided(next(c.prefill_blocks for c in decision.candidates if c.chosen))
+        n = len(inputs.targets)
+        if found is not None:
+            block_size, prompt_blocks = found.block_size, found.prompt_blocks
+            matched, media, offs = found.matched, found.media, found.offs
         else:
-            assert self.pd is not None
-            decision, plan = self.pd.choose(
-                self.policy,
+            block_size, prompt_blocks = self.index.config.block_size or 16, 0
+            matched, media, offs = [0] * n, None, None
+        loads = plan.loads if not self.loads.peers else [self.loads.get(t) for t in inputs.targets]
+        # --- P/D hook (router/decision/pd.py): two pools when prefill-role engines take this model
+        plan_pd: PDPlan | None = None
+        if self.pd is not None and self._disaggregated(model):
+            scored = Scored(inputs, b"", 0, 0, policy.config.name, media, offs)  # (its by_medium only)
+            cands = [
+                Candidate(
+                    t[0],
+                    t[1],
+                    matched[i],
+                    by
+                    if media is not None and (by := media[i]) is not None
+                    else scored.offs_medium(matched[i], i),
+                    loads[i],
+                )
+                for i, t in enumerate(inputs.targets)
+            ]
+            roles = {b.name: b.spec.role for b in backends}
+            decision, plan_pd = self.pd.choose(
+                policy,
                 len(tokens) if tokens is not None else 0,
                 prompt_blocks,
                 block_size,
-                pools[0],
-                pools[1],
+                [c for c in cands if roles[c.backend] == "prefill"],
+                [c for c in cands if roles[c.backend] != "prefill"],
                 have_prompt=tokens is not None,
                 dry_run=dry_run,
             )
+        else:
+            spread: tuple[float, float] | None = None
+            if unseen is not None and policy.config.name == "kv":
+                spread = unseen.spread_args(policy, unseen.assumed(), n)
+            decision = policy.decide(
+                inputs,
+                prompt_blocks,
+                block_size,
+                matched,
+                loads,
+                media=media,
+                offs=offs,
+                have_prompt=tokens is not None,
+                dry_run=dry_run,
+                spread=spread,
+            )
+            if unseen is not None and not dry_run and decision.scored is not None:
+                unseen.decided(decision.scored.prefill_of(decision.scored.best))
         # --- end P/D hook
         affinity = ""  # --- session affinity (router/cluster); P/D decisions keep their own pools
-        if session is not None and self.affinity is not None and plan is None:
+        if session is not None and self.affinity is not None and plan_pd is None:
             affinity = self.affinity.steer(session, decision, dry_run=dry_run)
         t3 = time.perf_counter()
-        chosen: SourceMatch | None = matches.get((decision.backend, decision.dp_rank))
+        chosen = inputs.index_of((decision.backend, decision.dp_rank))
+        report: MatchReport | None = None
+        kv_groups: list[TargetGroups] | None = None
+        if found is not None:
+            report = MatchReport(
+                len(tokens or ()), block_size, prompt_blocks, _Matches(inputs, found), found.keys
+            )
+            if found.groups:
+                kv_groups = _kv_groups(inputs, found) or None
         route = Route(
             model=model,
             endpoint=endpoint,
@@ -518,8 +668,8 @@ class RouterService:
             prompt_tokens=len(tokens) if tokens is not None else 0,
             prompt_blocks=prompt_blocks,
             block_size=block_size,
-            matched_blocks=chosen.blocks if chosen else 0,
-            candidates=decision.candidates,
+            matched_blocks=matched[chosen] if chosen is not None and found is not None else 0,
+            decision=decision,
             tokenize_error=tok_error,
             timings_us={
                 "tokenize": (t1 - t0) * 1e6,
@@ -530,33 +680,21 @@ class RouterService:
             },
             time=time.time(),
             report=report,
-            policy=self.policy.config.name,
-            members={b.name: b for b in backends},
+            policy=policy.config.name,
+            members=plan.members,
             affinity=affinity,
-            pd=plan,
+            pd=plan_pd,
+            kv_groups=kv_groups,
         )
         if not dry_run:
             if report is not None:
                 self.index.predict((decision.backend, decision.dp_rank), report)
-                if plan is not None and plan.prefill_target is not None:  # P/D: both legs' engines
-                    self.index.predict(plan.prefill_target, report)
-            self.recent.append(route)
+                if plan_pd is not None and plan_pd.prefill_target is not None:  # P/D: both legs' engines
+                    self.index.predict(plan_pd.prefill_target, report)
+            self.recent.append(route.kept())
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("route %s", msgspec.json.encode(route.explain()).decode())
+            log.debug("route %s", route.explain_json().decode())
         return route
-
-    def _pools(
-        self, model: str, backends: list[Member], cands: list[Candidate]
-    ) -> tuple[list[Candidate], list[Candidate]] | None:
-        """(prefill pool, decode pool) candidates when the model has prefill-role engines (in any
-        state: with all of them down it is still disaggregated, its prefill legs skipped), else None.
-        A fleet without prefill engines pays one version check."""
-        if not self._disaggregated(model):
-            return None
-        roles = {b.name: b.spec.role for b in backends}
-        prefill = [c for c in cands if roles[c.backend] == "prefill"]
-        decode = [c for c in cands if roles[c.backend] != "prefill"]
-        return prefill, decode
 
     def _disaggregated(self, model: str) -> bool:
         """The model has prefill-role engines (P/D pools); one version check for a fleet without."""
@@ -571,10 +709,10 @@ class RouterService:
         """Prompt tokens the target still has to compute (for the load tracker)."""
         if route.pd is not None and route.pd.prefill_status == "ok":
             return 0  # P/D: the decode engine pulls the prompt's blocks; it computes (almost) nothing
-        for c in route.candidates:
-            if (c.backend, c.dp_rank) == target:
-                return max(route.prompt_tokens - c.matched_blocks * route.block_size, 0)
-        return route.prompt_tokens
+        matched = route.matched_of(target)
+        if matched is None:
+            return route.prompt_tokens
+        return max(route.prompt_tokens - matched * route.block_size, 0)
 
 
-__all__ = ["ApiError", "Endpoint", "Route", "RouterService", "validate_body"]
+__all__ = ["ApiError", "Endpoint", "KeptRoute", "Route", "RouterService", "validate_body"]

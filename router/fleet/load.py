@@ -52,6 +52,10 @@ class TargetLoad(msgspec.Struct):
     """``vllm:kv_cache_usage_perc`` (0..1) from the engine's /metrics, when scraping is on."""
 
 
+_ZERO = TargetLoad()
+"""The load of a target not in the fleet (never changed: a request there makes it a record)."""
+
+
 class PeerLoads(Protocol):
     """Other routers' in-flight load, and where this router's own is published for them."""
 
@@ -283,6 +287,9 @@ class LoadTracker:
     def __init__(self, peers: Sequence[PeerLoads] = ()) -> None:
         self._loads: dict[Target, TargetLoad] = {}
         self.peers = list(peers)
+        self.generation = 0
+        """Bumped when a target's load record is made or dropped (readers keep the records of a
+        candidate set: :meth:`record`)."""
 
     def add_peers(self, peers: PeerLoads) -> None:
         """Another source of other routers' load (the cluster store), tracking every known target."""
@@ -294,9 +301,15 @@ class LoadTracker:
         load = self._loads.get(target)
         if load is None:
             load = self._loads[target] = TargetLoad()
+            self.generation += 1
             for p in self.peers:
                 p.track(target)
         return load
+
+    def record(self, target: Target) -> TargetLoad:
+        """This router's own load record of a target (the same object while the target stays; a
+        zero load for one not in the fleet), without the peers' figures."""
+        return self._loads.get(target) or _ZERO
 
     def track(self, target: Target) -> None:
         """A target joined the fleet."""
@@ -306,6 +319,7 @@ class LoadTracker:
         """A target left the fleet: its figures go (requests still running there finish on their
         own record), and peers withdraw it."""
         if self._loads.pop(target, None) is not None:
+            self.generation += 1
             for p in self.peers:
                 p.forget(target)
 

@@ -229,7 +229,7 @@ class ProxyHandler:
             route.dp_rank,
             route.outcome,
             route.prompt_tokens,
-            next((c.blocks_by_medium for c in route.candidates if c.chosen), {}),
+            route.chosen_media(),
             route.block_size,
             route.prompt_blocks,
             decision_s,
@@ -343,9 +343,7 @@ class ProxyHandler:
         """One prediction check, after the response went out (scheduled, off the response path)."""
         if self.checks is None:
             return
-        predicted = next(
-            (c.blocks_by_medium for c in route.candidates if (c.backend, c.dp_rank) == target), {}
-        )
+        predicted = route.media_of(target)
         self.checks.observe(
             target[0],
             target[1],
