@@ -1,11 +1,12 @@
-"""The compiled /route decision (router/decision/_explain.c) against the Python policy it mirrors.
+"""The scoring kernel (router/decision/_kernel.c), the one decision path's, against the policy
+written in plain Python (tests/policy_reference.py, run by nothing but the tests).
 
-``RouterService.explain_json_now`` answers a token-id ``/route`` with the kernel's bytes; the proxy,
-the dashboard and every other case keep the Python policy (router/decision/policy.py). Here both
-decide the same random fleets with twin random generators, and the answers must be the same bytes
-(the timings and the timestamp aside) and leave the generators in the same state, over candidate
-counts, media mixes, loads of both number types, weights that are and are not exact binary
-fractions, ties, thresholds and magnitudes msgspec lays out differently from repr().
+Both decide the same random fleets with twin random generators; the kernel's ``/route`` answer
+(the record written as JSON by the kernel) must be the reference's msgspec bytes (the timings and
+the timestamp aside) and leave the generators in the same state, over candidate counts, media
+mixes, loads of both number types, weights that are and are not exact binary fractions, ties,
+thresholds, temperature, every policy, assumed peer load, and magnitudes msgspec lays out
+differently from repr().
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import msgspec
 import pytest
 import zmq
 from harness import FakeEngine, RouterRunner, wait_for
+from policy_reference import ReferencePolicy, explain
 
-from router.decision._explain import explain_kv
 from router.decision.policy import Candidate, Policy, PolicyConfig
-from router.decision.service import Route, kernel_weights
+from router.decision.record import Inputs
+from router.decision.service import Route, RouteView
 from router.fleet.load import TargetLoad
 
 _VOLATILE = re.compile(rb'"timings_us":\{[^}]*\},"time":[^,]+,')
@@ -43,18 +45,69 @@ class Fleet:
     block_size: int
 
 
-def _python(cfg: PolicyConfig, seed: int, f: Fleet) -> tuple[bytes, Any]:
-    """The answer ``RouterService.explain_now`` + ``Route.explain_json`` give for these inputs."""
-    rng = random.Random(seed)
-    policy = Policy(cfg, rng)
-    cands = [
+def _cands(f: Fleet) -> list[Candidate]:
+    return [
         Candidate(n, r, m, md if md is not None else {"GPU": m}, load)
         for n, r, m, md, load in zip(f.names, f.ranks, f.matched, f.media, f.loads, strict=True)
     ]
+
+
+_TIMINGS = {"tokenize": 0.0, "match": 0.0, "policy": 0.0, "total": 0.0, "held": 0.0}
+
+
+def _python(
+    cfg: PolicyConfig, seed: int, f: Fleet, spread: tuple[float, float] | None = None
+) -> tuple[bytes, Any]:
+    """The reference: the policy in plain Python, explained, encoded by msgspec."""
+    rng = random.Random(seed)
+    policy = ReferencePolicy(cfg, rng)
+    cands = _cands(f)
     prompt_blocks = f.prompt_tokens // f.block_size
+    if spread is not None and cfg.name == "kv":
+        policy.spread(cands, f.block_size, *spread)
     decision = policy.choose(prompt_blocks, f.block_size, cands, have_prompt=True, dry_run=True)
+    explain(cfg.name, decision.candidates, decision.outcome)
     target = (decision.backend, decision.dp_rank)
     chosen = next(i for i, c in enumerate(cands) if (c.backend, c.dp_rank) == target)
+    view = RouteView(
+        "m",
+        "completions",
+        decision.backend,
+        decision.dp_rank,
+        decision.outcome,
+        f.prompt_tokens,
+        prompt_blocks,
+        f.block_size,
+        f.matched[chosen],
+        decision.candidates,
+        None,
+        _TIMINGS,
+        0.0,
+        cfg.name,
+    )
+    return msgspec.json.encode(view), rng.getstate()
+
+
+def _kernel(
+    cfg: PolicyConfig, seed: int, f: Fleet, spread: tuple[float, float] | None = None
+) -> tuple[bytes, Any]:
+    """The one path: Policy.decide's record, written by the kernel."""
+    rng = random.Random(seed)
+    policy = Policy(cfg, rng)
+    prompt_blocks = f.prompt_tokens // f.block_size
+    inputs = Inputs(list(zip(f.names, f.ranks, strict=True)))
+    decision = policy.decide(
+        inputs,
+        prompt_blocks,
+        f.block_size,
+        f.matched,
+        f.loads,
+        media=f.media,
+        dry_run=True,
+        spread=spread if cfg.name == "kv" else None,
+    )
+    assert decision.scored is not None
+    chosen = decision.scored.best
     route = Route(
         model="m",
         endpoint="completions",
@@ -65,37 +118,18 @@ def _python(cfg: PolicyConfig, seed: int, f: Fleet) -> tuple[bytes, Any]:
         prompt_blocks=prompt_blocks,
         block_size=f.block_size,
         matched_blocks=f.matched[chosen],
-        candidates=decision.candidates,
-        timings_us={"tokenize": 0.0, "match": 0.0, "policy": 0.0, "total": 0.0, "held": 0.0},
-        policy="kv",
+        decision=decision,
+        timings_us=dict(_TIMINGS),
+        policy=cfg.name,
     )
     return route.explain_json(), rng.getstate()
-
-
-def _kernel(
-    cfg: PolicyConfig, seed: int, f: Fleet, times: tuple[float, float, float] = (1.0, 1.5, 2.0)
-) -> tuple[bytes, Any]:
-    rng = random.Random(seed)
-    params = (f.prompt_tokens, f.prompt_tokens // f.block_size, f.block_size, *kernel_weights(cfg))
-    answer = explain_kv(
-        b'{"model":"m","endpoint":"completions",',
-        [msgspec.json.encode(n) for n in f.names],
-        f.ranks,
-        f.matched,
-        f.media,
-        f.loads,
-        params,
-        rng,
-        msgspec.json.encode,
-        lambda: times[2],
-        *times,
-    )
-    return answer, rng.getstate()
 
 
 def _fleet(rng: random.Random) -> tuple[PolicyConfig, Fleet]:
     weights = [0.0, 0.25, 0.5, 1.0, 2.0, 0.1, 0.3, 1 / 3, 0.75, 1.7]
     cfg = PolicyConfig(
+        name=rng.choice(["kv", "kv", "kv", "kv", "round_robin", "least_loaded", "random"]),
+        temperature=rng.choice([0.0, 0.0, 0.0, 0.5, 2.0]),
         gpu_credit=rng.choice([1.0, 1.0, 0.9, 1.25]),
         cpu_credit=rng.choice([0.75, 0.5, 0.6, 1 / 3]),
         storage_credit=rng.choice([0.25, 0.1, 0.0]),
@@ -110,7 +144,11 @@ def _fleet(rng: random.Random) -> tuple[PolicyConfig, Fleet]:
     prompt_tokens = rng.choice([0, 3, block_size * rng.randrange(1, 300) + rng.randrange(block_size)])
     prompt_blocks = prompt_tokens // block_size
     n = rng.choice([1, 2, 3, 8, 8, 17, 64])
-    names, ranks, matched, media, loads = [], [], [], [], []
+    names: list[str] = []
+    ranks: list[int] = []
+    matched: list[int] = []
+    media: list[dict[str, int] | None] = []
+    loads: list[TargetLoad] = []
     for i in range(n):
         names.append(rng.choice([f"e{i}", f"pod-{i}.ns", f"é{i}"]))
         ranks.append(rng.choice([0, 0, 1, 3]))
@@ -151,35 +189,17 @@ def test_the_kernel_answers_as_the_python_policy_over_random_fleets() -> None:
     for case in range(3000):
         cfg, fleet = _fleet(rng)
         seed = rng.randrange(2**32)
-        want, want_state = _python(cfg, seed, fleet)
-        got, got_state = _kernel(cfg, seed, fleet)
-        assert _VOLATILE.sub(b"", got) == _VOLATILE.sub(b"", want), (case, cfg, fleet)
+        spread = rng.choice([None, None, (rng.choice([0.5, 1.0, 3.0, 2.7]), rng.choice([2.0, 5.25, 0.3]))])
+        want, want_state = _python(cfg, seed, fleet, spread)
+        got, got_state = _kernel(cfg, seed, fleet, spread)
+        assert _VOLATILE.sub(b"", got) == _VOLATILE.sub(b"", want), (case, cfg, fleet, spread)
         assert got_state == want_state, case  # the same draws from the generator
         answer = msgspec.json.decode(got)
         assert list(answer["timings_us"]) == ["tokenize", "match", "policy", "total", "held"]
-        assert answer["timings_us"]["tokenize"] == 500000.0 and answer["timings_us"]["match"] == 500000.0
         outcomes.add(answer["outcome"])
         outcomes.update(c["reason"].split(" ")[0] for c in answer["candidates"])
     # every branch of the explanation was taken
-    assert {"prefix", "load", "lowest", "its", "more", "tied", "cost"} <= outcomes
-
-
-def test_the_timings_are_written_as_python_rounds_them() -> None:
-    """``timings_us``: round(x, 1) as repr() writes it, which the kernel computes itself far from a
-    tie and with CPython's conversions near one."""
-    rng = random.Random(7)
-    cfg, fleet = _fleet(rng)
-    spans = [0.0, 1e-7, 1.25e-7, 0.5e-6, 1.05e-6, 3.45e-5, 2.5e-6, 1e-3, 0.1, 12.0, 1500.0]
-    spans += [rng.uniform(0, 1e-3) for _ in range(400)] + [rng.uniform(0, 1e3) for _ in range(100)]
-    spans += [round(rng.uniform(0, 1e-3), 7) + 0.5e-7 for _ in range(200)]  # ties and near-ties
-    for a in spans:
-        t0 = rng.choice([0.0, rng.uniform(0, 1e5)])
-        t1 = t0 + a
-        got, _ = _kernel(cfg, 1, fleet, times=(t0, t1, t1))
-        found = re.search(rb'"timings_us":\{"tokenize":([^,]+),"match":([^,]+),', got)
-        assert found is not None
-        assert found.group(1).decode() == repr(round((t1 - t0) * 1e6, 1)), (a, found.group(1))
-        assert found.group(2).decode() == "0.0"
+    assert {"prefix", "load", "lowest", "its", "more", "tied", "cost", "round_robin:", "random:"} <= outcomes
 
 
 def test_an_int_load_past_2_53_divides_as_python_divides_it() -> None:
@@ -195,23 +215,19 @@ def test_an_int_load_past_2_53_divides_as_python_divides_it() -> None:
 
 
 def test_callbacks_that_change_the_inputs_do_not_crash_the_kernel() -> None:
-    """rng.choice and encode are Python calls: the kernel holds its own references across them."""
-    names = [msgspec.json.encode(f"e{i}") for i in range(4)]
-    ranks, matched, media = [0] * 4, [0] * 4, [None] * 4
-    loads = [TargetLoad() for _ in range(4)]
+    """rng.choice and encode are Python calls: the kernel reads its inputs before any of them and
+    holds its own references across them."""
+    matched, loads = [0] * 4, [TargetLoad() for _ in range(4)]
 
     class Clearing(random.Random):
         def choice(self, seq: Any) -> Any:
-            names.clear()
-            ranks.clear()
             matched.clear()
             loads.clear()
             return seq[-1]
 
-    params = (32, 2, 16, *kernel_weights(PolicyConfig()))
-    args = (names, ranks, matched, media, loads, params, Clearing(1), msgspec.json.encode, lambda: 0.0)
-    answer = explain_kv(b"{", *args, 0.0, 0.0, 0.0)
-    assert msgspec.json.decode(b'{"model":"m",' + answer[1:])["backend"] == "e3"
+    inputs = Inputs([(f"e{i}", 0) for i in range(4)])
+    decision = Policy(PolicyConfig(), Clearing(1)).decide(inputs, 2, 16, matched, loads)
+    assert decision.backend == "e3"
     by = {"x\u00e9": 1, "GPU": 1}
 
     def clearing_encode(obj: Any) -> bytes:
@@ -220,29 +236,23 @@ def test_callbacks_that_change_the_inputs_do_not_crash_the_kernel() -> None:
             [object() for _ in range(10)]
         return msgspec.json.encode(obj)
 
-    params = (32, 2, 16, *kernel_weights(PolicyConfig()))
-    answer = explain_kv(
-        b"{",
-        [b'"a"'],
-        [0],
-        [2],
-        [by],
-        [TargetLoad()],
-        params,
-        random.Random(1),
-        clearing_encode,
-        lambda: 0.0,
-        0.0,
-        0.0,
-        0.0,
+    one = Inputs([("a", 0)])
+    decision = Policy(PolicyConfig(), random.Random(1)).decide(one, 2, 16, [2], [TargetLoad()], media=[by])
+    assert decision.scored is not None
+    from router.decision import _kernel
+
+    s = decision.scored
+    codes = _kernel.reasons(s.record, 1, 0, False, True)
+    answer = _kernel.render(
+        s.record, 1, 0, codes, one.names(), one.ranks, [by], None, (), b"kv", clearing_encode
     )
     assert b'"blocks_by_medium":{"x\xc3\xa9":1}' in answer  # (the rest of the dict went meanwhile)
 
 
 def test_the_kernel_refuses_inconsistent_inputs() -> None:
     cfg, fleet = _fleet(random.Random(1))
-    fleet.ranks = [*fleet.ranks[:-1], 0, 0]
-    with pytest.raises(ValueError, match="one entry per target"):
+    fleet.loads = [*fleet.loads, TargetLoad()]
+    with pytest.raises(ValueError, match="one entry per candidate"):
         _kernel(cfg, 1, fleet)
     cfg, fleet = _fleet(random.Random(1))
     fleet.media = [[1]] * len(fleet.names)  # type: ignore[list-item]
@@ -250,6 +260,22 @@ def test_the_kernel_refuses_inconsistent_inputs() -> None:
         _kernel(cfg, 1, fleet)
     with pytest.raises(ValueError, match="no candidates"):
         _kernel(cfg, 1, Fleet([], [], [], [], [], prompt_tokens=16, block_size=16))
+    from router.decision import _kernel as kernel
+
+    with pytest.raises(ValueError, match="no candidates"):
+        kernel.score(
+            (0, 16, 0, *[0.0] * 4, 1, *[0.0] * 5),
+            [],
+            None,
+            None,
+            None,
+            [],
+            None,
+            None,
+            random.Random(),
+            None,
+            0,
+        )
 
 
 def test_a_running_router_answers_token_id_routes_through_the_kernel_as_through_python(
@@ -278,15 +304,6 @@ def test_a_running_router_answers_token_id_routes_through_the_kernel_as_through_
             return sorted(c["matched_blocks"] for c in r.json()["candidates"])
 
         wait_for(lambda: matched() == [2, 4, 6], "the three announcements indexed")
-        kernel_answers: list[bytes] = []
-        fast = service.explain_json_now
-
-        def counting(*args: Any, **kwargs: Any) -> bytes | None:
-            answer = fast(*args, **kwargs)
-            if answer is not None:
-                kernel_answers.append(answer)
-            return answer
-
         bodies = [
             {"model": "toy", "prompt": tokens},
             {"model": "toy", "prompt": tokens[:10]},
@@ -295,36 +312,57 @@ def test_a_running_router_answers_token_id_routes_through_the_kernel_as_through_
             {"model": "toy", "prompt": [5, 6, 7]},  # shorter than a block
         ]
 
-        def answers() -> list[bytes]:
-            out = []
-            for body in bodies:
-                state = service.policy.rng.getstate()
-                r = httpx.post(f"{router.url}/route", json=body, timeout=10)
-                assert r.status_code == 200, r.text
-                service.policy.rng.setstate(state)  # (the other path draws the same tie-break)
-                out.append(_VOLATILE.sub(b"", r.content))
-            return out
+        def reference(body: dict[str, Any], state: Any) -> bytes:
+            """The old report path (KVIndex.match) and the plain-Python policy, on the router's own
+            index, loads and generator state."""
+            backends = service.candidates_for("toy")
+            targets = [(b.name, r) for b in backends for r in range(b.spec.dp_size)]
+            report = app.index.match(body["prompt"], targets, cache_salt=body.get("cache_salt"))
+            cands = []
+            for t in targets:
+                m = report.matches.get(t)
+                by = dict(m.by_medium) if m is not None else {}
+                cands.append(Candidate(t[0], t[1], m.blocks if m else 0, by, service.loads.get(t)))
+            rng = random.Random()
+            rng.setstate(state)
+            policy = ReferencePolicy(service.policy.config, rng)
+            decision = policy.choose(report.prompt_blocks, report.block_size, cands, dry_run=True)
+            explain("kv", decision.candidates, decision.outcome)
+            chosen = next(c for c in decision.candidates if c.chosen)
+            view = RouteView(
+                "toy",
+                "completions",
+                decision.backend,
+                decision.dp_rank,
+                decision.outcome,
+                len(body["prompt"]),
+                report.prompt_blocks,
+                report.block_size,
+                chosen.matched_blocks,
+                decision.candidates,
+                None,
+                _TIMINGS,
+                0.0,
+                "kv",
+            )
+            return _VOLATILE.sub(b"", msgspec.json.encode(view))
 
+        through_kernel: list[bytes] = []
         for proxied in (False, True):
-            if proxied:  # predictions on the chosen target: the report's path inside the kernel's
+            if proxied:  # predictions on the chosen target: the match extends over them
                 r = httpx.post(
                     f"{router.url}/v1/completions", json={"model": "toy", "prompt": tokens}, timeout=10
                 )
                 assert r.status_code == 200
                 assert any(app.index._predicted.values())
-            service.explain_json_now = counting  # type: ignore[method-assign]
-            kernel_answers.clear()
-            try:
-                through_kernel = answers()
-            finally:
-                del service.explain_json_now
-            assert len(kernel_answers) == len(bodies)
-            service.explain_json_now = lambda *args, **kwargs: None  # type: ignore[method-assign]
-            try:
-                through_python = answers()
-            finally:
-                del service.explain_json_now
-            assert through_kernel == through_python
+            through_kernel = []
+            for body in bodies:
+                state = service.policy.rng.getstate()
+                want = reference(body, state)
+                r = httpx.post(f"{router.url}/route", json=body, timeout=10)
+                assert r.status_code == 200, r.text
+                through_kernel.append(_VOLATILE.sub(b"", r.content))
+                assert through_kernel[-1] == want, body
         assert b'"PREDICTED"' in through_kernel[0] and b'"CPU"' in through_kernel[0]
     finally:
         router.stop()
