@@ -37,7 +37,9 @@ def build(width: int, dp: int = 8) -> tuple[RouterService, list[int]]:
     dp = width // backends
     index = KVIndex(IndexConfig(block_size=16))
     membership = Membership(MembershipConfig())
-    specs = [BackendConfig(f"e{i}", f"http://127.0.0.1:9/{i}", models=["m"], dp_size=dp) for i in range(backends)]
+    specs = [
+        BackendConfig(f"e{i}", f"http://127.0.0.1:9/{i}", models=["m"], dp_size=dp) for i in range(backends)
+    ]
     membership.reconcile("config", specs)
     loads = LoadTracker([])
     rng = random.Random(width)
