@@ -52,7 +52,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-## bench: micro-benchmarks of the index, router overhead and routing quality (see BENCHMARKS.md)
+## bench: micro-benchmarks of the index, router overhead and routing quality (see docs/benchmarks/)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
