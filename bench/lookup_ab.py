@@ -8,7 +8,7 @@ take turns as in the service benchmark (A, B, Dynamo, then Dynamo, B, A), so B a
 the other two: swap --a and --b to see that the order does not decide a difference.
 
     .venv/bin/python bench/lookup_ab.py --a OLD_VENV/bin/kvrouter --b NEW_VENV/bin/kvrouter \\
-        --dynamo /work/bench-venvs/dynamo/bin/python [--lookups 300] [--json F]
+        --dynamo DYNAMO_VENV/bin/python [--lookups 300] [--json F]
 """
 
 from __future__ import annotations
