@@ -119,7 +119,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     index copy (every process subscribes to every engine); in-flight load is shared between them and
     /metrics and the dashboard sum them, but predict-on-route stays per process. One process
     saturates near 7k proxied req/s on the reference box; 2 processes gave +25-35% there
-    (BENCHMARKS.md). Needs connect-mode KV events (kv_bind = false): only one process can bind."""
+    on 2 shared cores. Needs connect-mode KV events (kv_bind = false): only one process can bind."""
 
 
 class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -5,8 +5,7 @@
  * byte for byte: tests/test_explain_kernel.py compares the two over many random fleets. The
  * Python policy stays the reference and serves every other case (RouterService.explain_json_now
  * in router/decision/service.py says which); this exists because the per-candidate Python objects
- * of an explained decision were most of a /route's cost in the running service (BENCHMARKS.md,
- * issue 11).
+ * of an explained decision were most of a /route's cost in the running service.
  *
  * Floating point follows Python's order of operations (compiled with -ffp-contract=off, so no
  * fused multiply-add changes a rounding); round(x, 3) and format(x, "g") use CPython's own

@@ -351,8 +351,7 @@ class RouterService:
         session pin, no P/D pools, temperature 0, no debug log of every route. None otherwise,
         and for any body :meth:`explain_now` would not answer now: the caller then takes that
         (Python) path. The answer is the same bytes (tests/test_explain_kernel.py); building the
-        candidates' Python objects cost most of a lookup in the running service (BENCHMARKS.md,
-        issue 11)."""
+        candidates' Python objects cost most of a lookup in the running service."""
         policy = self.policy
         cfg = policy.config
         if (
