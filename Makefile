@@ -52,7 +52,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-## bench: micro-benchmarks of the index, router overhead and routing quality (see BENCHMARKS.md)
+## bench: micro-benchmarks of the index, router overhead and routing quality (see docs/benchmarks/)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
@@ -80,7 +80,7 @@ fuzz-http: $(STAMP)
 	$(BIN)/python -c "import json; rows = [json.loads(l) for l in open('fuzz-report.jsonl')]; \
 	  print('fuzz cases:', {r['fuzz'].split()[0]: sum(x['cases'] for x in rows if x['fuzz'].split()[0] == r['fuzz'].split()[0]) for r in rows})"
 
-# (the ASan build's heap grows ~4 KB per input over a long run, our code's does not: see BENCHMARKS.md,
+# (the ASan build's heap grows ~4 KB per input over a long run, our code's does not: see docs/benchmarks/fuzzing.md,
 # hence the 8 GB RSS limit)
 # the C core again, instrumented for libFuzzer's coverage, ASan and UBSan (any UB aborts); the
 # fuzz target loads it instead of the installed one (KVROUTER_KVCORE, tests/kvfuzz.py)

@@ -1,4 +1,4 @@
-"""The churn soak (issue 12): a real `kvrouter serve` while mock-engine processes join, drain and are
+"""The churn soak: a real `kvrouter serve` while mock-engine processes join, drain and are
 SIGKILLed every few seconds under steady client traffic, for ``--minutes`` (default 10). Prints the
 report as JSON; the run passes when no request failed other than streams whose engine was killed under
 them (which end with a clean error event). See sim/churn.py.

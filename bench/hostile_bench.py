@@ -1,5 +1,5 @@
 """Well-behaved clients' latency while the router is attacked: one phase per attack, side by side
-with a phase without (issue 30's goal: p99 within 2x of it).
+with a phase without (the goal: p99 within 2x of it).
 
 ``.venv/bin/python bench/hostile_bench.py [--seconds 10] [--clients 8] [--json F] [--only A,B]``
 

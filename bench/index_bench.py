@@ -1,7 +1,7 @@
 """Index micro-benchmarks: ingest rate, lookup latency, memory per residency.
 
 Run: ``.venv/bin/python bench/index_bench.py [--quick]`` (``make bench`` runs it). Prints a JSON
-document and a markdown table; the figures in BENCHMARKS.md come from here.
+document and a markdown table; the figures in docs/benchmarks/index.md come from here.
 
 - ingest: vLLM-layout msgpack batches of 1..64 BlockStored blocks (block_size 16) plus the
   BlockRemoved traffic of a full cache, decoded and applied in subscriber-sized chunks, one core.

@@ -3,12 +3,12 @@ bench/service_bench.py (its stream, placements and client) with a third service.
 
 Why: the service benchmark compares kvrouter with Dynamo, and the box's noise moves both between runs
 by more than a change to kvrouter's request path; measured in the same run, against the same
-stream, an old and a new build differ by the change alone (BENCHMARKS.md, issue 11). The services
+stream, an old and a new build differ by the change alone. The services
 take turns as in the service benchmark (A, B, Dynamo, then Dynamo, B, A), so B always runs between
 the other two: swap --a and --b to see that the order does not decide a difference.
 
     .venv/bin/python bench/lookup_ab.py --a OLD_VENV/bin/kvrouter --b NEW_VENV/bin/kvrouter \\
-        --dynamo /work/bench-venvs/dynamo/bin/python [--lookups 300] [--json F]
+        --dynamo DYNAMO_VENV/bin/python [--lookups 300] [--json F]
 """
 
 from __future__ import annotations

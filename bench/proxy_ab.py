@@ -1,9 +1,9 @@
 """Two kvrouter builds side by side in front of one upstream: the proxied path's throughput, wrk
 rounds alternating between them (A, B, then B, A), medians per row.
 
-Why: the router table in BENCHMARKS.md is one run on a box whose speed moves by tens of percent
+Why: the router table in docs/benchmarks/proxy.md is one run on a box whose speed moves by tens of percent
 between runs; a change to the request path is judged against the build before it in the same run
-("the proxy path keeps its figures", issue 11). The upstream is bench/zero_mock.py spending 25 us of
+("the proxy path keeps its figures"). The upstream is bench/zero_mock.py spending 25 us of
 CPU per request (raw+25, the router table's calibrated mock); the rows are the table's non-stream
 c=32, SSE c=32 and non-stream c=1.
 

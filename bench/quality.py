@@ -2,7 +2,7 @@
 
 ``.venv/bin/python bench/quality.py [--quick] [--traces conversation,synthetic,sessions] [--jobs N]``
 writes ``bench/out/quality.json`` (every run, with its full config) and ``bench/out/quality.md``
-(tables for BENCHMARKS.md). Traces are read from ``../shared/data/traces`` beside the repository
+(tables for docs/benchmarks/). Traces are read from ``../shared/data/traces`` beside the repository
 (``$KVROUTER_TRACE_DIR``).
 
 Stages, each on every selected trace:
@@ -58,7 +58,7 @@ OUT = Path(__file__).resolve().parent / "out"
 
 RECOMMENDED: dict[str, Any] = {}
 """PolicyConfig changes over the current defaults that this benchmark argues for (none pending: its
-first full run moved ``load_weight`` from 1.0 to 0.25, now the default; see BENCHMARKS.md)."""
+first full run moved ``load_weight`` from 1.0 to 0.25, now the default; docs/benchmarks/quality.md)."""
 BASELINE: dict[str, Any] = {"load_weight": 1.0}
 """The defaults before the first sweep, kept as the reference row."""
 

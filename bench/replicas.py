@@ -1,8 +1,8 @@
-"""Router replicas (issue 13): routing quality, the store's cost and a store outage, measured on the service.
+"""Router replicas: routing quality, the store's cost and a store outage, measured on the service.
 
 ``.venv/bin/python bench/replicas.py [--quick] [--traces synthetic,conversation,sessions]
 [--stages quality,cost,kill] [--rounds N]`` writes ``bench/out/replicas.json`` and
-``bench/out/replicas.md`` (tables for BENCHMARKS.md).
+``bench/out/replicas.md`` (tables for docs/benchmarks/).
 
 Everything is real processes over loopback sockets: mock vLLM engines (``sim.fleet``: HTTP, KV events
 over ZeroMQ, LRU caches), ``kvrouter serve`` subprocesses, a ``redis-server`` subprocess, and a

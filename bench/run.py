@@ -1,4 +1,4 @@
-"""`make bench`: every benchmark in BENCHMARKS.md, one after the other (never two heavy jobs at once on
+"""`make bench`: every benchmark of docs/benchmarks/, one after the other (never two heavy jobs at once on
 the 2-core box). ``--quick`` runs the short variants; ``--only service,index,router,quality`` picks
 some (also pd, membership, churn, replicas).
 

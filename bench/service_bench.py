@@ -76,7 +76,7 @@ shared between sessions first, then between the threads inside one, as it is bet
 or systemd units the two services run in when deployed. Started as children of the benchmark's own
 session, the two shared the two cores thread by thread, so a service got more of the box the more
 busy threads it ran: in a drain where both compete, that measured thread counts, not speed
-(BENCHMARKS.md, "Runs 86-91"). ``--share threads`` keeps that mode for comparison."""
+(before sessions of their own). ``--share threads`` keeps that mode for comparison."""
 BS = 16
 FAMILIES = 32
 FAMILY_BLOCKS = 16
@@ -883,7 +883,7 @@ def median_drain(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     Why repeat: a drain of 200k blocks lasts ~0.1-0.3 s, a few of the scheduler's time slices on two
     shared cores, and one drain's figure moves with which of the box's other threads ran in those
     slices (a drain where kvrouter got 0.4 of a core read 0.85x between drains of 1.6x-2.5x:
-    BENCHMARKS.md). The median of three is the figure a run reports; the spread stays in the JSON."""
+    on two shared cores). The median of three is the figure a run reports; the spread stays in the JSON."""
     if len(repeats) == 1:
         return repeats[0]
     out: dict[str, Any] = {"repeats": repeats}

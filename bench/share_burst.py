@@ -1,5 +1,5 @@
 """How Linux shares two cores between two sessions for a fraction of a second after both continue:
-the scheduler behaviour behind the tail of the service benchmark's drains (BENCHMARKS.md, issue 11).
+the scheduler behaviour behind the tail of the service benchmark's drains.
 
 ``.venv/bin/python bench/share_burst.py [--a 3] [--b 1 2] [--bursts 12] [--burst-s 0.2]``
 

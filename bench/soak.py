@@ -1,4 +1,4 @@
-"""The chaos soak (issue 15): `make soak` runs it for 10 minutes (bounded), writes bench/out/soak/report.json
+"""The chaos soak: `make soak` runs it for 10 minutes (bounded), writes bench/out/soak/report.json
 and plot.svg, prints the summary and exits 0 only when every invariant held. See sim/chaos.py.
 
 ``python bench/soak.py [--minutes 10] [--out bench/out/soak] [--interval 12]``

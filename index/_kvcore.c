@@ -83,7 +83,7 @@ static void *zalloc(size_t n) {
  * (MAP_POPULATE). A fresh table is probed (read) before it is written, so lazily its empty rows were
  * first mapped to the shared zero page and then faulted again on the first write, each such
  * fault flushing the TLB of every core the process runs on: in a 64-source drain those faults were
- * ~15% of the process's samples (BENCHMARKS.md). A hash table's rows are spread over all its pages
+ * ~15% of the process's samples. A hash table's rows are spread over all its pages
  * at once, so populating them early costs no RSS a few inserts would not. */
 static void *zalloc_table(size_t n) {
     if (n < BIG) return zalloc(n);

@@ -2,7 +2,7 @@
  *
  * Why: receiving a message through pyzmq costs three Python calls, three frame objects and the
  * per-message sequence checks in Python, about 6 us a message against the ~5 us the C ingest needs to
- * apply it (BENCHMARKS.md, issue 11). vLLM publishes a batch per engine step, so at fleet scale
+ * apply it. vLLM publishes a batch per engine step, so at fleet scale
  * messages are many and small, and every router replica receives all of them.
  *
  * How: libzmq is not linked. index/zsock.py binds a libzmq (`zmq_load`, _kvzmq.h: the copy pyzmq

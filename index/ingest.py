@@ -514,7 +514,7 @@ class Ingestor:
         source's block size (its first BlockStored) or a medium not registered yet. Returns whether
         anything was learned, so the core can take the payload after all. Before this, every
         source's first event went the Python way, which imports numpy: ~15 MB and 60-400 ms (on a
-        cold disk) before a starting router saw its first block (BENCHMARKS.md, issue 11)."""
+        cold disk) before a starting router saw its first block."""
         st = self.stats.get(sidx)
         if st is None:
             return False

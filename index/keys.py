@@ -15,7 +15,7 @@ when it has any.
 Why this shape: the content hash is one numpy matrix-vector product over all blocks, and because
 the chain is a linear recurrence it can also be computed for a whole prompt at once,
 ``S_i = C^i * cumsum(m_j * C^-j) + C^(i+1) * root``, so an 8k-token prompt costs tens of
-microseconds (BENCHMARKS.md), while events extend a known parent one block at a time with the
+microseconds, while events extend a known parent one block at a time with the
 same arithmetic. Collisions only mis-route (the engine computes its own hashes), and they are
 ~2^-64 per pair for non-adversarial prompts.
 """

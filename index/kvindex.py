@@ -48,7 +48,7 @@ class IndexConfig(msgspec.Struct, frozen=True):
     """Engines' block size; None learns it from the first events. A mismatch is logged and counted."""
     max_residencies: int = 20_000_000
     """Cap on indexed residencies (key, source, medium); beyond it the oldest blocks of the largest
-    source are evicted and counted. ~20M is ~4 GB of router memory (BENCHMARKS.md)."""
+    source are evicted and counted. ~20M is ~4 GB of router memory."""
     predict_ttl_s: float = 2.0
     """Lifetime of predicted residencies; 0 disables predict-on-route."""
     max_predicted_per_source: int = 200_000

@@ -97,7 +97,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     what does not fit waits in the kernel's buffers and the engine's publisher queue (vLLM's
     SNDHWM, 100,000 by default), and only beyond that does the publisher drop, which shows up
     here as a gap, then a replay. libzmq's own default; it was 100,000, and then a backlog of every
-    source was read into this process's heap at once (tens of MB per 200k blocks, BENCHMARKS.md)."""
+    source was read into this process's heap at once (tens of MB per 200k blocks)."""
     max_held: int = 50_000
     """Live messages of one source held while its replay is in flight; beyond, the replay is abandoned."""
     poll_ms: int = 100
@@ -107,8 +107,8 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     inline_max: int = 64
     """A chunk of at most this many messages is applied by the receiving thread itself when the
     ingest thread has nothing left to do: at an engine fleet's steady rate a chunk is a message or
-    two, and handing each to the ingest thread cost a thread wake-up per message (BENCHMARKS.md:
-    paced ingest). A backlog's chunks (hundreds) still go to the ingest thread, so receiving and
+    two, and handing each to the ingest thread cost a thread wake-up per message
+    (paced ingest). A backlog's chunks (hundreds) still go to the ingest thread, so receiving and
     applying overlap. 0: every chunk to the ingest thread."""
     open_retry_s: float = 1.0
     """A source whose socket cannot be bound or connected is tried again this often (a port still
@@ -117,7 +117,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     """ZeroMQ I/O threads of the subscriber's own context (they read the SUB sockets, TCP to
     messages). Two, not libzmq's one: a backlog from many sources (a replica starting, a burst of
     engine steps) is read by both, the sockets split between them, instead of by one thread the
-    receiving thread waits on (BENCHMARKS.md: a small gain in drains, no more CPU; an idle thread
+    receiving thread waits on (measured: a small gain in drains, no more CPU; an idle thread
     costs nothing). Unused with a context passed in."""
     native_receive: bool = True
     """Receive live messages in the C core (index/_kvrecv.h) when pyzmq's libzmq can be bound;

@@ -2,7 +2,7 @@
 
 Why: importing pyzmq's Python layer costs 12-24 ms of every start (its enums and helper classes,
 pickle, json; binding libzmq here 2-3 ms), a tenth or more of `kvrouter serve`'s time from exec to
-serving (BENCHMARKS.md, issue 11), for the dozen calls the subscriber makes. pyzmq stays the
+serving, for the dozen calls the subscriber makes. pyzmq stays the
 dependency that ships libzmq: :func:`backend` binds the copy pyzmq already loaded when there is one
 (so pyzmq's sockets and contexts, which tests pass in, mix with ours), else pyzmq's bundled file
 found without importing pyzmq, else the system's ``libzmq.so.5``; when none binds (a pyzmq built

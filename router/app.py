@@ -43,6 +43,7 @@ from router.http.openapi import openapi_spec
 from router.http.proxy import PATHS, ProxyHandler
 from router.http.upstream import UpstreamPool
 from router.observe.checks import PredictionChecks, StreamStats
+from router.observe.history import DashboardHistory, sample_forever
 from router.observe.metrics import (
     BreakerCollector,
     ChecksCollector,
@@ -196,6 +197,7 @@ class KVRouter:
         self._forget = _ForgetRemoved(self)
         self.membership.listeners.append(self._forget)
         self._tasks: list[asyncio.Task[None]] = []
+        self.dashboard_history = DashboardHistory()
 
     # --- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -306,6 +308,11 @@ class KVRouter:
         self.replicas.start()
         self._tasks.append(
             asyncio.get_running_loop().create_task(self._housekeeping(), name="kvrouter-housekeeping")
+        )
+        self._tasks.append(  # (the dashboard's windows and charts, whenever a page is opened)
+            asyncio.get_running_loop().create_task(
+                sample_forever(self.dashboard_history, self._dashboard_merged), name="kvrouter-dashboard"
+            )
         )
         if self.worker is not None:
             self._tasks.append(
@@ -508,7 +515,12 @@ class KVRouter:
         return _dashboard_page()
 
     def dashboard_body(self) -> dict[str, Any]:
-        """``GET /dashboard/data``: the live figures the page polls."""
+        """``GET /dashboard/data``: the live figures the page polls, with the router's recent
+        history and its last-minute and since-start windows (router/observe/history.py)."""
+        return self.dashboard_history.attach(self._dashboard_merged())
+
+    def _dashboard_merged(self) -> dict[str, Any]:
+        """The live figures, every worker's merged when there are several."""
         data = self._dashboard_live()
         if self.worker is not None:
             from router.workers.stats import merge_dashboard, read_snapshots

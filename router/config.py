@@ -44,7 +44,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """HTTP server and proxy settings."""
 
     host: str = "127.0.0.1"
+    """Listen address."""
     port: int = 8000
+    """Listen port."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Requests with larger bodies get 413, as soon as it is known: their content-length, else the
     bytes held so far (a chunked body is held in one buffer, so 2-byte chunks cost what they weigh,
@@ -109,19 +111,22 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cached after the engine evicted them (predicted hits that are not there). On only for a
     fleet where another consumer of the events needs it (counted: kvrouter_kv_report_mode_removed_total)."""
     log_level: str = "info"
+    """Log level; ``debug`` logs every decision with all its terms."""
     access_log: bool = False
+    """One log line per request (logger ``kvrouter.access``)."""
     workers: int = 1
     """Router processes sharing the port (SO_REUSEPORT). Each runs the whole router with its own
     index copy (every process subscribes to every engine); in-flight load is shared between them and
     /metrics and the dashboard sum them, but predict-on-route stays per process. One process
     saturates near 7k proxied req/s on the reference box; 2 processes gave +25-35% there
-    (BENCHMARKS.md). Needs connect-mode KV events (kv_bind = false): only one process can bind."""
+    on 2 shared cores. Needs connect-mode KV events (kv_bind = false): only one process can bind."""
 
 
 class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Active health checks (GET /health) and optional engine metrics scraping."""
 
     interval_s: float = 5.0
+    """Period of the active ``GET /health`` probe of every backend."""
     timeout_s: float = 2.0
     """Bound on each probe request (``/health``, ``/v1/models``, ``/metrics``), connect included."""
     unhealthy_after: int = 2
@@ -148,6 +153,7 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     Kubernetes discovery read from a pod."""
 
     name: str
+    """Unique name of the backend (metric labels, the dashboard, ``/route``)."""
     url: str
     """Base URL of the engine's OpenAI server, e.g. http://10.0.0.5:8000."""
     kv_events: str | None = None
@@ -182,6 +188,7 @@ class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     "Kubernetes discovery", lists the annotations that override these defaults per pod)."""
 
     enabled: bool = False
+    """Discover engine pods (docs/discovery.md)."""
     namespace: str = ""
     """Namespace to watch; "" = the router's own namespace when in a cluster, else "default"."""
     label_selector: str = ""
@@ -200,14 +207,19 @@ class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_replay_port: str = "kv-replay"
     """Container port (name or number) of rank 0's replay socket; "" or absent = no replay."""
     dp_size: int = 1
+    """Default DP size of a pod (the ``kvrouter.io/dp-size`` annotation overrides it)."""
     role: Role = "both"
+    """Default role (the ``kvrouter.io/role`` annotation or the ``llm-d.ai/role`` label override it)."""
     models: list[str] | None = None
+    """Models the pods serve; default: read from each pod's /v1/models (``kvrouter.io/models`` overrides)."""
     kv_topic: str | None = None
+    """The pods' KV event topic; default: the top-level ``kv_topic``."""
     api_key: str | None = None
     """Bearer key the engines expect (KVROUTER_BACKEND_API_KEY overrides it, for a Secret)."""
     backoff_s: float = 1.0
     """First reconnect delay after the watch fails (doubles up to ``max_backoff_s``)."""
     max_backoff_s: float = 30.0
+    """Longest reconnect delay of the watch."""
     watch_timeout_s: float = 290.0
     """Server-side timeout of one watch request; the watch is then resumed from its resourceVersion."""
 
@@ -251,6 +263,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     while it runs and ~40 ms of GIL-held work per million tokens (their id list, block keys), so a
     16 MiB prompt cost GBs and stalled the loop."""
     kv_topic: str = ""
+    """ZMQ topic the engines publish on (vLLM's ``topic``), matched exactly."""
     api_keys: list[str] = []
     """Bearer keys accepted from clients; empty: no authentication."""
     trusted_api_keys: list[str] = []

@@ -508,7 +508,7 @@ def table(rows: Sequence[PDRow]) -> str:
 
 
 def markdown(rows: Sequence[PDRow], title: str = "") -> str:
-    """The same table in markdown (BENCHMARKS.md)."""
+    """The same table in markdown (docs/benchmarks/)."""
     lines = [f"**{title}**\n"] if title else []
     lines.append("| " + " | ".join(COLUMNS) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|")

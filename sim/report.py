@@ -1,7 +1,7 @@
 """The policy comparison table (plain text, aligned), a markdown variant, and a JSON dump.
 
 One :class:`Row` per policy, whether it comes from the offline simulator (virtual seconds) or from a
-live replay through the router (wall seconds), so both print the same table and BENCHMARKS.md can
+live replay through the router (wall seconds), so both print the same table and a benchmark page can
 quote either. Plain text because the demo runs in any terminal and CI log.
 """
 
@@ -201,7 +201,7 @@ def table(rows: Sequence[Row], title: str | None = None) -> str:
 
 
 def markdown(rows: Sequence[Row], title: str | None = None) -> str:
-    """The same table in GitHub markdown, for BENCHMARKS.md."""
+    """The same table in GitHub markdown, for docs/benchmarks/."""
     lines = []
     if title:
         lines.append(f"**{title}**\n")

@@ -1,4 +1,4 @@
-"""Pod churn under load, short version (the 10-minute soak is `bench/churn.py`, BENCHMARKS.md).
+"""Pod churn under load, short version (the 10-minute soak is `bench/churn.py`).
 
 A real `kvrouter serve` process, mock engines as real processes that join through the admin API,
 drain, or are SIGKILLed, and steady client traffic (chat and completions, streaming and not). Every

@@ -12,7 +12,7 @@
 3. **A fuzzing engine** behind ``kvrouter serve``: generated and broken responses (section below).
 
 Bounded here (``FUZZ_HTTP_CASES`` per mode, default a few hundred); ``make fuzz`` runs the long
-version and BENCHMARKS.md records the counts.
+version and docs/benchmarks/fuzzing.md records the counts.
 """
 
 from __future__ import annotations

@@ -805,7 +805,7 @@ def test_once_applied_no_chunk_of_messages_stays_in_memory(
 ) -> None:
     """The ingest thread let go of a chunk only when the next work arrived: after a burst, its last
     chunk (up to max_chunk messages of every source that was ready) stayed in memory while the router
-    idled, megabytes after a drain (BENCHMARKS.md: RSS per block). ``inline_max = 0``: every chunk
+    idled, megabytes after a drain (RSS per block). ``inline_max = 0``: every chunk
     goes through the ingest thread; 64: small ones are applied by the receiving thread."""
     pub = make_pub()
     idx = make_index(connect(pub), native_receive=native, inline_max=inline_max)

@@ -14,7 +14,7 @@ is left in flight.
 The convergence bound here is generous (10 s): after SIGKILL + restart the index converges when the
 new engine first publishes, i.e. when traffic reaches it again after the health check readmits it,
 which took 0.17-2.8 s on the loaded 2-core CI box. The 2 s goal is a speed figure, measured by the
-10-minute `make soak` (BENCHMARKS.md), not asserted here.
+10-minute `make soak`, not asserted here.
 """
 
 from __future__ import annotations

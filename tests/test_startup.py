@@ -1,6 +1,6 @@
 """What ``kvrouter serve`` loads to start: a router whose prompts are token ids (a lookup service,
 the job Dynamo's indexer does) must start without the web framework, the chat machinery, httpx or
-pyzmq's Python layer (each ms to tens of ms of start-up and MBs of RSS; BENCHMARKS.md, issue 11),
+pyzmq's Python layer (each ms to tens of ms of start-up and MBs of RSS),
 still probe its backends, and
 index an engine's first KV event without numpy (the Python ingest path's; it cost a starting router
 60-400 ms before its first block). Checked in a fresh interpreter, against a real backend and a real

@@ -34,7 +34,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Least time between two messages of this replica (its in-flight load, predictions and session
     pins that changed meanwhile go out together): bounds the message rate whatever the request rate
     (500/s at 2 ms). A change after a quiet spell is sent at once; under load a peer's view is at
-    most about this plus the store's round trip behind (BENCHMARKS.md)."""
+    most about this plus the store's round trip behind."""
     heartbeat_s: float = 1.0
     """Every replica re-sends its whole in-flight table this often (and stores it as its snapshot), so
     a lost message is repaired within a heartbeat."""
@@ -82,13 +82,13 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Count the decisions other replicas are making at the same moment (a burst split across the
     replicas), which no replica can see yet, as load on the candidates they would pick: the replicas
     then spread a burst as one router would instead of all choosing the same engines
-    (router/cluster/unseen.py; BENCHMARKS.md, "Router replicas")."""
+    (router/cluster/unseen.py)."""
     stagger_bursts: bool = True
     """In a burst, the replica ranked r among the routing ones holds its decisions r x (publish
     interval + lag) so that it sees the decisions of the replicas ranked before it, as one router
     placing a burst in order would (at most 20 ms; a clock wait, never a store wait); no decision is
     assumed then. Needs ``assume_concurrent_decisions``; False keeps the assumption alone
-    (router/cluster/unseen.py; BENCHMARKS.md, "Router replicas", round 5)."""
+    (router/cluster/unseen.py)."""
 
 
 def validate_cluster(c: ClusterConfig) -> None:

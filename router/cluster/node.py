@@ -209,7 +209,7 @@ class Cluster:
         """One key per live peer process that is deciding requests (its worker group, or its id when
         it runs alone). An idle peer (a standby, or one the balancer sends nothing) makes no decisions
         to assume: counting it added phantom load to every burst of the one replica that did all the
-        routing (BENCHMARKS.md, "Router replicas", round 4)."""
+        routing."""
         now = time.monotonic() if now is None else now
         return [p.group or p.id for p in self.table.peers.values() if now - p.last_decided <= self.DECIDING_S]
 

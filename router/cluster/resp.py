@@ -1,6 +1,6 @@
 """A lean Redis/Valkey client for the cluster link: RESP2 over an asyncio protocol, nothing else.
 
-Why not redis-py: measured in the live replica benchmark (BENCHMARKS.md, "Router replicas"), its
+Why not redis-py: measured in the live replica benchmark, its
 asyncio client cost ~1.6 ms of CPU per shared message over three replicas (one pipelined publish
 and three deliveries: a task, a timeout and several parser calls per received message), which added
 3.2 ms of router CPU per request and showed in the routing figures on a 2-core box. Here a received

@@ -7,7 +7,7 @@ same view with the same policy gives the same answer: each replica sends its fir
 burst to the engine that looks least loaded, its second to the next one, and so on, so the engines
 at the head of that order get N requests each where one router would have given them one. With
 sharing on, the views are the same; without it they differ, which is why three unshared replicas
-collided less than three shared ones on bursty traffic (BENCHMARKS.md, "Router replicas").
+collided less than three shared ones on bursty traffic in the replica benchmark.
 
 What a single router does with a burst is place its requests one after another, each seeing the
 ones before. This module lets the replicas approximate that order without talking to each other
@@ -31,7 +31,7 @@ only until it can have arrived. ``/route`` shows each candidate's assumed load
 (``assumed_blocks``).
 
 Guessing where the peers' requests went was not enough on bursty traffic (three replicas stayed
-15-19% behind one router on the Mooncake conversation trace, BENCHMARKS.md "Router replicas"): the
+15-19% behind one router on the Mooncake conversation trace): the
 guess places average requests on the least loaded engines, while the peers' real requests go where
 their prefixes are cached. ``stagger_bursts`` (the default) replaces the guess with an order: in a
 burst the replica ranked r holds its decision r x (publish interval + lag), at most

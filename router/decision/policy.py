@@ -63,7 +63,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Matches covering less than this share of the prompt's blocks get no credit."""
     load_weight: float = 0.25
     """Weight of the load terms against the prefill saved by a cached prefix. 0.25 beat 1.0 on all
-    three public traces in hit ratio with equal or better TTFT (BENCHMARKS.md, routing quality)."""
+    three public traces in hit ratio with equal or better TTFT (trace-driven simulation)."""
     decode_weight: float = 2.0
     """Blocks of cost per request in flight (decode slots, batch share)."""
     waiting_weight: float = 0.0

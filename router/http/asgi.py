@@ -3,8 +3,8 @@ under any ASGI server alike.
 
 :class:`ResponseWriter` is what the proxy needs from a server: start a response, send chunks, end
 it. ``start`` may hold the status line and headers back until the first chunk or :meth:`flush`, so a
-server that owns its socket can send a whole small response in one write (on the 2-vCPU VM of
-BENCHMARKS.md a socket write that wakes the peer is the largest single cost of a proxied request).
+server that owns its socket can send a whole small response in one write (on a 2-vCPU VM
+a socket write that wakes the peer is the largest single cost of a proxied request).
 :class:`AsgiWriter` maps the same calls onto ASGI ``send`` messages.
 """
 

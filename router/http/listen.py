@@ -3,7 +3,7 @@
 A numeric address (``127.0.0.1``, ``0.0.0.0``, ``::``) is bound as it is. uvloop's
 ``create_server`` (the loop ``kvrouter serve`` runs on) resolves even a literal address, in a pool
 of 4 resolver threads it starts for that, and imports the idna codec to do so: ~5 ms of a ~0.15 s
-warm start (BENCHMARKS.md, service section; asyncio's own loop does not). A host name is left to
+warm start (asyncio's own loop does not). A host name is left to
 whoever resolves it: the single-process server hands it to the loop, which binds every address the
 name has; the workers' supervisor binds the first one.
 """

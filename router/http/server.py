@@ -2,7 +2,7 @@
 the lookup endpoints (/health, /ready, /v1/models, /route: :mod:`router.http.native`) run natively,
 everything else goes through the FastAPI app over a minimal ASGI bridge.
 
-Why not uvicorn for the hot path (measured, BENCHMARKS.md): under uvicorn every proxied response
+Why not uvicorn for the hot path (measured side by side): under uvicorn every proxied response
 costs two socket writes (status line and headers, then the body) plus ASGI message dicts and a task
 watching for the client leaving. On the 2-vCPU VM we benchmark on, a write that wakes the peer is the
 largest single cost of a request, so owning the socket lets a small response go out in one write and
@@ -1088,7 +1088,7 @@ class HttpServer:
         """Exact bytes of a bodiless GET or HEAD -> its parse. Probes and pollers (a load balancer's
         health check, Prometheus, an external scheduler's ``/v1/models``) send the same bytes every
         time; a repeat skips httptools' callbacks and the URL split, about a third of answering a
-        ``/health`` (BENCHMARKS.md). Keyed by every byte, so a hit is exactly what parsing would
+        ``/health``. Keyed by every byte, so a hit is exactly what parsing would
         give; anything with a body or framing headers is parsed every time. The heads are kept as
         sent (an ``Authorization`` value included) until the table fills; every request, hit or
         not, is authorized again."""
@@ -1114,8 +1114,8 @@ class HttpServer:
         <router.http.native.NativeEndpoints.constant>`: ``/health``), given with 200 on a
         keep-alive connection; emptied when the API keys change (a head's authorization may change
         with them) and when the server stops. A probe answered from here costs one dictionary
-        lookup and one write: ~2 us less server CPU than answering it again (BENCHMARKS.md,
-        ``/health``)."""
+        lookup and one write: ~2 us less server CPU than answering it again
+        (``/health``)."""
         self.canned_second = 0
         """The wall-clock second of the date :attr:`canned` answers carry: given only within it."""
         app.on_config_applied.append(self.canned.clear)

@@ -2,7 +2,7 @@
 
 Why not httpx here: measured on this machine against a zero-latency upstream, httpx sustained
 1,275 req/s on one connection and 403 req/s over 32 (its pool scans every connection, with a
-readability syscall each, on every request), where this client does ~14k and ~22k (BENCHMARKS.md).
+readability syscall each, on every request), where this client does ~14k and ~22k.
 The router's own calls to its backends (health checks, /tokenize) use it too (:meth:`UpstreamPool.fetch`).
 
 What it does, and no more: one request per connection at a time; the request written in one

@@ -51,6 +51,7 @@ class ChecksConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``[checks]``: comparing predicted cached tokens with the engines' own counts."""
 
     enabled: bool = True
+    """Compare each request's predicted cached tokens with the engine's ``usage`` (docs/operations.md)."""
     stream_usage_every: int = 8
     """Ask the engine for usage (``stream_options.include_usage``) on one in this many client streams
     that did not ask for it, and strip it from what the client receives; 0 never asks."""

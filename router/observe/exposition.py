@@ -4,7 +4,7 @@ Why our own and not prometheus-client's: kvrouter used none of its instruments o
 (:class:`router.observe.metrics.LeanCounter` and ``LeanHistogram`` replaced them, ~20 us less per
 request), only its family classes and its renderer, and importing the package (its HTTP servers,
 WSGI and push-gateway helpers come with it) took ~40 ms of a ~0.2 s ``kvrouter serve`` start on the
-benchmark box (BENCHMARKS.md, issue 11). What this keeps of prometheus-client's output, so that
+benchmark box. What this keeps of prometheus-client's output, so that
 dashboards and alerts see the same series: counters are exported with the ``_total`` suffix on their
 HELP, TYPE and sample lines; histograms as cumulative ``_bucket{le=...}`` samples, then ``_count``
 and ``_sum`` (neither when a bucket bound is negative, which prometheus-client also omits); no

@@ -9,7 +9,7 @@ bounded: backend, DP rank, model, medium, source, status class, outcome; never a
 The request-path series are plain Python counters and bucket lists (:class:`LeanCounter`,
 :class:`LeanHistogram`) exported at scrape time, not prometheus-client objects: its children take a
 lock and walk several layers per update, and the seven updates a proxied request made cost ~20 us of
-CPU per request in the live router (BENCHMARKS.md), a tenth of the router's whole cost. Each is
+CPU per request in the live router, a tenth of the router's whole cost. Each is
 written by one thread only (the event loop's; the event-lag histogram: the ingest thread's), and a
 scrape copies a series in one C call.
 """

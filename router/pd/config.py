@@ -16,14 +16,14 @@ ConnectorName = Literal["nixl"]
 
 
 class PDConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How a model served by prefill- and decode-role engines is routed (defaults: BENCHMARKS.md)."""
+    """How a model served by prefill- and decode-role engines is routed (defaults: docs/benchmarks/pd.md)."""
 
     connector: ConnectorName = "nixl"
     """The engines' KV connector protocol: vLLM's NixlConnector (pull: prefill leg, then decode leg)."""
     min_uncached_tokens: int = 128
     """Run the prefill leg only when the decode target would have at least this many prompt tokens
     it does not cache; below that it prefills the remainder itself (conditional disaggregation). 0:
-    always disaggregate. 128 (measured, BENCHMARKS.md): about where computing the remainder on the
+    always disaggregate. 128 (measured on the mock P/D fleet): about where computing the remainder on the
     decode engine costs what a prefill leg adds (a prefill step, a hop, a transfer, the wait for the
     decode step), and the decode engine's step grows by at most ~13 ms (0.1 ms per token)."""
     max_prefill_queue_tokens: int = 0

@@ -1,7 +1,7 @@
 """The two legs of a disaggregated request: the prefill leg here, then the proxy's own exchange as the
 decode leg.
 
-Rules (issue 14), in the order they apply:
+Rules, in the order they apply:
 
 - Both legs carry one ``X-Request-Id``: the client's when it sent one (so engine logs match its
   own), else a new one. The decode engine's pull is keyed by the prefill engine's request id, which

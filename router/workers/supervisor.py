@@ -2,7 +2,7 @@
 
 Why processes: one Python process proxies at most ~7k requests/s on the reference box (tokenizing,
 hashing, scoring and two socket round trips per request, all under one GIL), while the machine has
-cores to spare; two processes measured +25-35% there (BENCHMARKS.md). Threads would not help: the
+cores to spare; two processes measured +25-35% there. Threads would not help: the
 per-request work is Python.
 
 How:
