@@ -55,7 +55,8 @@ from router.observe.metrics import (
 from router.pd.exchange import PDExchange
 from router.pd.metrics import PDMetrics, merge_dashboards
 
-if TYPE_CHECKING:  # (imported where used: only with Kubernetes discovery / several workers)
+if TYPE_CHECKING:  # (imported where used: only with Kubernetes discovery / several workers / [epp])
+    from router.epp.server import EppServer
     from router.fleet.sources.kubernetes import PodWatcher
     from router.workers.supervisor import WorkerContext
 
@@ -194,10 +195,38 @@ class KVRouter:
         self.metrics.add_collector(UpstreamCollector(self.pool))
         if self.checks is not None:
             self.metrics.add_collector(ChecksCollector(self.checks))
+        self.epp: EppServer | None = None
+        """The Envoy ext_proc endpoint picker (``[epp]``, router/epp): the same decisions, for a gateway."""
+        if config.epp.enabled:
+            self.epp = self._make_epp()
         self._forget = _ForgetRemoved(self)
         self.membership.listeners.append(self._forget)
         self._tasks: list[asyncio.Task[None]] = []
         self.dashboard_history = DashboardHistory()
+
+    def _make_epp(self) -> EppServer:
+        try:
+            from router.epp.picker import Picker
+            from router.epp.server import EppServer
+        except ImportError as exc:  # (the extra is not installed)
+            raise ValueError(
+                f"[epp] is enabled but its packages are missing ({exc}): pip install 'kvrouter[epp]'"
+            ) from None
+
+        srv = self.config.server
+        picker = Picker(
+            self.config.epp,
+            self.service,
+            self.loads,
+            self.metrics,
+            srv.max_body_bytes,
+            self.checks,
+            trusted=lambda h: self.trusted(
+                [(k.encode("latin-1"), v.encode("latin-1")) for k, v in h.items()]
+            ),
+        )
+        self.metrics.add_series(picker.epp_metrics.series)
+        return EppServer(self.config.epp, picker, srv.max_body_bytes + (1 << 16))
 
     # --- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -296,6 +325,8 @@ class KVRouter:
     async def startup(self) -> None:
         """Start ingestion, the static fleet and health checks; the first probe round completes (and
         healthy backends finish their index bootstrap) before serving."""
+        if self.epp is not None:  # (liveness answers while the rest starts; readiness at the end)
+            await self.epp.start()
         self.index.start()
         self.membership.reconcile("config", self.config.backends, "in the config file")
         await self.health.check_all()
@@ -320,6 +351,8 @@ class KVRouter:
                     self._publish_stats(self.worker), name="kvrouter-stats"
                 )
             )
+        if self.epp is not None:
+            await self.epp.ready()
         healthy = self._healthy_names()
         sources = self.index.status()
         # connected ones, as /debug/index shows them; a backend with kv_events = "auto" has none until
@@ -347,6 +380,8 @@ class KVRouter:
 
     async def shutdown(self) -> None:
         """Stop background work and close connections (in-flight requests were drained by the server)."""
+        if self.epp is not None:
+            await self.epp.stop(self.config.server.drain_timeout_s)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

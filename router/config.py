@@ -240,6 +240,44 @@ class MembershipConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kubernetes: KubernetesConfig = KubernetesConfig()
 
 
+class EppConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """kvrouter as a Gateway API Inference Extension endpoint picker (docs/gateway.md): an Envoy
+    ext_proc gRPC server beside the HTTP front door, deciding with the same code as the proxy and
+    ``/route``. Off by default: without a gateway in front nothing would call it."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    """Listen address of both gRPC ports ("0.0.0.0" in a pod, where the gateway is another host)."""
+    port: int = 9002
+    """The ext_proc service (``envoy.service.ext_proc.v3.ExternalProcessor``), the EPP convention."""
+    health_port: int = 9003
+    """gRPC health only (services ``liveness``, ``readiness`` and the ext_proc service name), for
+    probes that must not share the data port's TLS; the data port answers health too."""
+    fallbacks: int = 2
+    """Next-best endpoints listed after the chosen one (``ip:port,ip:port,...``): where the gateway's
+    retry goes when the first refuses. Other backends only (a dead engine's other DP ranks share its
+    address); 0: the choice alone (what an ORIGINAL_DST cluster needs: it reads one address)."""
+    max_streams: int = 4096
+    """Requests the picker holds at once (decided and not yet finished, or still arriving); one
+    past it is shed: an ImmediateResponse 429 with Retry-After, the protocol's answer for a request
+    dropped under load. Bounds the memory the per-request state and bodies take."""
+    destination_namespace: str = "envoy.lb"
+    """Dynamic metadata namespace of the picked endpoints, and where the served endpoint is read
+    from on the response (``x-gateway-destination-endpoint``, ``...-served``)."""
+    subset_namespace: str = "envoy.lb.subset_hint"
+    """Filter metadata namespace of the gateway's subset hint
+    (``x-gateway-destination-endpoint-subset``: pick only from these addresses)."""
+    tls_cert_file: str = ""
+    """PEM certificate chain of both gRPC ports; "" (with ``tls_key_file``): plaintext."""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    """PEM CA bundle: when set, clients (the gateway) must present a certificate it signed (mTLS)."""
+    message_timeout_s: float = 30.0
+    """Longest wait for the next message of a request's stream while the picker still needs one
+    (its body); past it the stream gets an ImmediateResponse 408, so a gateway that stalls cannot
+    hold a slot of ``max_streams`` for ever."""
+
+
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The whole file."""
 
@@ -290,6 +328,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Router replicas sharing load, predictions and session pins (router/cluster)."""
     pd: PDConfig = PDConfig()
     """Prefill/decode disaggregation, for models served by ``role = "prefill"`` engines."""
+    epp: EppConfig = EppConfig()
+    """The Envoy ext_proc endpoint picker (docs/gateway.md); off by default."""
 
 
 _PATH_RE = re.compile(r"\$\.?(.*)$")
@@ -649,10 +689,37 @@ def validate(cfg: RouterConfig) -> None:
     for model, path in cfg.tokenizers.items():
         if not Path(path).exists():
             raise ConfigError(f"tokenizers.{model}: {path!r} does not exist")
+    _validate_epp(cfg.epp)
     try:  # [cluster] (router/cluster)
         validate_cluster(cfg.cluster)
     except ClusterError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _validate_epp(e: EppConfig) -> None:
+    """``[epp]``: ports, bounds, and a TLS pair that is whole and readable."""
+    for key in ("port", "health_port"):
+        if not 0 <= getattr(e, key) < 65536:
+            raise ConfigError(f"epp.{key}: must be between 0 (any free port) and 65535")
+    if e.enabled and e.port and e.port == e.health_port:
+        raise ConfigError("epp.health_port: must differ from epp.port")
+    if not 0 <= e.fallbacks <= 16:
+        raise ConfigError("epp.fallbacks: must be between 0 and 16")
+    if e.max_streams < 1:
+        raise ConfigError("epp.max_streams: must be at least 1")
+    if not e.message_timeout_s > 0:
+        raise ConfigError("epp.message_timeout_s: must be positive")
+    for key in ("destination_namespace", "subset_namespace"):
+        if not getattr(e, key):
+            raise ConfigError(f"epp.{key}: must not be empty")
+    if bool(e.tls_cert_file) != bool(e.tls_key_file):
+        raise ConfigError("epp.tls_cert_file, epp.tls_key_file: give both or neither")
+    if e.tls_client_ca_file and not e.tls_cert_file:
+        raise ConfigError("epp.tls_client_ca_file: needs epp.tls_cert_file and epp.tls_key_file")
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        path = getattr(e, key)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"epp.{key}: {path!r} is not a readable file")
 
 
 def load_config(path: str | Path) -> RouterConfig:

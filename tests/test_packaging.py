@@ -61,8 +61,13 @@ def _imports(package: str) -> dict[str, bool]:
             visit(child, inner)
 
     for path in (ROOT / package).rglob("*.py"):
-        visit(ast.parse(path.read_text(), str(path)), True)
+        # router/epp is a feature package imported only when [epp] is on (router.app): its own
+        # module-level imports of the epp extra run only then
+        visit(ast.parse(path.read_text(), str(path)), LAZY not in path.relative_to(ROOT).parents)
     return found
+
+
+LAZY = Path("router/epp")
 
 
 def test_the_dependencies_are_exactly_what_the_router_and_index_import() -> None:
@@ -80,6 +85,7 @@ def test_the_dependencies_are_exactly_what_the_router_and_index_import() -> None
     project = PYPROJECT["project"]
     core = {_name(r) for r in project["dependencies"]}
     kubernetes = {_name(r) for r in project["optional-dependencies"]["kubernetes"]}
+    kubernetes |= {_name(r) for r in project["optional-dependencies"]["epp"]}
     dists = packages_distributions()
     used: dict[str, bool] = {}  # declared distribution -> imported at module level
     for module, top in third_party.items():
@@ -89,8 +95,21 @@ def test_the_dependencies_are_exactly_what_the_router_and_index_import() -> None
         for dist in declared:
             used[dist] = used.get(dist, False) or top
     assert set(used) == core | kubernetes, (sorted(used), sorted(core), sorted(kubernetes))
-    assert {d for d in kubernetes if used[d]} == set(), "the kubernetes extra imported at start-up"
+    assert {d for d in kubernetes if used[d]} == set(), "the kubernetes or epp extra imported at start-up"
+    assert not modules_importing_epp_at_top(), "router.epp imported at module level outside router/epp"
     assert not {_name(r) for r in project["optional-dependencies"]["sim"]} & core
+
+
+def modules_importing_epp_at_top() -> list[str]:
+    """Modules outside router/epp that import it at module level (it needs the epp extra)."""
+    out = []
+    for path in (ROOT / "router").rglob("*.py"):
+        if LAZY in path.relative_to(ROOT).parents:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("router.epp"):
+                out.append(str(path.relative_to(ROOT)))
+    return out
 
 
 def _copy_sources(dest: Path) -> None:

@@ -432,11 +432,20 @@ class RouterService:
         if size > LARGE_BODY_BYTES and body is not None:
             self.tokenizer.offload_soon(release, body)
 
-    def candidates_for(self, model: str) -> list[Member]:
+    def candidates_for(self, model: str, subset: frozenset[str] | None = None) -> list[Member]:
         """Members that may take a request for a model now (ready, healthy, not ejected by their
         breaker; all of them if every one is ejected): 404 if nobody serves it, 503 if nobody can, or
-        if a backend never reached yet might (a fleet whose engines are all still starting)."""
+        if a backend never reached yet might (a fleet whose engines are all still starting).
+        ``subset``: only these members (by name) are eligible, 503 when none of them is (a gateway's
+        subset hint, router/epp)."""
         backends = self.membership.routable_for(model)
+        if subset is not None and backends:
+            backends = [b for b in backends if b.name in subset]
+            if not backends:
+                raise unavailable(
+                    f"No backend of the request's endpoint subset can take `{model}` now",
+                    "no_eligible_endpoint",
+                )
         if not backends:
             if self.membership.known(model):
                 raise unavailable(f"No healthy backend serves `{model}`")
@@ -461,6 +470,7 @@ class RouterService:
         dry_run: bool = False,
         session: int | None = None,
         size: int | None = None,
+        subset: frozenset[str] | None = None,
     ) -> Route:
         """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`, no
         pin); ``session``: the request's session id, when session affinity is on; ``size``: the
@@ -471,7 +481,8 @@ class RouterService:
 
         The candidates are taken after tokenizing (the last await): from there until the proxy takes
         its load ticket nothing yields to the event loop, so a backend that starts draining meanwhile
-        is never chosen, and one chosen is never removed before its request counts as in flight."""
+        is never chosen, and one chosen is never removed before its request counts as in flight.
+        ``subset``: the members (by name) the choice is limited to (:meth:`candidates_for`)."""
         t0 = time.perf_counter()
         if size is not None and size > LARGE_BODY_BYTES:
             model = self._servable(await self.tokenizer.offload(validate_body, endpoint, body))
@@ -497,7 +508,9 @@ class RouterService:
                 held = time.perf_counter() - held_at
                 unseen.note_hold(held)
                 t0 += held  # (the timings are the work's; the hold is reported on its own)
-        return self._choose(endpoint, body, model, tokens, tok_error, t0, held, dry_run, session)
+        return self._choose(
+            endpoint, body, model, tokens, tok_error, t0, held, dry_run, session, subset=subset
+        )
 
     def explain_now(
         self, endpoint: Endpoint, body: dict[str, Any], *, session: int | None = None
@@ -568,6 +581,7 @@ class RouterService:
         dry_run: bool,
         session: int | None,
         backends: list[Member] | None = None,
+        subset: frozenset[str] | None = None,
     ) -> Route:
         """THE decision, from the prompt's tokens on (nothing here yields to the event loop): match,
         score and choose (router/decision/policy.py ``Policy.decide``, one compiled pass), the P/D
@@ -577,7 +591,7 @@ class RouterService:
         policy = self.policy
         t1 = time.perf_counter()
         if backends is None:
-            backends = self.candidates_for(model)
+            backends = self.candidates_for(model, subset)
         plan = self._plan(backends)
         inputs = plan.inputs
         found: PlanMatch | None = None

@@ -48,7 +48,14 @@ from router.http.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from router.observe.checks import PredictionChecks, sse_events, strip_usage, usage_event, usage_in_json
+from router.observe.checks import (
+    PredictionChecks,
+    observe_route,
+    route_checkable,
+    sse_usage,
+    strip_usage,
+    usage_in_json,
+)
 from router.observe.metrics import RouterMetrics
 from router.pd.connector import ENGINE_FIELDS
 from router.pd.exchange import PDExchange
@@ -105,17 +112,6 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 class _ClientGone(Exception):
     pass
-
-
-def _sse_usage(events: bytes) -> dict[str, Any] | None:
-    """The last usage carried by these whole SSE events, if any (with continuous usage stats every
-    event has one: the final one has the cached tokens)."""
-    found = None
-    for event in sse_events(events):
-        usage = usage_event(event)
-        if usage is not None:
-            found = usage
-    return found
 
 
 def _stream_error_event(message: str) -> bytes:
@@ -331,28 +327,13 @@ class ProxyHandler:
         self, route: Route, target: tuple[str, int], status: int, usage: dict[str, Any] | None
     ) -> None:
         """Schedule the prediction check of a served request (after the response went out)."""
-        # (not after a P/D prefill leg: the engine's cached count then includes the blocks it
-        # pulled from the prefill engine, which no prediction of its own index covers)
-        transferred = route.pd is not None and route.pd.prefill_status == "ok"
-        # (nor for a media prompt: its tokens are its text before the media)
-        checked = route.prompt_tokens and route.tokenize_error is None and not transferred
-        if self.checks is not None and status == 200 and checked:
+        if self.checks is not None and route_checkable(route, status):
             asyncio.get_running_loop().call_soon(self._check, route, target, usage)
 
     def _check(self, route: Route, target: tuple[str, int], usage: dict[str, Any] | None) -> None:
         """One prediction check, after the response went out (scheduled, off the response path)."""
-        if self.checks is None:
-            return
-        predicted = route.media_of(target)
-        self.checks.observe(
-            target[0],
-            target[1],
-            route.endpoint,
-            route.prompt_tokens,
-            self.service.index.block_size_of(target),
-            predicted,
-            usage,
-        )
+        if self.checks is not None:
+            observe_route(self.checks, route, target, self.service.index.block_size_of(target), usage)
 
     def _headers(
         self, headers: Iterable[tuple[bytes, bytes]], backend_auth: dict[str, str], dp_size: int, rank: int
@@ -504,7 +485,7 @@ class ProxyHandler:
                 if held is not None:
                     chunk = held.flush(chunk) if resp.finished else held.cut(chunk)
                     if b'"usage"' in chunk:
-                        usage = _sse_usage(chunk) or usage
+                        usage = sse_usage(chunk) or usage
                         if seen is not None and usage is not None:
                             seen["usage"] = usage
                         if strip:

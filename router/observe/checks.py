@@ -36,9 +36,12 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:  # (the type only: decisions are made one floor up)
+    from router.decision.service import Route
 
 log = logging.getLogger("kvrouter.checks")
 
@@ -344,6 +347,27 @@ class PredictionChecks:
             self.mismatched_prompts.pop(backend, None)
 
 
+def route_checkable(route: Route, status: int) -> bool:
+    """Whether a served request's usage can check its prediction: a 200 whose prompt was tokenized
+    whole, not after a P/D prefill leg (the engine's cached count then includes the blocks it
+    pulled from the prefill engine, which no prediction of its own index covers), nor a media
+    prompt (its tokens are its text before the media)."""
+    transferred = route.pd is not None and route.pd.prefill_status == "ok"
+    return status == 200 and bool(route.prompt_tokens) and route.tokenize_error is None and not transferred
+
+
+def observe_route(
+    checks: PredictionChecks,
+    route: Route,
+    target: tuple[str, int],
+    block_size: int,
+    usage: dict[str, Any] | None,
+) -> None:
+    """One prediction check of a request ``target`` served (the proxy's and the endpoint picker's)."""
+    predicted = route.media_of(target)
+    checks.observe(target[0], target[1], route.endpoint, route.prompt_tokens, block_size, predicted, usage)
+
+
 def _int(v: Any) -> int | None:
     return v if type(v) is int else None
 
@@ -423,6 +447,17 @@ def usage_event(event: bytes) -> dict[str, Any] | None:
         return None
     data = _data_json(event)
     return usage_in_json(data) if data is not None else None
+
+
+def sse_usage(events: bytes) -> dict[str, Any] | None:
+    """The last usage carried by these whole SSE events, if any (with continuous usage stats every
+    event has one: the final one has the cached tokens)."""
+    found = None
+    for event in sse_events(events):
+        usage = usage_event(event)
+        if usage is not None:
+            found = usage
+    return found
 
 
 def strip_usage(events: bytes) -> bytes:

@@ -1,0 +1,513 @@
+"""The ext_proc ``Process`` stream: one HTTP request through the gateway, decided by kvrouter.
+
+Per request Envoy opens one bidirectional gRPC stream and sends its request headers, body (and
+trailers), then the response's. The picker:
+
+- holds the request body (``server.max_body_bytes``, as the proxy does) and, once it is whole, asks
+  :meth:`router.decision.service.RouterService.decide` -- the proxy's and ``/route``'s decision --
+  and answers with the ``x-gateway-destination-endpoint`` header and the same value in the dynamic
+  metadata: the chosen ``ip:port``, then up to ``epp.fallbacks`` next-best other addresses;
+- FULL_DUPLEX_STREAMED (what the request's ``protocol_config`` says, and the default when Envoy sends
+  none): the headers are answered after the body, and the body is sent back by the picker (the
+  mode's rule); BUFFERED: the headers pass at once and the body's answer carries the headers;
+- on the response, takes the endpoint that served (``x-gateway-destination-endpoint-served`` in the
+  metadata, else Envoy's ``upstream.address`` attribute) as the one the load and the prediction
+  belong to, and reads usage from the body's tail for the prediction self-check;
+- ends the request's in-flight accounting when the response ends or the stream does (a reset);
+- answers every error with an ImmediateResponse carrying an OpenAI-shaped body: 400/404/413 for a
+  bad request, 503 when no endpoint (or none of the gateway's subset) can take it, 429 when the
+  picker sheds (``epp.max_streams`` requests held: its own overload, as a full proxy answers 503
+  at its connection cap), 408 when the gateway stalls mid-body.
+
+The stream runs on the router's event loop (grpc.aio), like the proxy's requests: the decision's
+objects (index, load tracker, breakers) are the loop's and are never touched from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import grpc
+import msgspec
+
+from router.config import EppConfig
+from router.decision.service import Endpoint, Route, RouterService
+from router.epp import protocol as p
+from router.fleet.load import LoadTracker, Ticket
+from router.http.body import BodyBuffer
+from router.http.errors import ApiError, bad_request, too_large
+from router.observe.checks import PredictionChecks, observe_route, route_checkable, sse_usage, usage_in_json
+from router.observe.metrics import LeanCounter, RouterMetrics
+from router.pd.connector import ENGINE_FIELDS
+
+if TYPE_CHECKING:
+    from router.fleet.membership import Member
+
+log = logging.getLogger("kvrouter.epp")
+
+PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_TAIL = 16384
+"""Bytes of a response's end kept for its usage (vLLM's final usage event or JSON field is ~200)."""
+_CHUNK = 1 << 20
+"""Largest body piece sent back in one message (FULL_DUPLEX_STREAMED): under gRPC's usual 4 MiB."""
+
+OUTCOMES = ("picked", "rejected", "shed", "unsupported", "aborted")
+
+
+class EppMetrics:
+    """The picker's own series (its decisions are counted with the proxy's, by RouterMetrics)."""
+
+    def __init__(self) -> None:
+        self.streams = LeanCounter(
+            "kvrouter_epp_streams",
+            "ext_proc streams by outcome (picked: endpoints answered; rejected: an ImmediateResponse "
+            "4xx/503; shed: 429, epp.max_streams held; unsupported: a body mode the picker cannot "
+            "decide in; aborted: ended before a decision)",
+            ["outcome"],
+        )
+        self.immediate = LeanCounter(
+            "kvrouter_epp_immediate_responses", "ImmediateResponses sent, by HTTP status", ["status"]
+        )
+        self.served = LeanCounter(
+            "kvrouter_epp_served",
+            "Responses by where they were served: primary (the first endpoint answered), fallback "
+            "(a later one, after the gateway's retry), other (an endpoint the picker did not list), "
+            "unknown (the gateway said nothing)",
+            ["where"],
+        )
+        self.active = 0
+
+    @property
+    def series(self) -> list[LeanCounter]:
+        return [self.streams, self.immediate, self.served]
+
+
+class Addresses:
+    """``ip:port`` <-> member name, rebuilt when the membership changes (the gateway names endpoints
+    by address; the router by name)."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+        self._version = -1
+        self._by_address: dict[str, list[str]] = {}
+
+    def of(self, member: Member) -> str:
+        return urlsplit(member.url).netloc
+
+    def names(self, addresses: list[str]) -> frozenset[str]:
+        m = self.service.membership
+        if self._version != m.version:
+            self._version = m.version
+            by: dict[str, list[str]] = {}
+            for member in m.members.values():
+                by.setdefault(self.of(member), []).append(member.name)
+            self._by_address = by
+        return frozenset(n for a in addresses for n in self._by_address.get(a, ()))
+
+
+class Picker:
+    """The ``envoy.service.ext_proc.v3.ExternalProcessor`` servicer (``Process`` only)."""
+
+    def __init__(
+        self,
+        config: EppConfig,
+        service: RouterService,
+        loads: LoadTracker,
+        metrics: RouterMetrics,
+        max_body_bytes: int,
+        checks: PredictionChecks | None = None,
+        trusted: Callable[[dict[str, str]], bool] = lambda headers: False,
+    ) -> None:
+        self.config = config
+        self.service = service
+        self.loads = loads
+        self.metrics = metrics
+        self.checks = checks
+        self.max_body_bytes = max_body_bytes
+        self.trusted = trusted
+        """Whether a request's headers let it pass :data:`ENGINE_FIELDS` (``trusted_api_keys``)."""
+        self.epp_metrics = EppMetrics()
+        self.addresses = Addresses(service)
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[p.Message],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[p.Message]:
+        stream = _Stream(self)
+        em = self.epp_metrics
+        em.active += 1
+        try:
+            if em.active > self.config.max_streams:
+                stream.outcome = "shed"
+                yield stream.reject(
+                    429,
+                    msgspec.json.encode(
+                        {
+                            "error": {
+                                "message": f"the endpoint picker holds its maximum of "
+                                f"{self.config.max_streams} requests; retry later",
+                                "type": "rate_limit_error",
+                                "param": None,
+                                "code": "too_many_requests",
+                            }
+                        }
+                    ),
+                    "kvrouter_shed",
+                )
+                return
+            it = request_iterator.__aiter__()
+            while True:
+                try:
+                    if stream.route is None:
+                        req = await asyncio.wait_for(it.__anext__(), self.config.message_timeout_s)
+                    else:
+                        req = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    yield stream.error(
+                        ApiError(
+                            408,
+                            "the gateway sent no more of the request within epp.message_timeout_s",
+                            "invalid_request_error",
+                            "request_timeout",
+                        )
+                    )
+                    return
+                for resp in await stream.on(req):
+                    yield resp
+                if stream.finished:
+                    return
+            if stream.route is None and stream.headers is not None and not stream.finished:
+                # the stream ended (half-closed) before the body was whole: answered, not left hanging
+                yield stream.error(
+                    bad_request("the request ended before its body was complete", "incomplete_body")
+                )
+        finally:
+            em.active -= 1
+            stream.close()
+
+
+class _Stream:
+    """One request's state (its stream's messages arrive in order, one at a time)."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+        self.request_mode = p.FULL_DUPLEX
+        self.response_mode = p.NONE
+        self.headers: dict[str, str] | None = None
+        self.subset: list[str] | None = None
+        self.body = BodyBuffer(picker.max_body_bytes)
+        self.route: Route | None = None
+        self.endpoints: list[tuple[str, str, int]] = []
+        """(address, member name, rank) in the order the gateway got them."""
+        self.ticket: Ticket | None = None
+        self.target: tuple[str, int] | None = None
+        self.decided_at = 0.0
+        self.status = 0
+        self.sse = False
+        self.tail = b""
+        self.truncated = False
+        self.first = True
+        self.finished = False
+        self.outcome = "aborted"
+
+    # --- messages ------------------------------------------------------------------------------
+    async def on(self, req: p.Message) -> list[p.Message]:
+        if req.HasField("protocol_config"):
+            self.request_mode = req.protocol_config.request_body_mode
+            self.response_mode = req.protocol_config.response_body_mode
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            return self._request_headers(req)
+        if kind == "request_body":
+            return await self._request_body(req.request_body.body, req.request_body.end_of_stream)
+        if kind == "request_trailers":
+            out = await self._request_body(b"", True) if self.route is None else []
+            return [*out, p.continue_trailers()] if not self.finished else out
+        if kind == "response_headers":
+            return [self._response_headers(req)]
+        if kind == "response_body":
+            return [self._response_body(req.response_body.body, req.response_body.end_of_stream)]
+        if kind == "response_trailers":
+            self._response_end()
+            return [p.continue_trailers(request=False)]
+        return []
+
+    def _request_headers(self, req: p.Message) -> list[p.Message]:
+        self.headers = p.header_values(req.request_headers)
+        subset = p.metadata_value(req.metadata_context, self.picker.config.subset_namespace, p.SUBSET)
+        if subset is not None:
+            self.subset = [str(a) for a in subset] if isinstance(subset, list) else [str(subset)]
+        if req.request_headers.end_of_stream:
+            return [
+                self.error(
+                    bad_request(
+                        "kvrouter's endpoint picker routes inference requests: a JSON body with "
+                        "`model` is required",
+                        "missing_body",
+                    )
+                )
+            ]
+        if self.request_mode not in (p.FULL_DUPLEX, p.BUFFERED):
+            self.outcome = "unsupported"
+            return [
+                self.error(
+                    ApiError(
+                        500,
+                        "the gateway sends the request body in a mode the endpoint picker cannot decide "
+                        "in: use FULL_DUPLEX_STREAMED or BUFFERED",
+                        "server_error",
+                        "unsupported_body_mode",
+                    )
+                )
+            ]
+        if self.request_mode == p.BUFFERED:
+            return [p.continue_headers()]
+        return []  # FULL_DUPLEX_STREAMED: answered with the decision, once the body is in
+
+    async def _request_body(self, chunk: bytes, end: bool) -> list[p.Message]:
+        if self.headers is None:
+            return [self.error(bad_request("a request body came before its headers", "protocol_error"))]
+        if self.route is not None:
+            return []  # (trailers after a decided body)
+        if chunk and not self.body.add(chunk):
+            return [self.error(too_large(self.picker.max_body_bytes))]
+        if not end:
+            return []
+        raw = self.body.take()
+        try:
+            return await self._decide(raw)
+        except ApiError as err:
+            return [self.error(err)]
+
+    async def _decide(self, raw: bytes) -> list[p.Message]:
+        picker = self.picker
+        service = picker.service
+        headers = self.headers or {}
+        size = len(raw)
+        parsed: Any = await service.read_json(raw)
+        try:
+            path = headers.get(":path", "").split("?", 1)[0]
+            endpoint = PATHS.get(path) or (
+                "chat" if isinstance(parsed, dict) and "messages" in parsed else "completions"
+            )
+            changed = False
+            rewrite = headers.get(p.MODEL_REWRITE)
+            if rewrite and isinstance(parsed, dict):
+                parsed = {**parsed, "model": rewrite}
+                changed = True
+            if isinstance(parsed, dict) and not picker.trusted(headers):
+                fields = [f for f in ENGINE_FIELDS if f in parsed]
+                if fields:  # (only the router sets them for the engines: trusted_api_keys says why)
+                    for f in fields:
+                        picker.metrics.client_fields_removed.inc((f,))
+                    parsed = {k: v for k, v in parsed.items() if k not in fields}
+                    changed = True
+            subset = None
+            if self.subset is not None:
+                subset = picker.addresses.names(self.subset)
+                if not subset:
+                    raise ApiError(
+                        503,
+                        "none of the endpoints of the request's subset hint is one the picker knows",
+                        "service_unavailable",
+                        "no_eligible_endpoint",
+                    )
+            t0 = time.perf_counter()
+            route = await service.decide(endpoint, parsed, size=size, subset=subset)
+            decision_s = time.perf_counter() - t0 - route.timings_us.get("held", 0.0) / 1e6
+            body = await service.write_json(parsed, size) if changed else None
+        finally:
+            service.release(parsed, size)
+        self.route = route
+        self.endpoints = self._endpoints(route)
+        target = (route.backend, route.dp_rank)
+        self.target = target
+        self.ticket = picker.loads.start(target, service.uncached_tokens(route, target))
+        self.decided_at = time.perf_counter()
+        picker.metrics.routed(
+            route.backend,
+            route.dp_rank,
+            route.outcome,
+            route.prompt_tokens,
+            next((c.blocks_by_medium for c in route.candidates if c.chosen), {}),
+            route.block_size,
+            route.prompt_blocks,
+            decision_s,
+        )
+        self.outcome = "picked"
+        value = ",".join(e[0] for e in self.endpoints)
+        member = route.members[route.backend]
+        set_headers = [(p.DESTINATION, value)]
+        remove: list[str] = []
+        if member.spec.dp_size > 1:
+            set_headers.append((p.DP_RANK, str(route.dp_rank)))
+        else:
+            remove.append(p.DP_RANK)  # (a client's own would pick a rank the router did not)
+        sent = body if body is not None else raw
+        if body is not None:
+            set_headers.append(("content-length", str(len(body))))
+        metadata = p.destination_metadata(picker.config.destination_namespace, value)
+        if self.request_mode == p.BUFFERED:
+            return [p.picked_buffered_body(set_headers, remove, metadata, body)]
+        out = [p.picked_headers(set_headers, remove, metadata)]
+        view = memoryview(sent)
+        pieces = range(0, len(sent), _CHUNK) if sent else range(1)
+        for at in pieces:
+            out.append(p.streamed_body(bytes(view[at : at + _CHUNK]), at + _CHUNK >= len(sent)))
+        return out
+
+    def _endpoints(self, route: Route) -> list[tuple[str, str, int]]:
+        """The chosen target's address, then up to ``epp.fallbacks`` next-best on other addresses
+        (routable members only: the gateway retries down the list in order)."""
+        addrs = self.picker.addresses
+        members = route.members
+        first = members[route.backend]
+        out = [(addrs.of(first), route.backend, route.dp_rank)]
+        want = self.picker.config.fallbacks
+        if want:
+            seen = {out[0][0]}
+            available = self.picker.service.breakers.available
+            for name, rank in route.ranked()[1:]:
+                if len(out) > want:
+                    break
+                m = members.get(name)
+                if m is None or not m.routable or not available(name):
+                    continue
+                a = addrs.of(m)
+                if a not in seen:
+                    seen.add(a)
+                    out.append((a, name, rank))
+        return out
+
+    def _response_headers(self, req: p.Message) -> p.Message:
+        headers = p.header_values(req.response_headers)
+        try:
+            self.status = int(headers.get(":status", "0"))
+        except ValueError:
+            self.status = 0
+        self.sse = headers.get("content-type", "").startswith("text/event-stream")
+        ns = self.picker.config.destination_namespace
+        served = p.metadata_value(req.metadata_context, ns, p.SERVED)
+        if served is None:
+            served = p.attribute_value(req, p.UPSTREAM_ADDRESS)
+        extra: list[tuple[str, str]] = []
+        if self.route is not None:
+            self._served(str(served) if served else None)
+            if self.target is not None:
+                extra = [("x-kvrouter-backend", self.target[0]), ("x-kvrouter-dp-rank", str(self.target[1]))]
+        if req.response_headers.end_of_stream:
+            self._response_end()
+        return p.continue_headers(request=False, set_headers=extra)
+
+    def _served(self, served: str | None) -> None:
+        """Move the request's load (and prediction) to the endpoint that served, when the gateway's
+        retry went past the first; the endpoints passed over count as failures for their breakers."""
+        picker = self.picker
+        em = picker.epp_metrics
+        route = self.route
+        assert route is not None
+        if served is None:
+            em.served.inc(("unknown",))
+            return
+        for i, (address, name, rank) in enumerate(self.endpoints):
+            if address != served:
+                continue
+            if i == 0:
+                em.served.inc(("primary",))
+                return
+            em.served.inc(("fallback",))
+            for _, skipped, _ in self.endpoints[:i]:
+                picker.service.breakers.failure(skipped)
+                picker.metrics.error(skipped, "connect")
+            target = (name, rank)
+            if self.ticket is not None:
+                picker.loads.finish(self.ticket)
+            self.ticket = picker.loads.start(target, picker.service.uncached_tokens(route, target))
+            if route.report is not None:
+                picker.service.index.predict(target, route.report)  # the prefix is computed there now
+            self.target = target
+            return
+        em.served.inc(("other",))
+        log.debug("served by %s, which the picker did not list (%s)", served, self.endpoints)
+
+    def _response_body(self, chunk: bytes, end: bool) -> p.Message:
+        picker = self.picker
+        if chunk:
+            if self.first and self.ticket is not None and self.target is not None:
+                self.first = False
+                picker.loads.first_byte(self.ticket)
+                picker.metrics.observe_ttft(self.target[0], time.perf_counter() - self.decided_at)
+            if picker.checks is not None:
+                tail = self.tail + chunk if self.tail else chunk
+                if len(tail) > _TAIL:
+                    tail = tail[-_TAIL:]
+                    self.truncated = True
+                self.tail = tail
+        if end:
+            self._response_end()
+        if self.response_mode == p.FULL_DUPLEX:
+            return p.streamed_body(chunk, end, request=False)
+        return p.continue_body(request=False)
+
+    def _response_end(self) -> None:
+        """The response is over: the request leaves the in-flight count, its usage checks the
+        prediction (after this message is answered)."""
+        picker = self.picker
+        route, target = self.route, self.target
+        if self.finished or route is None or target is None:
+            self.finished = True
+            return
+        self.finished = True
+        self._release()
+        status = self.status
+        picker.metrics.finished(target[0], route.model, status, time.perf_counter() - self.decided_at)
+        breakers = picker.service.breakers
+        if status >= 500:
+            breakers.failure(target[0])
+        elif status:
+            breakers.success(target[0])
+        if picker.checks is not None and route_checkable(route, status):
+            tail = self.tail
+            if self.truncated:  # (a cut event at the front is not one)
+                cut = tail.find(b"\n\n")
+                tail = tail[cut + 2 :] if cut >= 0 else b""
+            usage = sse_usage(tail) if self.sse else usage_in_json(tail)
+            block_size = picker.service.index.block_size_of(target)
+            asyncio.get_running_loop().call_soon(
+                observe_route, picker.checks, route, target, block_size, usage
+            )
+        route.report = None
+
+    def _release(self) -> None:
+        if self.ticket is not None:
+            self.picker.loads.finish(self.ticket)
+            self.ticket = None
+
+    # --- answers -------------------------------------------------------------------------------
+    def error(self, err: ApiError) -> p.Message:
+        if self.outcome == "aborted":
+            self.outcome = "rejected"
+        return self.reject(err.status, err.body(), f"kvrouter_{err.code}", retry_after=err.status == 503)
+
+    def reject(self, status: int, body: bytes, details: str, retry_after: bool = False) -> p.Message:
+        self.finished = True
+        self.picker.epp_metrics.immediate.inc((str(status),))
+        return p.immediate(status, body, details, retry_after)
+
+    def close(self) -> None:
+        """The stream is over (the response ended, or the request was reset): whatever happened,
+        the request no longer counts as in flight."""
+        if self.ticket is not None and self.target is not None and not self.finished:
+            self.picker.metrics.error(self.target[0], "stream_reset")
+        self._release()
+        if self.route is not None:
+            self.route.report = None
+        self.picker.epp_metrics.streams.inc((self.outcome,))
