@@ -7,11 +7,14 @@ on its own server thread (tests/harness.py), its picker on ephemeral gRPC ports.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 import zmq
@@ -50,6 +53,41 @@ class Gateway:
     def served_by(self) -> dict[str, int]:
         return {n: len(e.requests) for n, e in self.engines.items()}
 
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.engines[name].server.port}"
+
+    def on_router(self, coro: Any) -> Any:
+        """Run a coroutine on the router's event loop (where its picker lives)."""
+        loop = self.router.server._loop  # type: ignore[union-attr]
+        assert loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    def stop_epp(self) -> int:
+        """The picker goes away while Envoy runs (its gRPC servers closed); returns its port."""
+        epp = self.router.app.epp
+        assert epp is not None
+        self.on_router(epp.stop(0))
+        return epp.port
+
+    def restart_epp(self, port: int) -> None:
+        """A picker again on the same port, on the same router."""
+        from router.epp.server import EppServer
+
+        old = self.router.app.epp
+        assert old is not None
+        cfg = msgspec.structs.replace(old.config, port=port, health_port=0)
+        new = EppServer(cfg, old.picker, 1 << 25)
+
+        async def up() -> None:
+            await new.start()
+            await new.ready()
+
+        self.on_router(up())
+        self.router.app.epp = new
+
+    def load(self, name: str) -> Any:
+        return self.router.app.loads.get((name, 0))
+
 
 Make = Callable[..., Gateway]
 
@@ -63,12 +101,12 @@ def gateway(ctx: zmq.Context[Any], tmp_path: Path) -> Iterator[Make]:
         names: tuple[str, ...] = ("a", "b"),
         epp: str = "",
         dp: dict[str, int] | None = None,
-        router_too: bool = True,
+        top: str = "",
         **envoy_kw: Any,
     ) -> Gateway:
         engines = {n: FakeEngine(n, ctx, dp_size=(dp or {}).get(n, 1)) for n in names}
         made.extend(engines.values())
-        toml = f"block_size = {BS}\n[epp]\nenabled = true\nport = 0\nhealth_port = 0\n{epp}\n"
+        toml = f"block_size = {BS}\n{top}\n[epp]\nenabled = true\nport = 0\nhealth_port = 0\n{epp}\n"
         toml += "\n".join(e.backend_toml() for e in engines.values())
         router = RouterRunner(toml, tmp_path)
         made.append(router)
@@ -102,3 +140,163 @@ def test_requests_land_where_route_says_streaming_and_not(gateway: Make, mode: s
     text = "".join(c.choices[0].text for c in stream)
     assert text == "hello from b"
     assert len(gw.engines["b"].requests) == 2 and not gw.engines["a"].requests
+
+
+def warm(gw: Gateway, owner: str, seed: int = 1, n: int = 64) -> list[int]:
+    """A prompt whose blocks ``owner`` announced, once the index shows them."""
+    prompt = ids(seed, n)
+    blocks = gw.engines[owner].announce(prompt, BS)
+    body = {"model": "toy", "prompt": prompt}
+    wait_for(lambda: gw.route(body)["matched_blocks"] == blocks, "index caught up")
+    assert gw.route(body)["backend"] == owner
+    return prompt
+
+
+def test_sse_streams_through_unbuffered_and_the_load_is_held_until_the_end(gateway: Make) -> None:
+    gw = gateway()
+    prompt = warm(gw, "a")
+    eng = gw.engines["a"]
+    eng.mode = "held_stream"  # a word every 20 ms until released
+    client = gw.client()
+    started = time.perf_counter()
+    stream = client.completions.create(model="toy", prompt=prompt, max_tokens=3, stream=True)
+    it = iter(stream)
+    first = next(it)
+    ttft = time.perf_counter() - started
+    assert first.choices[0].text.startswith(" w")
+    # the stream is not buffered by Envoy or the picker: words arrive while the engine still writes
+    words = [next(it).choices[0].text for _ in range(5)]
+    assert eng.release is False and len(words) == 5
+    assert gw.load("a").active == 1 and gw.load("b").active == 0  # in flight where it is served
+    eng.release = True
+    rest = "".join(c.choices[0].text for c in it)
+    assert rest.count(" w") >= 0
+    wait_for(lambda: gw.load("a").active == 0, "in-flight accounting ended with the stream")
+    print(f"first token through Envoy + picker: {ttft * 1000:.1f} ms")
+
+
+def test_the_model_name_rewrite_and_the_dp_rank_header(gateway: Make) -> None:
+    gw = gateway(names=("a", "b"), dp={"b": 2})
+    prompt = ids(3, 64)
+    blocks = gw.engines["b"].announce(prompt, BS, rank=1)
+    body = {"model": "toy", "prompt": prompt}
+    wait_for(lambda: gw.route(body)["matched_blocks"] == blocks, "index caught up")
+    client = gw.client()
+    out = client.completions.create(
+        model="alias-of-toy",
+        prompt=prompt,
+        max_tokens=3,
+        extra_headers={"x-gateway-model-name-rewrite": "toy", "x-data-parallel-rank": "0"},
+    )
+    assert out.choices[0].text == "hello from b"
+    got = gw.engines["b"].requests[-1]
+    assert got["body"]["model"] == "toy"  # rewritten (the body mutation), the rest as sent
+    assert got["body"]["prompt"] == prompt
+    assert got["headers"]["x-data-parallel-rank"] == "1"  # the router's rank, not the client's
+
+
+def test_the_subset_hint_is_honoured_and_an_empty_or_foreign_one_is_503(
+    gateway: Make, tmp_path: Path
+) -> None:
+    gw = gateway()
+    prompt = warm(gw, "b")
+    # only a may take it, although b holds the prefix
+    only_a = Envoy(bootstrap(gw.epp, [("127.0.0.1", e.server.port) for e in gw.engines.values()],
+                             subset=[gw.address("a")]), tmp_path, "subset-a")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{only_a.url}/v1", api_key="none", max_retries=0)
+        out = client.completions.create(model="toy", prompt=prompt, max_tokens=3)
+        assert out.choices[0].text == "hello from a"
+    finally:
+        only_a.stop()
+    for name, subset in (("empty", []), ("foreign", ["127.0.0.1:1"])):
+        envoy = Envoy(bootstrap(gw.epp, [("127.0.0.1", 1)], subset=subset), tmp_path, name)
+        try:
+            r = httpx.post(f"{envoy.url}/v1/completions", json={"model": "toy", "prompt": prompt}, timeout=10)
+            assert r.status_code == 503, (name, r.text)
+            assert r.json()["error"]["code"] == "no_eligible_endpoint"
+        finally:
+            envoy.stop()
+    before = gw.served_by()
+    assert before == {"a": 1, "b": 0}
+
+
+def test_all_engines_down_is_503_and_malformed_requests_get_openai_errors(gateway: Make) -> None:
+    gw = gateway(top="[health]\ninterval_s = 0.2\ntimeout_s = 0.5\nunhealthy_after = 1\n")
+    url = f"{gw.envoy.url}/v1/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url, json={"prompt": "hi"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "missing_model"
+    r = httpx.post(url, json={"model": "nope", "prompt": "hi"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    for e in gw.engines.values():
+        e.server.stop()
+    wait_for(lambda: not gw.router.app.membership.any_routable(), "the engines seen down")
+    client = gw.client()
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model="toy", prompt="hello", max_tokens=3)
+    assert err.value.status_code == 503
+    assert gw.served_by() == {"a": 0, "b": 0}
+
+
+def test_envoy_retries_down_the_fallback_list_and_the_served_endpoint_is_accounted(gateway: Make) -> None:
+    gw = gateway(top="[health]\ninterval_s = 120\n")
+    prompt = warm(gw, "b")
+    gw.engines["b"].server.stop()  # refuses connections; the router has not noticed (no probe yet)
+    client = gw.client()
+    out = client.completions.create(model="toy", prompt=prompt, max_tokens=3)
+    assert out.choices[0].text == "hello from a"
+    got = gw.engines["a"].requests[-1]["headers"]["x-gateway-destination-endpoint"]
+    assert got.split(",")[:2] == [gw.address("b"), gw.address("a")]
+    em = gw.router.app.epp.picker.epp_metrics  # type: ignore[union-attr]
+    assert em.served.values.get(("fallback",)) == 1
+    assert gw.load("a").total == 1 and gw.load("a").active == 0  # accounted where it was served
+    assert gw.load("b").active == 0
+    retries = gw.envoy.stats("cluster.pool.upstream_rq_retry")
+    assert retries.get("cluster.pool.upstream_rq_retry", 0) >= 1
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_the_picker_gone_and_back(gateway: Make, fail_open: bool) -> None:
+    gw = gateway(failure_mode_allow=fail_open)
+    prompt = warm(gw, "b")
+    client = gw.client()
+    assert (
+        client.completions.create(model="toy", prompt=prompt, max_tokens=3).choices[0].text == "hello from b"
+    )
+    port = gw.stop_epp()
+    if fail_open:  # requests still flow, to what Envoy's own balancer picks
+        for _ in range(4):
+            out = client.completions.create(model="toy", prompt=prompt, max_tokens=3)
+            assert out.choices[0].text.startswith("hello from")
+        assert gw.engines["a"].requests, "Envoy's round robin reached the other engine"
+        assert "x-gateway-destination-endpoint" not in gw.engines["a"].requests[-1]["headers"]
+    else:  # fail closed: a clean error, nothing sent upstream
+        before = gw.served_by()
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model="toy", prompt=prompt, max_tokens=3)
+        assert err.value.status_code >= 500
+        assert gw.served_by() == before
+    gw.restart_epp(port)
+    n = len(gw.engines["b"].requests)
+
+    def decided() -> bool:
+        try:
+            client.completions.create(model="toy", prompt=prompt, max_tokens=3)
+        except openai.APIStatusError:
+            return False
+        return len(gw.engines["b"].requests) > n and (
+            "x-gateway-destination-endpoint" in gw.engines["b"].requests[-1]["headers"]
+        )
+
+    wait_for(decided, "decisions resumed")
+
+
+def test_an_original_dst_cluster_with_no_fallbacks(gateway: Make) -> None:
+    """ORIGINAL_DST reads one address from the header (a list is 503 there): epp.fallbacks = 0."""
+    gw = gateway(epp="fallbacks = 0", original_dst=True, retries=0)
+    prompt = warm(gw, "a", seed=7)
+    out = gw.client().completions.create(model="toy", prompt=prompt, max_tokens=3)
+    assert out.choices[0].text == "hello from a"
+    assert gw.engines["a"].requests[-1]["headers"]["x-gateway-destination-endpoint"] == gw.address("a")
