@@ -143,24 +143,7 @@ class Picker:
         em = self.epp_metrics
         em.active += 1
         try:
-            if em.active > self.config.max_streams:
-                stream.outcome = "shed"
-                yield stream.reject(
-                    429,
-                    msgspec.json.encode(
-                        {
-                            "error": {
-                                "message": f"the endpoint picker holds its maximum of "
-                                f"{self.config.max_streams} requests; retry later",
-                                "type": "rate_limit_error",
-                                "param": None,
-                                "code": "too_many_requests",
-                            }
-                        }
-                    ),
-                    "kvrouter_shed",
-                )
-                return
+            shed = em.active > self.config.max_streams  # (answered after its first message)
             it = request_iterator.__aiter__()
             while True:
                 try:
@@ -180,6 +163,9 @@ class Picker:
                         )
                     )
                     return
+                if shed:
+                    yield self._shed(stream)
+                    return
                 for resp in await stream.on(req):
                     yield resp
                 if stream.finished:
@@ -192,6 +178,20 @@ class Picker:
         finally:
             em.active -= 1
             stream.close()
+
+    def _shed(self, stream: _Stream) -> p.Message:
+        """429: the picker holds ``epp.max_streams`` requests (its answer to its own overload)."""
+        stream.outcome = "shed"
+        body = {
+            "error": {
+                "message": f"the endpoint picker holds its maximum of {self.config.max_streams} "
+                "requests; retry later",
+                "type": "rate_limit_error",
+                "param": None,
+                "code": "too_many_requests",
+            }
+        }
+        return stream.reject(429, msgspec.json.encode(body), "kvrouter_shed", retry_after=True)
 
 
 class _Stream:
