@@ -397,7 +397,9 @@ def test_the_image_has_what_the_kubernetes_manifest_turns_on() -> None:
     manifest = (DEPLOY / "k8s" / "kvrouter.yaml").read_text()
     assert "[membership.kubernetes]" in manifest and "enabled = true" in manifest
     runs = " ".join(rest for w, rest in _dockerfile_instructions() if w == "RUN")
-    assert "pip install '.[kubernetes]'" in runs, runs
+    assert "pip install '.[kubernetes,epp]'" in runs, runs
+    gateway = (DEPLOY / "gateway" / "epp.yaml").read_text()  # (and [epp] needs the epp extra)
+    assert "[epp]" in gateway and "enabled = true" in gateway
 
 
 def test_the_image_has_the_mock_engines_the_mock_compose_stack_runs() -> None:
@@ -407,7 +409,7 @@ def test_the_image_has_the_mock_engines_the_mock_compose_stack_runs() -> None:
     compose = (DEPLOY / "compose" / "docker-compose.mock.yaml").read_text()
     assert "mock-engine" in compose and "image: kvrouter:dev" in compose
     runs = " ".join(rest for w, rest in _dockerfile_instructions() if w == "RUN")
-    assert "pip install '.[kubernetes]' ./sim" in runs, runs
+    assert "pip install '.[kubernetes,epp]' ./sim" in runs, runs
 
 
 def test_the_engine_manifests_report_cached_tokens() -> None:
