@@ -90,7 +90,7 @@ def test_usage_is_found_and_stripped() -> None:
 def test_the_last_usage_of_a_read_is_the_final_one() -> None:
     """With continuous usage stats every event carries a usage; the final one (which has the cached
     count) was missed when it shared a read with the last content event."""
-    from router.http.proxy import _sse_usage
+    from router.observe.checks import sse_usage as _sse_usage
 
     events = (
         b'data: {"choices":[{"text":"a"}],"usage":{"prompt_tokens":40,"completion_tokens":1}}\r\n\r\n'

@@ -337,7 +337,7 @@ class _Stream:
             route.dp_rank,
             route.outcome,
             route.prompt_tokens,
-            next((c.blocks_by_medium for c in route.candidates if c.chosen), {}),
+            route.chosen_media(),
             route.block_size,
             route.prompt_blocks,
             decision_s,
