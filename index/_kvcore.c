@@ -5,8 +5,10 @@
  *
  * Store: open-addressing tables (power-of-two sizes, linear probing, Fibonacci hashing of the 64-bit
  * key, load at most 3/4, deletion by backward shift), owned by one C object:
- *   - key table kt: uint64[cap][width]: our key, then one source bitmask per (medium, 64-source word)
- *     in use (col_of[medium][word] is the column, -1 when none yet). A row lives while a mask is set.
+ *   - key table kt: uint64[cap][2]: our key and its holders, the (source, medium) pairs holding it:
+ *     up to 3 inline (21 bits each), or, with bit 63 set, a pointer to a sparse bitmap (one
+ *     (64-source word, medium, mask) element per word and medium in use). A row lives while its
+ *     holders word is non-zero. Its size does not depend on how many sources there are.
  *   - per source, an engine-hash table em: uint64[cap][3]: vLLM's hash, our key, state (0 empty,
  *     position in the source's insertion log + 2 when live); the log (engine hashes in insertion
  *     order) gives the eviction order.
@@ -181,10 +183,11 @@ typedef struct {
     i64 g[G_SIZE];
     u64 *kt;
     size_t kcap;
-    int kw;
     unsigned kshift;
-    i64 *col_of; /* [MAX_MEDIA][MAX_WORDS], never moved: columns of the words in use (nw) */
-    int nm, nw;
+    int nm;
+    size_t ovf_bytes; /* held by the key table's overflow bitmaps */
+    i64 novf;         /* rows whose holders overflowed */
+    int oom;          /* an overflow bitmap could not be allocated (do_store reports it) */
     u64 *rt;
     size_t rcap;
     unsigned rshift;
@@ -200,24 +203,200 @@ typedef struct {
     i64 rows_applied; /* blocks applied, for tests */
 } Store;
 
-#define KT(s, i, c) ((s)->kt[(size_t)(i) * (size_t)(s)->kw + (size_t)(c)])
-#define COL(s, m, w) ((s)->col_of[(size_t)(m) * MAX_WORDS + (size_t)(w)])
+#define KW 2 /* key-table row: key, holders */
+#define KT(s, i, c) ((s)->kt[(size_t)(i) * KW + (size_t)(c)])
 
 static inline void lock(Store *s) { pthread_mutex_lock(&s->mu); }
 static inline void unlock(Store *s) { pthread_mutex_unlock(&s->mu); }
 
-/* --- key table --- */
-static inline int kt_live_row(const u64 *kt, int kw, size_t i) {
-    const u64 *row = kt + i * (size_t)kw;
-    for (int c = 1; c < kw; c++)
-        if (row[c]) return 1;
+/* --- key table ---
+ * A row is [key, holders]. A key is typically held by a few sources of many (a fleet's engines cache
+ * different prompts), so its holders are a list, not a bitmask as wide as the fleet: a row costs 16
+ * bytes at any number of sources. holders:
+ *   - 0: an empty row (every key value is storable);
+ *   - bit 63 clear: up to INLINE_N entries of ENT_BITS bits, each (medium << 13 | source << 1 | 1),
+ *     0 when unused;
+ *   - bit 63 set: the rest is a pointer to an Ovf, a sparse bitmap of (64-source word, medium, mask)
+ *     elements, one per word and medium in use: a key most of the fleet holds (a shared system
+ *     prompt) costs 16 bytes per 64 sources and is matched a word at a time.
+ * A row goes to the bitmap when a fourth holder comes and back inline when two are left (not three:
+ * a key that gains and loses one holder around the threshold would allocate at every change). */
+#define OVF_BIT (1ULL << 63)
+#define INLINE_N 3
+#define ENT_BITS 21
+#define ENT_MASK ((1ULL << ENT_BITS) - 1)
+
+typedef struct {
+    u64 mask;
+    uint32_t word;
+    uint32_t medium;
+} OvEl;
+
+typedef struct {
+    uint32_t n, cap;
+    OvEl e[];
+} Ovf;
+
+static inline u64 ent_of(i64 sidx, i64 m) { return ((u64)m << 13) | ((u64)sidx << 1) | 1; }
+static inline int ent_src(u64 e) { return (int)((e >> 1) & 0xFFF); }
+static inline int ent_med(u64 e) { return (int)(e >> 13); }
+static inline Ovf *ovf_of(u64 h) { return (Ovf *)(uintptr_t)(h & ~OVF_BIT); }
+static inline size_t ovf_size(uint32_t cap) { return sizeof(Ovf) + (size_t)cap * sizeof(OvEl); }
+
+static inline int kt_live_row(const u64 *kt, size_t i) { return kt[i * KW + 1] != 0; }
+
+/* the row's holders as (word, medium, mask) elements: the bitmap's own, or up to INLINE_N in tmp */
+static inline uint32_t row_els(u64 h, OvEl *tmp, const OvEl **els) {
+    if (h & OVF_BIT) {
+        Ovf *o = ovf_of(h);
+        *els = o->e;
+        return o->n;
+    }
+    uint32_t n = 0;
+    for (int k = 0; k < INLINE_N; k++) {
+        u64 e = (h >> (ENT_BITS * k)) & ENT_MASK;
+        if (!e) continue;
+        int src = ent_src(e);
+        tmp[n].mask = 1ULL << (src & 63);
+        tmp[n].word = (uint32_t)(src >> 6);
+        tmp[n].medium = (uint32_t)ent_med(e);
+        n++;
+    }
+    *els = tmp;
+    return n;
+}
+
+/* the media (a bit each) on which source sidx holds the row's key */
+static inline u64 kt_media(const u64 *row, i64 sidx) {
+    u64 h = row[1], out = 0;
+    if (!(h & OVF_BIT)) {
+        for (int k = 0; k < INLINE_N; k++) {
+            u64 e = (h >> (ENT_BITS * k)) & ENT_MASK;
+            if (e && ent_src(e) == (int)sidx) out |= 1ULL << ent_med(e);
+        }
+        return out;
+    }
+    const Ovf *o = ovf_of(h);
+    uint32_t w = (uint32_t)(sidx >> 6);
+    u64 bit = 1ULL << (sidx & 63);
+    for (uint32_t i = 0; i < o->n; i++)
+        if (o->e[i].word == w && (o->e[i].mask & bit)) out |= 1ULL << o->e[i].medium;
+    return out;
+}
+
+static inline int kt_has(const u64 *row, i64 sidx, i64 m) {
+    u64 h = row[1];
+    if (!(h & OVF_BIT)) {
+        u64 e = ent_of(sidx, m);
+        return (h & ENT_MASK) == e || ((h >> ENT_BITS) & ENT_MASK) == e || ((h >> (2 * ENT_BITS)) & ENT_MASK) == e;
+    }
+    const Ovf *o = ovf_of(h);
+    uint32_t w = (uint32_t)(sidx >> 6);
+    for (uint32_t i = 0; i < o->n; i++)
+        if (o->e[i].word == w && o->e[i].medium == (uint32_t)m) return (o->e[i].mask >> (sidx & 63)) & 1;
     return 0;
+}
+
+/* one more (word, medium, bit) in a row's bitmap (grown when full); -1: no memory */
+static int ovf_add(Store *s, u64 *row, uint32_t w, uint32_t m, u64 bit) {
+    Ovf *o = ovf_of(row[1]);
+    for (uint32_t i = 0; i < o->n; i++)
+        if (o->e[i].word == w && o->e[i].medium == m) {
+            o->e[i].mask |= bit;
+            return 0;
+        }
+    if (o->n == o->cap) {
+        uint32_t cap = o->cap * 2;
+        Ovf *no = realloc(o, ovf_size(cap));
+        if (!no || ((uintptr_t)no & OVF_BIT)) return -1; /* (realloc failing keeps o) */
+        s->ovf_bytes += ovf_size(cap) - ovf_size(no->cap);
+        no->cap = cap;
+        o = no;
+        row[1] = (u64)(uintptr_t)o | OVF_BIT;
+    }
+    o->e[o->n].word = w;
+    o->e[o->n].medium = m;
+    o->e[o->n].mask = bit;
+    o->n++;
+    return 0;
+}
+
+/* source sidx now holds the row's key on medium m (it did not); under mu. -1: no memory (nothing
+ * changed) */
+static int kt_set(Store *s, u64 *row, i64 sidx, i64 m) {
+    u64 h = row[1];
+    if (!(h & OVF_BIT)) {
+        for (int k = 0; k < INLINE_N; k++)
+            if (!((h >> (ENT_BITS * k)) & ENT_MASK)) {
+                row[1] = h | (ent_of(sidx, m) << (ENT_BITS * k));
+                return 0;
+            }
+        Ovf *o = malloc(ovf_size(INLINE_N + 1));
+        if (!o || ((uintptr_t)o & OVF_BIT)) {
+            free(o);
+            return -1;
+        }
+        o->n = 0;
+        o->cap = INLINE_N + 1;
+        s->ovf_bytes += ovf_size(o->cap);
+        s->novf++;
+        row[1] = (u64)(uintptr_t)o | OVF_BIT;
+        for (int k = 0; k < INLINE_N; k++) { /* (cap INLINE_N + 1: these never grow it) */
+            u64 e = (h >> (ENT_BITS * k)) & ENT_MASK;
+            int src = ent_src(e);
+            ovf_add(s, row, (uint32_t)(src >> 6), (uint32_t)ent_med(e), 1ULL << (src & 63));
+        }
+    }
+    return ovf_add(s, row, (uint32_t)(sidx >> 6), (uint32_t)m, 1ULL << (sidx & 63));
+}
+
+/* source sidx no longer holds the row's key on medium m (it did); under mu. The row may be empty
+ * after it: the caller settles it. */
+static void kt_unset(Store *s, u64 *row, i64 sidx, i64 m) {
+    u64 h = row[1];
+    if (!(h & OVF_BIT)) {
+        u64 e = ent_of(sidx, m);
+        for (int k = 0; k < INLINE_N; k++)
+            if (((h >> (ENT_BITS * k)) & ENT_MASK) == e) {
+                row[1] = h & ~(ENT_MASK << (ENT_BITS * k));
+                return;
+            }
+        return;
+    }
+    Ovf *o = ovf_of(h);
+    uint32_t w = (uint32_t)(sidx >> 6);
+    for (uint32_t i = 0; i < o->n; i++)
+        if (o->e[i].word == w && o->e[i].medium == (uint32_t)m) {
+            o->e[i].mask &= ~(1ULL << (sidx & 63));
+            if (!o->e[i].mask) o->e[i] = o->e[--o->n];
+            break;
+        }
+    if (o->n > 2) return;
+    int bits = 0;
+    for (uint32_t i = 0; i < o->n; i++) bits += __builtin_popcountll(o->e[i].mask);
+    if (bits > 2) return;
+    u64 nh = 0;
+    int k = 0;
+    for (uint32_t i = 0; i < o->n; i++)
+        for (u64 mk = o->e[i].mask; mk; mk &= mk - 1) {
+            i64 src = (i64)o->e[i].word * 64 + __builtin_ctzll(mk);
+            nh |= ent_of(src, o->e[i].medium) << (ENT_BITS * k++);
+        }
+    row[1] = nh;
+    s->ovf_bytes -= ovf_size(o->cap);
+    s->novf--;
+    free(o);
+}
+
+static void kt_free_ovf(u64 *kt, size_t cap) {
+    for (size_t i = 0; i < cap; i++)
+        if (kt[i * KW + 1] & OVF_BIT) free(ovf_of(kt[i * KW + 1]));
 }
 
 static i64 kt_find(Store *s, u64 key) {
     size_t mask = s->kcap - 1;
     size_t i = home(key, s->kshift) & mask;
-    while (kt_live_row(s->kt, s->kw, i)) {
+    while (kt_live_row(s->kt, i)) {
         if (KT(s, i, 0) == key) return (i64)i;
         i = (i + 1) & mask;
     }
@@ -227,7 +406,7 @@ static i64 kt_find(Store *s, u64 key) {
 static size_t kt_insert(Store *s, u64 key) {
     size_t mask = s->kcap - 1;
     size_t i = home(key, s->kshift) & mask;
-    while (kt_live_row(s->kt, s->kw, i)) {
+    while (kt_live_row(s->kt, i)) {
         if (KT(s, i, 0) == key) return i;
         i = (i + 1) & mask;
     }
@@ -242,48 +421,48 @@ static inline int stays(size_t h, size_t hole, size_t j) {
 }
 
 static void kt_settle(Store *s, size_t i) {
-    if (kt_live_row(s->kt, s->kw, i)) return;
+    if (kt_live_row(s->kt, i)) return;
     s->g[G_KT_LIVE]--;
     size_t mask = s->kcap - 1;
     size_t j = i;
-    int kw = s->kw;
     for (;;) {
         j = (j + 1) & mask;
-        if (!kt_live_row(s->kt, kw, j)) break;
+        if (!kt_live_row(s->kt, j)) break;
         if (stays(home(KT(s, j, 0), s->kshift) & mask, i, j)) continue;
-        memcpy(&KT(s, i, 0), &KT(s, j, 0), sizeof(u64) * (size_t)kw);
-        memset(&KT(s, j, 1), 0, sizeof(u64) * (size_t)(kw - 1));
+        KT(s, i, 0) = KT(s, j, 0);
+        KT(s, i, 1) = KT(s, j, 1);
+        KT(s, j, 1) = 0;
         i = j;
     }
     KT(s, i, 0) = 0;
 }
 
-/* copy live rows of (old, ocap, ow) into a fresh table (new, ncap, nw); columns keep their index */
-static void kt_copy(const u64 *old, size_t ocap, int ow, u64 *new, size_t ncap, int nw) {
+/* copy live rows of (old, ocap) into a fresh table (new, ncap); a row's bitmap goes with it */
+static void kt_copy(const u64 *old, size_t ocap, u64 *new, size_t ncap) {
     unsigned shift = shift_of(ncap);
     size_t mask = ncap - 1;
     for (size_t r = 0; r < ocap; r++) {
         if (r + AHEAD < ocap) /* the new home of a row further on: its cache miss overlaps */
-            __builtin_prefetch(new + (home(old[(r + AHEAD) * (size_t)ow], shift) & mask) * (size_t)nw, 1);
-        if (!kt_live_row(old, ow, r)) continue;
-        u64 key = old[r * (size_t)ow];
+            __builtin_prefetch(new + (home(old[(r + AHEAD) * KW], shift) & mask) * KW, 1);
+        if (!kt_live_row(old, r)) continue;
+        u64 key = old[r * KW];
         size_t i = home(key, shift) & mask;
-        while (kt_live_row(new, nw, i)) i = (i + 1) & mask;
-        memcpy(new + i * (size_t)nw, old + r * (size_t)ow, sizeof(u64) * (size_t)ow);
+        while (kt_live_row(new, i)) i = (i + 1) & mask;
+        new[i * KW] = key;
+        new[i * KW + 1] = old[r * KW + 1];
     }
 }
 
-/* a new key table of `cap` rows and `width` columns, swapped in under mu */
-static int kt_rebuild(Store *s, size_t cap, int width) {
-    u64 *new = zalloc_table(cap * (size_t)width * sizeof(u64));
+/* a new key table of `cap` rows, swapped in under mu */
+static int kt_rebuild(Store *s, size_t cap) {
+    u64 *new = zalloc_table(cap * KW * sizeof(u64));
     if (!new) return -1;
-    kt_copy(s->kt, s->kcap, s->kw, new, cap, width);
+    kt_copy(s->kt, s->kcap, new, cap);
     lock(s);
     u64 *old = s->kt;
-    size_t oldn = s->kcap * (size_t)s->kw * sizeof(u64);
+    size_t oldn = s->kcap * KW * sizeof(u64);
     s->kt = new;
     s->kcap = cap;
-    s->kw = width;
     s->kshift = shift_of(cap);
     unlock(s);
     zfree(old, oldn);
@@ -472,18 +651,11 @@ static int rt_rebuild(Store *s, size_t cap) {
     return 0;
 }
 
-/* --- room: columns and free rows for a store of n blocks of source sidx on medium m --- */
+/* --- room: free rows for a store of n blocks of source sidx on medium m --- */
 static int room(Store *s, i64 sidx, i64 m, i64 n) {
     Src *src = s->src[sidx];
-    int w = (int)(sidx >> 6);
-    if (COL(s, m, w) < 0) {
-        int width = s->kw + 1;
-        if (kt_rebuild(s, cap_for((size_t)(s->g[G_KT_LIVE] + n)), width)) return -1;
-        lock(s);
-        COL(s, m, w) = width - 1;
-        unlock(s);
-    } else if (full(s->g[G_KT_LIVE] + n, s->kcap)) {
-        if (kt_rebuild(s, cap_for((size_t)(s->g[G_KT_LIVE] + n)), s->kw)) return -1;
+    if (full(s->g[G_KT_LIVE] + n, s->kcap)) {
+        if (kt_rebuild(s, cap_for((size_t)(s->g[G_KT_LIVE] + n)))) return -1;
     }
     if (full(s->g[G_RT_USED] + n, s->rcap)) {
         if (rt_rebuild(s, cap_for((size_t)(s->g[G_RT_LIVE] + n)))) return -1;
@@ -500,7 +672,7 @@ static int room(Store *s, i64 sidx, i64 m, i64 n) {
 }
 
 static inline int has_room(Store *s, Src *src, i64 sidx, i64 m, i64 n) {
-    return COL(s, m, sidx >> 6) >= 0 && !full(s->g[G_KT_LIVE] + n, s->kcap) &&
+    return !full(s->g[G_KT_LIVE] + n, s->kcap) &&
            !full(src->ss[S_EM_LIVE] + n, src->ecap) && !full(s->g[G_RT_USED] + n, s->rcap) &&
            src->ss[S_TAIL] + n <= (i64)src->logcap;
 }
@@ -508,27 +680,21 @@ static inline int has_room(Store *s, Src *src, i64 sidx, i64 m, i64 n) {
 /* shrink the key table when it is mostly empty (after drops, clears, evictions) */
 static int maybe_shrink(Store *s) {
     if (s->kcap > MIN_CAP && (size_t)s->g[G_KT_LIVE] * 8 < s->kcap && cap_for((size_t)s->g[G_KT_LIVE]) < s->kcap)
-        return kt_rebuild(s, cap_for((size_t)s->g[G_KT_LIVE]), s->kw);
+        return kt_rebuild(s, cap_for((size_t)s->g[G_KT_LIVE]));
     return 0;
 }
 
 /* --- operations (under mu) --- */
-static inline int held_elsewhere(Store *s, size_t r, int w, u64 bit, i64 skip) {
-    for (int mm = 0; mm < s->nm; mm++) {
-        i64 c = COL(s, mm, w);
-        if (mm != skip && c >= 0 && (KT(s, r, c) & bit)) return 1;
-    }
-    return 0;
+static inline int held_elsewhere(Store *s, size_t r, i64 sidx, i64 skip) {
+    return (kt_media(&KT(s, r, 0), sidx) & ~(1ULL << skip)) != 0;
 }
 
 static void forget(Store *s, Src *src, i64 sidx, u64 key) {
-    int w = (int)(sidx >> 6);
-    u64 bit = 1ULL << (sidx & 63);
     i64 r = kt_find(s, key);
+    u64 held = r >= 0 ? kt_media(&KT(s, r, 0), sidx) : 0;
     for (int mm = 0; mm < s->nm; mm++) {
-        i64 c = COL(s, mm, w);
-        if (r >= 0 && c >= 0 && (KT(s, r, c) & bit)) {
-            KT(s, r, c) &= ~bit;
+        if ((held >> mm) & 1) {
+            kt_unset(s, &KT(s, r, 0), sidx, mm);
             src->cnt[mm]--;
             s->g[G_TOTAL]--;
         }
@@ -548,18 +714,16 @@ static inline void touch(Src *src, u64 key) {
  * are the same engine blocks (a hash names a block's content); dropping them instead lost the
  * references of blocks the engine still held, and a later removal ended a residency it still had. */
 static void move_refs(Store *s, Src *src, i64 sidx, u64 from, u64 to) {
-    int w = (int)(sidx >> 6);
-    u64 bit = 1ULL << (sidx & 63);
     i64 r = kt_find(s, from);
     if (r < 0) return;
     i64 count[MAX_MEDIA];
     int any = 0;
+    u64 held = kt_media(&KT(s, r, 0), sidx);
     for (int mm = 0; mm < s->nm; mm++) {
-        i64 c = COL(s, mm, w);
         count[mm] = 0;
-        if (c >= 0 && (KT(s, r, c) & bit)) {
+        if ((held >> mm) & 1) {
             count[mm] = 1;
-            KT(s, r, c) &= ~bit;
+            kt_unset(s, &KT(s, r, 0), sidx, mm);
             src->cnt[mm]--;
             s->g[G_TOTAL]--;
             any = 1;
@@ -576,9 +740,11 @@ static void move_refs(Store *s, Src *src, i64 sidx, u64 from, u64 to) {
     for (int mm = 0; mm < s->nm; mm++) {
         i64 n = count[mm];
         if (!n) continue;
-        i64 c = COL(s, mm, w);
-        if (!(KT(s, r2, c) & bit)) {
-            KT(s, r2, c) |= bit;
+        if (!kt_has(&KT(s, r2, 0), sidx, mm)) {
+            if (kt_set(s, &KT(s, r2, 0), sidx, mm)) { /* (no memory: the residency is lost) */
+                s->oom = 1;
+                continue;
+            }
             src->cnt[mm]++;
             s->g[G_TOTAL]++;
             n--;
@@ -589,6 +755,7 @@ static void move_refs(Store *s, Src *src, i64 sidx, u64 from, u64 to) {
             src->ss[S_REFS] += n;
         }
     }
+    kt_settle(s, r2); /* (a row left empty by a failed allocation) */
 }
 
 /* One BlockStored (room already made): returns 1 when the total went over the cap. `keep`: a KV
@@ -598,7 +765,6 @@ static void move_refs(Store *s, Src *src, i64 sidx, u64 from, u64 to) {
 static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *keys, i64 n, unsigned char *fresh,
                        int keep) {
     Src *src = s->src[sidx];
-    i64 col = COL(s, m, sidx >> 6);
     size_t emask = src->ecap - 1;
     if (n > 1) { /* every block's home slots first: their cache misses overlap */
         size_t kmask = s->kcap - 1;
@@ -647,7 +813,6 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
             }
         }
     }
-    u64 bit = 1ULL << (sidx & 63);
     u64 tag = tag_of(sidx, m);
     i64 added = 0;
     for (i64 j = 0; j < n; j++) {
@@ -663,11 +828,13 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
         }
         touch(src, key);
         size_t r = kt_insert(s, key);
-        if (KT(s, r, col) & bit) {
+        if (kt_has(&KT(s, r, 0), sidx, m)) {
             rt_add(s, key, tag, 1);
             src->ss[S_REFS]++;
+        } else if (kt_set(s, &KT(s, r, 0), sidx, m)) { /* no memory: not recorded (do_store says so) */
+            s->oom = 1;
+            kt_settle(s, r);
         } else {
-            KT(s, r, col) |= bit;
             added++;
         }
     }
@@ -678,16 +845,13 @@ static int store_event(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *key
 
 static i64 remove_event(Store *s, i64 sidx, i64 m, const u64 *ehs, i64 n) {
     Src *src = s->src[sidx];
-    int w = (int)(sidx >> 6);
-    i64 col = m < s->nm ? COL(s, m, w) : -1;
-    u64 bit = 1ULL << (sidx & 63);
     u64 tag = tag_of(sidx, m);
     i64 ended = 0;
     for (i64 j = 0; j < n; j++) {
         i64 i = em_find(src, ehs[j]);
         i64 r = -1;
-        if (i >= 0 && col >= 0) r = kt_find(s, src->em[i * 3 + 1]);
-        if (r < 0 || !(KT(s, r, col) & bit)) {
+        if (i >= 0 && m < s->nm) r = kt_find(s, src->em[i * 3 + 1]);
+        if (r < 0 || !kt_has(&KT(s, r, 0), sidx, m)) {
             src->ss[S_UNKNOWN]++;
             continue;
         }
@@ -704,9 +868,9 @@ static i64 remove_event(Store *s, i64 sidx, i64 m, const u64 *ehs, i64 n) {
                 continue;
             }
         }
-        KT(s, r, col) &= ~bit;
+        kt_unset(s, &KT(s, r, 0), sidx, m);
         ended++;
-        if (!held_elsewhere(s, (size_t)r, w, bit, m)) em_delete(src, (size_t)i);
+        if (!held_elsewhere(s, (size_t)r, sidx, m)) em_delete(src, (size_t)i);
         kt_settle(s, (size_t)r);
     }
     src->cnt[m] -= ended;
@@ -762,10 +926,12 @@ static int do_store(Store *s, i64 sidx, i64 m, const u64 *ehs, const u64 *keys, 
     if (!fresh) return -1;
     lock(s);
     int over = store_event(s, sidx, m, ehs, keys, n, fresh, keep);
+    int oom = s->oom;
+    s->oom = 0;
     unlock(s);
     if (fresh != small) free(fresh);
     if (over) evict(s);
-    return 0;
+    return oom ? -1 : 0;
 }
 
 static i64 do_remove(Store *s, i64 sidx, i64 m, const u64 *ehs, i64 n) {
@@ -778,9 +944,6 @@ static i64 do_remove(Store *s, i64 sidx, i64 m, const u64 *ehs, i64 n) {
 /* AllBlocksCleared on one medium, in locked slices */
 static i64 do_clear(Store *s, i64 sidx, i64 m) {
     Src *src = s->src[sidx];
-    int w = (int)(sidx >> 6);
-    i64 col = m < s->nm ? COL(s, m, w) : -1;
-    u64 bit = 1ULL << (sidx & 63);
     i64 ended = 0;
     size_t i = 0;
     while (i < src->ecap) {
@@ -794,11 +957,11 @@ static i64 do_clear(Store *s, i64 sidx, i64 m) {
                 continue;
             }
             i64 r = kt_find(s, row[1]);
-            if (r >= 0 && col >= 0 && (KT(s, r, col) & bit)) {
-                KT(s, r, col) &= ~bit;
+            if (r >= 0 && m < s->nm && kt_has(&KT(s, r, 0), sidx, m)) {
+                kt_unset(s, &KT(s, r, 0), sidx, m);
                 part++;
             }
-            int gone = r < 0 || !held_elsewhere(s, (size_t)r, w, bit, m);
+            int gone = r < 0 || !held_elsewhere(s, (size_t)r, sidx, m);
             if (r >= 0) kt_settle(s, (size_t)r);
             if (gone) em_delete(src, i);
             else i++;
@@ -840,8 +1003,6 @@ static int src_reset_map(Store *s, Src *src) {
 /* a restart or removal: every residency of the source goes, in locked slices; tables freed */
 static i64 do_drop(Store *s, i64 sidx) {
     Src *src = s->src[sidx];
-    int w = (int)(sidx >> 6);
-    u64 bit = 1ULL << (sidx & 63);
     i64 ended = 0;
     for (size_t i = 0; i < src->ecap; i += SLICE) {
         size_t stop = i + SLICE < src->ecap ? i + SLICE : src->ecap;
@@ -852,13 +1013,12 @@ static i64 do_drop(Store *s, i64 sidx) {
             if (row[2] < 2) continue;
             i64 r = kt_find(s, row[1]);
             if (r < 0) continue;
-            for (int mm = 0; mm < s->nm; mm++) {
-                i64 c = COL(s, mm, w);
-                if (c >= 0 && (KT(s, r, c) & bit)) {
-                    KT(s, r, c) &= ~bit;
+            u64 held = kt_media(&KT(s, r, 0), sidx);
+            for (int mm = 0; held; mm++, held >>= 1)
+                if (held & 1) {
+                    kt_unset(s, &KT(s, r, 0), sidx, mm);
                     part++;
                 }
-            }
             kt_settle(s, (size_t)r);
         }
         s->g[G_TOTAL] -= part;
@@ -880,9 +1040,9 @@ static i64 do_drop(Store *s, i64 sidx) {
 
 /* ---- Python object ------------------------------------------------------------------------------ */
 static void Store_dealloc(Store *s) {
-    zfree(s->kt, s->kcap * (size_t)s->kw * sizeof(u64));
+    if (s->kt) kt_free_ovf(s->kt, s->kcap);
+    zfree(s->kt, s->kcap * KW * sizeof(u64));
     zfree(s->rt, s->rcap * 3 * sizeof(u64));
-    free(s->col_of);
     for (int i = 0; i < s->nsrc; i++) {
         Src *src = s->src[i];
         zfree(src->em, src->ecap * 3 * sizeof(u64));
@@ -910,19 +1070,14 @@ static int Store_init(Store *s, PyObject *args, PyObject *kw) {
     s->g[G_MAX] = cap;
     s->base_root = base_root;
     s->nm = 3;
-    s->nw = 1;
-    s->col_of = malloc(sizeof(i64) * MAX_MEDIA * MAX_WORDS);
     s->src = calloc(MAX_SOURCES, sizeof(Src *)); /* never moved: an ingest may run meanwhile */
-    s->kt = zalloc(MIN_CAP * 2 * sizeof(u64));
+    s->kt = zalloc(MIN_CAP * KW * sizeof(u64));
     s->rt = zalloc(MIN_CAP * 3 * sizeof(u64));
-    if (!s->col_of || !s->src || !s->kt || !s->rt) {
+    if (!s->src || !s->kt || !s->rt) {
         PyErr_NoMemory();
         return -1;
     }
-    for (int i = 0; i < MAX_MEDIA * MAX_WORDS; i++) s->col_of[i] = -1;
-    s->col_of[0] = 1; /* GPU, sources 0..63: column 1 */
     s->kcap = MIN_CAP;
-    s->kw = 2;
     s->kshift = shift_of(MIN_CAP);
     s->rcap = MIN_CAP;
     s->rshift = shift_of(MIN_CAP);
@@ -951,8 +1106,9 @@ static int check_medium(Store *s, long long m) {
     return 0;
 }
 
-/* new_slot(): a new source slot (the Python side reuses freed ones by index). The slot array and
- * the column layout never move, so this is safe while an ingest runs in another thread. */
+/* new_slot(): a new source slot (the Python side reuses freed ones by index). The slot array never
+ * moves and the key table does not depend on the number of slots, so this is safe while an ingest
+ * runs in another thread. */
 static PyObject *Store_new_slot(Store *s, PyObject *noarg) {
     if (s->nsrc >= MAX_SOURCES) {
         PyErr_Format(PyExc_ValueError, "at most %d event sources at once", MAX_SOURCES);
@@ -965,8 +1121,6 @@ static PyObject *Store_new_slot(Store *s, PyObject *noarg) {
         return PyErr_NoMemory();
     }
     int idx = s->nsrc;
-    int words = (idx >> 6) + 1;
-    if (words > s->nw) s->nw = words; /* their column entries are -1 already */
     s->src[idx] = src;
     s->nsrc = idx + 1;
     return PyLong_FromLong(idx);
@@ -1000,7 +1154,7 @@ static PyObject *Store_add_medium(Store *s, PyObject *args) {
     memcpy(s->media[s->nm], name, (size_t)len);
     s->media_len[s->nm] = (int)len;
     s->family[s->nm] = family < 0 ? s->nm : family;
-    s->nm++; /* the column entries are -1 already; cnt arrays are MAX_MEDIA long */
+    s->nm++; /* (cnt arrays are MAX_MEDIA long) */
     return PyLong_FromLong(s->nm - 1);
 }
 
@@ -1201,7 +1355,12 @@ static PyObject *Store_key_of(Store *s, PyObject *args) {
     return PyLong_FromUnsignedLongLong(key);
 }
 
-/* lookup(keys, candidates) -> (blocks per candidate, off-GPU counts per candidate or None) */
+/* lookup(keys, candidates) -> (blocks per candidate, off-GPU counts per candidate or None)
+ *
+ * The prompt's blocks in turn, while a candidate is left: a row's holders (up to INLINE_N entries or
+ * its bitmap's elements) are ANDed word by word with the candidates still alive, so a block costs
+ * its probe plus its holders, not the width of the fleet; the words of the alive set are visited
+ * only at a block where some candidate drops out (at most one such block per candidate). */
 static PyObject *Store_lookup(Store *s, PyObject *args) {
     PyObject *ko, *co;
     if (!PyArg_ParseTuple(args, "OO", &ko, &co)) return NULL;
@@ -1215,9 +1374,10 @@ static PyObject *Store_lookup(Store *s, PyObject *args) {
     Py_ssize_t nc = PySequence_Fast_GET_SIZE(cseq);
     i64 *cands = malloc(sizeof(i64) * (size_t)(nc ? nc : 1));
     i64 *blocks = calloc((size_t)(nc ? nc : 1), sizeof(i64));
-    i64 *offs = calloc((size_t)(nc ? nc : 1) * MAX_MEDIA, sizeof(i64));
     PyObject *out = NULL;
-    if (!cands || !blocks || !offs) {
+    i64 *ooff = NULL; /* per slot and medium, allocated at the first off-GPU hit */
+    int oom = 0;
+    if (!cands || !blocks) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1231,136 +1391,120 @@ static PyObject *Store_lookup(Store *s, PyObject *args) {
         }
         if ((int)(cands[i] >> 6) + 1 > maxw) maxw = (int)(cands[i] >> 6) + 1;
     }
-    int any_off = 0;
     {
-        u64 alive_small[4];
-        u64 *alive = maxw <= 4 ? alive_small : calloc((size_t)maxw, sizeof(u64));
-        i64 *depth = calloc((size_t)maxw * 64, sizeof(i64));
-        i64 *ooff = calloc((size_t)maxw * 64 * MAX_MEDIA, sizeof(i64));
-        if (!alive || !depth || !ooff) {
-            if (alive != alive_small) free(alive);
+        /* alive, held this block, held on GPU this block: one word per 64 slots */
+        u64 small[3 * 4];
+        u64 *alive = maxw <= 4 ? small : calloc((size_t)maxw * 3, sizeof(u64));
+        i64 *depth = calloc((size_t)(maxw ? maxw : 1) * 64, sizeof(i64));
+        if (!alive || !depth) {
+            if (alive != small) free(alive);
             free(depth);
-            free(ooff);
             PyErr_NoMemory();
             goto done;
         }
-        memset(alive, 0, sizeof(u64) * (size_t)maxw);
+        memset(alive, 0, sizeof(u64) * 3 * (size_t)maxw);
+        u64 *held = alive + maxw, *gpu = held + maxw;
         for (Py_ssize_t i = 0; i < nc; i++) alive[cands[i] >> 6] |= 1ULL << (cands[i] & 63);
+        i64 nalive = 0;
+        for (int w = 0; w < maxw; w++) nalive += __builtin_popcountll(alive[w]);
         const u64 *keys = k.data;
         i64 n = k.n, j = 0;
+        int nm = 0;
         Py_BEGIN_ALLOW_THREADS
         lock(s);
-        int nm = s->nm, cw = s->nw;
-        if (maxw == 1 && cw >= 1 && s->kw == 2 && COL(s, 0, 0) == 1) {
-            u64 a = alive[0];
-            size_t mask = s->kcap - 1;
-            while (j < n && a) {
-                u64 key = keys[j];
-                size_t i = home(key, s->kshift) & mask;
-                u64 held = 0;
-                for (;;) {
-                    u64 m1 = s->kt[i * 2 + 1];
-                    if (!m1) break;
-                    if (s->kt[i * 2] == key) {
-                        held = m1;
-                        break;
-                    }
-                    i = (i + 1) & mask;
+        size_t mask = s->kcap - 1;
+        const u64 *kt = s->kt;
+        uint32_t tw[64]; /* words touched at this block */
+        while (j < n && nalive) {
+            u64 key = keys[j];
+            size_t i = home(key, s->kshift) & mask;
+            u64 h = 0;
+            for (;;) {
+                u64 hh = kt[i * KW + 1];
+                if (!hh) break;
+                if (kt[i * KW] == key) {
+                    h = hh;
+                    break;
                 }
-                u64 still = a & held;
-                if (still != a) {
-                    u64 lost = a & ~still;
+                i = (i + 1) & mask;
+            }
+            OvEl tmp[INLINE_N];
+            const OvEl *els;
+            uint32_t ne = h ? row_els(h, tmp, &els) : 0;
+            int nt = 0;
+            i64 nheld = 0;
+            for (uint32_t e = 0; e < ne; e++) {
+                uint32_t w = els[e].word;
+                if (w >= (uint32_t)maxw) continue;
+                u64 m = els[e].mask & alive[w];
+                if (!m) continue;
+                if (!held[w]) tw[nt++] = w;
+                held[w] |= m;
+                if (els[e].medium == 0) gpu[w] |= m;
+            }
+            for (int t = 0; t < nt; t++) nheld += __builtin_popcountll(held[tw[t]]);
+            if (nheld != nalive) { /* someone drops out at block j */
+                for (int w = 0; w < maxw; w++) {
+                    u64 lost = alive[w] & ~held[w];
                     while (lost) {
-                        int b = __builtin_ctzll(lost);
-                        depth[b] = j;
+                        depth[w * 64 + __builtin_ctzll(lost)] = j;
                         lost &= lost - 1;
                     }
-                    a = still;
+                    alive[w] = held[w];
                 }
-                if (a) j++;
+                nalive = nheld;
             }
-            alive[0] = a;
-        } else {
-            while (j < n) {
-                i64 r = kt_find(s, keys[j]);
-                int live = 0;
-                for (int w = 0; w < maxw; w++) {
-                    u64 a = alive[w];
-                    if (!a) continue;
-                    u64 gpu = 0, held = 0;
-                    if (r >= 0 && w < cw) {
-                        i64 c = COL(s, 0, w);
-                        if (c >= 0) gpu = KT(s, r, c);
-                        held = gpu;
-                        for (int mm = 1; mm < nm; mm++) {
-                            c = COL(s, mm, w);
-                            if (c >= 0) held |= KT(s, r, c);
-                        }
+            for (int t = 0; t < nt; t++) {
+                uint32_t w = tw[t];
+                u64 ob = held[w] & ~gpu[w]; /* held, not on GPU: counted on its first other medium */
+                while (ob) {
+                    int b = __builtin_ctzll(ob);
+                    uint32_t best = MAX_MEDIA;
+                    for (uint32_t e = 0; e < ne; e++)
+                        if (els[e].word == w && ((els[e].mask >> b) & 1) && els[e].medium < best)
+                            best = els[e].medium;
+                    if (!ooff && !oom) {
+                        ooff = calloc((size_t)maxw * 64 * MAX_MEDIA, sizeof(i64));
+                        oom = !ooff;
                     }
-                    u64 still = a & held;
-                    if (still != a) {
-                        u64 lost = a & ~still;
-                        while (lost) {
-                            int b = __builtin_ctzll(lost);
-                            depth[w * 64 + b] = j;
-                            lost &= lost - 1;
-                        }
-                        alive[w] = still;
-                    }
-                    if (!still) continue;
-                    live = 1;
-                    u64 ob = still & ~gpu;
-                    while (ob) {
-                        int b = __builtin_ctzll(ob);
-                        u64 bit = 1ULL << b;
-                        for (int mm = 1; mm < nm; mm++) {
-                            i64 c = COL(s, mm, w);
-                            if (c >= 0 && (KT(s, r, c) & bit)) {
-                                ooff[(size_t)(w * 64 + b) * MAX_MEDIA + mm]++;
-                                any_off = 1;
-                                break;
-                            }
-                        }
-                        ob &= ob - 1;
-                    }
+                    if (ooff) ooff[(size_t)(w * 64 + b) * MAX_MEDIA + best]++;
+                    ob &= ob - 1;
                 }
-                if (!live) break;
-                j++;
+                held[w] = gpu[w] = 0;
             }
+            if (nalive) j++;
         }
+        nm = s->nm;
         unlock(s);
         Py_END_ALLOW_THREADS
         for (int w = 0; w < maxw; w++) {
             u64 a = alive[w];
             while (a) {
-                int b = __builtin_ctzll(a);
-                depth[w * 64 + b] = n;
+                depth[w * 64 + __builtin_ctzll(a)] = n;
                 a &= a - 1;
             }
         }
-        for (Py_ssize_t i = 0; i < nc; i++) {
-            blocks[i] = depth[cands[i]];
-            if (any_off) memcpy(offs + i * MAX_MEDIA, ooff + cands[i] * MAX_MEDIA, sizeof(i64) * MAX_MEDIA);
-        }
-        if (alive != alive_small) free(alive);
+        for (Py_ssize_t i = 0; i < nc; i++) blocks[i] = depth[cands[i]];
+        if (alive != small) free(alive);
         free(depth);
-        free(ooff);
-    }
-    {
+        if (oom) {
+            PyErr_NoMemory();
+            goto done;
+        }
         PyObject *bl = PyList_New(nc);
         if (!bl) goto done;
         for (Py_ssize_t i = 0; i < nc; i++) PyList_SET_ITEM(bl, i, PyLong_FromLongLong(blocks[i]));
         PyObject *ol;
-        if (any_off) {
+        if (ooff) {
             ol = PyList_New(nc);
             if (!ol) {
                 Py_DECREF(bl);
                 goto done;
             }
             for (Py_ssize_t i = 0; i < nc; i++) {
-                PyObject *row = PyList_New(s->nm);
-                for (int mm = 0; mm < s->nm; mm++)
-                    PyList_SET_ITEM(row, mm, PyLong_FromLongLong(offs[i * MAX_MEDIA + mm]));
+                PyObject *row = PyList_New(nm);
+                for (int mm = 0; mm < nm; mm++)
+                    PyList_SET_ITEM(row, mm, PyLong_FromLongLong(ooff[(size_t)cands[i] * MAX_MEDIA + mm]));
                 PyList_SET_ITEM(ol, i, row);
             }
         } else {
@@ -1372,43 +1516,52 @@ static PyObject *Store_lookup(Store *s, PyObject *args) {
 done:
     free(cands);
     free(blocks);
-    free(offs);
+    free(ooff);
     Py_DECREF(cseq);
     u64arg_free(&k);
     return out;
 }
 
-/* holders(key) -> [(medium, source), ...] */
+/* holders(key) -> [(medium, source), ...], by medium, then source */
+static int cmp_u64(const void *a, const void *b) {
+    u64 x = *(const u64 *)a, y = *(const u64 *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* the (medium << 12 | source) pairs of a row, sorted; *n of them (malloc'ed; NULL: no memory) */
+static u64 *row_pairs(u64 h, size_t *n) {
+    OvEl tmp[INLINE_N];
+    const OvEl *els;
+    uint32_t ne = h ? row_els(h, tmp, &els) : 0;
+    size_t cnt = 0;
+    for (uint32_t e = 0; e < ne; e++) cnt += (size_t)__builtin_popcountll(els[e].mask);
+    u64 *out = malloc(sizeof(u64) * (cnt ? cnt : 1));
+    if (!out) return NULL;
+    cnt = 0;
+    for (uint32_t e = 0; e < ne; e++)
+        for (u64 mk = els[e].mask; mk; mk &= mk - 1)
+            out[cnt++] = ((u64)els[e].medium << 12) | ((u64)els[e].word * 64 + (u64)__builtin_ctzll(mk));
+    qsort(out, cnt, sizeof(u64), cmp_u64);
+    *n = cnt;
+    return out;
+}
+
 static PyObject *Store_holders(Store *s, PyObject *arg) {
     u64 key = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred()) return NULL;
-    PyObject *out = PyList_New(0);
-    if (!out) return NULL;
+    size_t n = 0;
     lock(s);
     i64 r = kt_find(s, key);
-    u64 masks[MAX_MEDIA * 64];
-    int nm = s->nm, nw = s->nw;
-    for (int m = 0; m < nm; m++)
-        for (int w = 0; w < nw; w++) {
-            i64 c = COL(s, m, w);
-            masks[m * nw + w] = (r >= 0 && c >= 0) ? KT(s, r, c) : 0;
-        }
+    u64 *pairs = row_pairs(r >= 0 ? KT(s, r, 1) : 0, &n);
     unlock(s);
-    for (int m = 0; m < nm; m++)
-        for (int w = 0; w < nw && w < 64; w++) {
-            u64 mask = masks[m * nw + w];
-            while (mask) {
-                int b = __builtin_ctzll(mask);
-                PyObject *t = Py_BuildValue("(ii)", m, (w << 6) + b);
-                if (!t || PyList_Append(out, t)) {
-                    Py_XDECREF(t);
-                    Py_DECREF(out);
-                    return NULL;
-                }
-                Py_DECREF(t);
-                mask &= mask - 1;
-            }
-        }
+    if (!pairs) return PyErr_NoMemory();
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *t = Py_BuildValue("(ii)", (int)(pairs[i] >> 12), (int)(pairs[i] & 0xFFF));
+        if (!t) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    free(pairs);
     return out;
 }
 
@@ -1424,8 +1577,7 @@ static PyObject *Store_refcount(Store *s, PyObject *args) {
     lock(s);
     i64 out = 0;
     i64 r = kt_find(s, key);
-    i64 c = (sidx >> 6) < s->nw ? COL(s, m, sidx >> 6) : -1;
-    if (r >= 0 && c >= 0 && ((KT(s, r, c) >> (sidx & 63)) & 1)) {
+    if (r >= 0 && sidx < MAX_SOURCES && kt_has(&KT(s, r, 0), sidx, m)) {
         i64 q = rt_find(s, key, tag_of(sidx, m));
         out = 1 + (q >= 0 ? (i64)s->rt[q * 3 + 2] : 0);
     }
@@ -1463,15 +1615,10 @@ static PyObject *Store_source_keys(Store *s, PyObject *arg) {
         free(keys);
         return PyErr_NoMemory();
     }
-    int w = (int)(sidx >> 6);
     lock(s);
     for (size_t i = 0; i < n; i++) {
         i64 r = kt_find(s, keys[i]);
-        if (r < 0) continue;
-        for (int m = 0; m < s->nm; m++) {
-            i64 c = COL(s, m, w);
-            if (c >= 0 && ((KT(s, r, c) >> (sidx & 63)) & 1)) held[i] |= 1ULL << m;
-        }
+        if (r >= 0) held[i] = kt_media(&KT(s, r, 0), sidx);
     }
     int nm = s->nm;
     unlock(s);
@@ -1494,19 +1641,41 @@ static PyObject *Store_source_keys(Store *s, PyObject *arg) {
     return out;
 }
 
-/* views for tests: key table rows and columns, one source's engine-hash table and log, refs */
+/* views for tests: every residency of the key table, one source's engine-hash table and log, refs */
 static PyObject *Store_kt_view(Store *s, PyObject *noarg) {
+    /* kt_view() -> bytes of (key, medium << 12 | source) uint64 pairs, one per residency */
     lock(s);
-    PyObject *raw = PyBytes_FromStringAndSize((const char *)s->kt, (Py_ssize_t)(s->kcap * (size_t)s->kw * 8));
-    PyObject *cols = PyList_New(s->nm);
-    for (int m = 0; cols && m < s->nm; m++) {
-        PyObject *row = PyList_New(s->nw);
-        for (int w = 0; row && w < s->nw; w++) PyList_SET_ITEM(row, w, PyLong_FromLongLong(COL(s, m, w)));
-        PyList_SET_ITEM(cols, m, row);
+    size_t n = 0;
+    for (size_t i = 0; i < s->kcap; i++) {
+        u64 h = KT(s, i, 1);
+        if (!h) continue;
+        OvEl tmp[INLINE_N];
+        const OvEl *els;
+        uint32_t ne = row_els(h, tmp, &els);
+        for (uint32_t e = 0; e < ne; e++) n += (size_t)__builtin_popcountll(els[e].mask);
     }
-    int kw = s->kw;
+    PyObject *raw = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 16));
+    if (raw) {
+        u64 *o = (u64 *)PyBytes_AS_STRING(raw);
+        for (size_t i = 0; i < s->kcap; i++) {
+            u64 h = KT(s, i, 1);
+            if (!h) continue;
+            size_t np = 0;
+            u64 *pairs = row_pairs(h, &np);
+            if (!pairs) {
+                Py_CLEAR(raw);
+                break;
+            }
+            for (size_t q = 0; q < np; q++) {
+                *o++ = KT(s, i, 0);
+                *o++ = pairs[q];
+            }
+            free(pairs);
+        }
+    }
     unlock(s);
-    return Py_BuildValue("(NiN)", raw, kw, cols);
+    if (!raw) return PyErr_NoMemory();
+    return raw;
 }
 
 static PyObject *Store_em_view(Store *s, PyObject *arg) {
@@ -1529,7 +1698,7 @@ static PyObject *Store_rt_view(Store *s, PyObject *noarg) {
 }
 
 static PyObject *Store_nbytes(Store *s, PyObject *noarg) {
-    size_t n = s->kcap * (size_t)s->kw * 8 + s->rcap * 24;
+    size_t n = s->kcap * KW * 8 + s->ovf_bytes + s->rcap * 24;
     for (int i = 0; i < s->nsrc; i++) n += s->src[i]->ecap * 24 + s->src[i]->logcap * 8;
     return PyLong_FromSize_t(n);
 }
@@ -1684,19 +1853,14 @@ static PyObject *Store_group_bits(Store *s, PyObject *args) {
         u64arg_free(&k);
         return PyErr_NoMemory();
     }
-    int w = (int)(sidx >> 6);
-    u64 bit = 1ULL << (sidx & 63);
     i64 j = 0;
     Py_BEGIN_ALLOW_THREADS
     lock(s);
     for (; j < n; j++) {
         i64 r = kt_find(s, k.data[j]);
-        u64 b = 0;
-        if (r >= 0 && w < s->nw)
-            for (Py_ssize_t g = 0; g < ng; g++) {
-                i64 c = COL(s, media[g], w);
-                if (c >= 0 && (KT(s, r, c) & bit)) b |= 1ULL << g;
-            }
+        u64 b = 0, held = r >= 0 ? kt_media(&KT(s, r, 0), sidx) : 0;
+        for (Py_ssize_t g = 0; held && g < ng; g++)
+            if ((held >> media[g]) & 1) b |= 1ULL << g;
         if ((b & need) != need) break;
         bits[j] = b;
     }
@@ -1735,7 +1899,7 @@ static PyMethodDef Store_methods[] = {
     {"refcount", (PyCFunction)Store_refcount, METH_VARARGS, "refcount(sidx, key, medium)"},
     {"source_info", (PyCFunction)Store_source_info, METH_O, "(counts, unknown removes, evicted, live)"},
     {"source_keys", (PyCFunction)Store_source_keys, METH_O, "{medium: [keys]} of one source"},
-    {"kt_view", (PyCFunction)Store_kt_view, METH_NOARGS, "(raw key table, width, col_of)"},
+    {"kt_view", (PyCFunction)Store_kt_view, METH_NOARGS, "(key, medium << 12 | source) per residency, bytes"},
     {"em_view", (PyCFunction)Store_em_view, METH_O, "(raw engine-hash table, raw log, head, tail)"},
     {"rt_view", (PyCFunction)Store_rt_view, METH_NOARGS, "raw refs table"},
     {"nbytes", (PyCFunction)Store_nbytes, METH_NOARGS, "bytes held by the tables"},

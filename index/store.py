@@ -9,9 +9,9 @@ The tables live in a compiled C object (:mod:`index._kvcore`, ``index/_kvcore.c`
 time by the package's own build, so nothing compiles at start-up); this class keeps the names
 (sources, media) and converts to and from Python values. Layout:
 
-- key table: our 64-bit key -> one uint64 source bitmask per (medium, 64-source word) in use (a
-  GPU-only fleet of up to 64 sources: 16 bytes per slot). A count above one lives in the refs table
-  (rare), keyed (key, source, medium).
+- key table: our 64-bit key -> its holders, (source, medium) pairs: up to three inline, more in a
+  sparse bitmap of 64-source words (16 bytes per slot at any number of sources; index/README.md). A
+  count above one lives in the refs table (rare), keyed (key, source, medium).
 - per source, an engine-hash table: vLLM's hash -> our key and the row's position in the source's
   insertion log (24 bytes per slot), so BlockRemoved (which carries only vLLM's hash) and the parent
   of the next BlockStored resolve to our key. A mapping lives while the source holds the key on some
@@ -391,18 +391,11 @@ class PrefixStore:
         """Per medium, key -> mask of the sources holding it there."""
         import numpy as np
 
-        raw, width, col_of = self._core.kt_view()
-        kt = np.frombuffer(raw, dtype=np.uint64).reshape(-1, width)
+        pairs = np.frombuffer(self._core.kt_view(), dtype=np.uint64).reshape(-1, 2).tolist()
         out: list[dict[int, int]] = [{} for _ in self._media_names]
-        rows = kt[kt[:, 1:].any(axis=1)].tolist()
-        for row in rows:
-            for midx, cols in enumerate(col_of):
-                mask = 0
-                for w, c in enumerate(cols):
-                    if c >= 0 and row[c]:
-                        mask |= row[c] << (64 * w)
-                if mask:
-                    out[midx][row[0]] = mask
+        for key, holder in pairs:
+            media = out[holder >> 12]
+            media[key] = media.get(key, 0) | 1 << (holder & 0xFFF)
         return out
 
     @property

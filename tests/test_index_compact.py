@@ -69,17 +69,20 @@ class _Pair:
             assert a.lookup(prompts[-1], cands) == b.lookup(prompts[-1], cands)
 
 
-def _run(seed: int, many_sources: bool = False, steps: int = 120) -> None:
+def _run(seed: int, many_sources: bool = False, steps: int = 120, popular: bool = False) -> None:
     rng = random.Random(seed)
     cap = rng.choice([5, 12, 40, 10**9])
     pair = _Pair(rng, cap)
-    nsrc = 70 if many_sources else rng.randint(1, 5)
+    nsrc = 300 if popular else 70 if many_sources else rng.randint(1, 5)
     for i in range(nsrc):
         pair.both("add_source", ("e", i))
-    # with many sources, traffic goes to both 64-source words
+    # with many sources, traffic goes to both 64-source words; popular: a few keys held by up to a
+    # dozen sources over five words, so rows go from inline holders to bitmaps and back
     active = [0, 1, 63, 64, 65, 69] if many_sources else list(range(nsrc))
+    if popular:
+        active = sorted(rng.sample(range(nsrc), 12))
     key_pool = SPECIAL[: rng.randint(0, len(SPECIAL))] + [
-        rng.getrandbits(64) for _ in range(rng.randint(3, 25))
+        rng.getrandbits(64) for _ in range(rng.randint(3, 6 if popular else 25))
     ]
     eh_pool = [rng.getrandbits(64) if rng.random() < 0.5 else rng.randrange(40) for _ in range(30)]
     media = ["GPU"] * 6 + ["CPU", "CPU", "STORAGE", "DISK"]
@@ -129,6 +132,12 @@ def test_compact_equals_dict_store(block: int) -> None:
 def test_compact_equals_dict_store_beyond_64_sources() -> None:
     for seed in range(max(2, SEEDS // 10)):
         _run(10_000 + seed, many_sources=True)
+
+
+def test_compact_equals_dict_store_popular_keys() -> None:
+    """Keys held by many sources of a wide fleet: the key table's inline holders and its bitmaps."""
+    for seed in range(max(2, SEEDS // 10)):
+        _run(20_000 + seed, popular=True, steps=250)
 
 
 def test_growth_and_eviction_at_scale() -> None:
