@@ -64,6 +64,7 @@ typedef int64_t i64;
 #define MAX_BLOCK_SIZE 4096
 #define SLICE 4096     /* em rows per locked step of a clear or drop */
 #define AHEAD 16       /* rows a rebuild prefetches ahead */
+#define LOOKAHEAD 8    /* prompt blocks a lookup prefetches ahead */
 #define BIG 65536      /* allocations at least this large are mmap'ed */
 
 enum { G_TOTAL, G_EVICTIONS, G_KT_LIVE, G_RT_USED, G_RT_LIVE, G_MAX, G_SIZE };
@@ -1414,10 +1415,16 @@ static PyObject *Store_lookup(Store *s, PyObject *args) {
         lock(s);
         size_t mask = s->kcap - 1;
         const u64 *kt = s->kt;
+        unsigned kshift = s->kshift; /* (locals: the stores below may alias the store's fields) */
+        uint32_t uw = (uint32_t)maxw;
         uint32_t tw[64]; /* words touched at this block */
+        for (i64 p = 0; p < LOOKAHEAD && p < n; p++) __builtin_prefetch(&kt[(home(keys[p], kshift) & mask) * KW]);
         while (j < n && nalive) {
             u64 key = keys[j];
-            size_t i = home(key, s->kshift) & mask;
+            /* a row further on asked for now: the probes' cache misses overlap (the loop's body is
+             * too long for the CPU to run ahead into the next block by itself) */
+            if (j + LOOKAHEAD < n) __builtin_prefetch(&kt[(home(keys[j + LOOKAHEAD], kshift) & mask) * KW]);
+            size_t i = home(key, kshift) & mask;
             u64 h = 0;
             for (;;) {
                 u64 hh = kt[i * KW + 1];
@@ -1428,21 +1435,35 @@ static PyObject *Store_lookup(Store *s, PyObject *args) {
                 }
                 i = (i + 1) & mask;
             }
-            OvEl tmp[INLINE_N];
-            const OvEl *els;
-            uint32_t ne = h ? row_els(h, tmp, &els) : 0;
             int nt = 0;
             i64 nheld = 0;
-            for (uint32_t e = 0; e < ne; e++) {
-                uint32_t w = els[e].word;
-                if (w >= (uint32_t)maxw) continue;
-                u64 m = els[e].mask & alive[w];
-                if (!m) continue;
-                if (!held[w]) tw[nt++] = w;
-                held[w] |= m;
-                if (els[e].medium == 0) gpu[w] |= m;
+            if (!(h & OVF_BIT)) { /* inline holders (or none): one entry at a time */
+                for (u64 hh = h; hh; hh >>= ENT_BITS) {
+                    u64 e = hh & ENT_MASK;
+                    if (!e) continue;
+                    uint32_t src = (uint32_t)ent_src(e), w = src >> 6;
+                    u64 bit = 1ULL << (src & 63);
+                    if (w >= uw || !(alive[w] & bit)) continue;
+                    if (!held[w]) tw[nt++] = w;
+                    if (!(held[w] & bit)) {
+                        held[w] |= bit;
+                        nheld++;
+                    }
+                    if (!ent_med(e)) gpu[w] |= bit;
+                }
+            } else {
+                const Ovf *o = ovf_of(h);
+                for (uint32_t e = 0; e < o->n; e++) {
+                    uint32_t w = o->e[e].word;
+                    if (w >= uw) continue;
+                    u64 m = o->e[e].mask & alive[w];
+                    if (!m) continue;
+                    if (!held[w]) tw[nt++] = w;
+                    held[w] |= m;
+                    if (o->e[e].medium == 0) gpu[w] |= m;
+                }
+                for (int t = 0; t < nt; t++) nheld += __builtin_popcountll(held[tw[t]]);
             }
-            for (int t = 0; t < nt; t++) nheld += __builtin_popcountll(held[tw[t]]);
             if (nheld != nalive) { /* someone drops out at block j */
                 for (int w = 0; w < maxw; w++) {
                     u64 lost = alive[w] & ~held[w];
@@ -1457,6 +1478,11 @@ static PyObject *Store_lookup(Store *s, PyObject *args) {
             for (int t = 0; t < nt; t++) {
                 uint32_t w = tw[t];
                 u64 ob = held[w] & ~gpu[w]; /* held, not on GPU: counted on its first other medium */
+                held[w] = gpu[w] = 0;
+                if (!ob) continue;
+                OvEl tmp[INLINE_N];
+                const OvEl *els;
+                uint32_t ne = row_els(h, tmp, &els);
                 while (ob) {
                     int b = __builtin_ctzll(ob);
                     uint32_t best = MAX_MEDIA;
@@ -1470,7 +1496,6 @@ static PyObject *Store_lookup(Store *s, PyObject *args) {
                     if (ooff) ooff[(size_t)(w * 64 + b) * MAX_MEDIA + best]++;
                     ob &= ob - 1;
                 }
-                held[w] = gpu[w] = 0;
             }
             if (nalive) j++;
         }
