@@ -185,14 +185,17 @@ def main() -> int:
         print(json.dumps(d), flush=True)
         drains.append(d)
     print()
-    print("| residencies | sources | RSS B/res old | new | tables B/res old | new | lookup 1k p50 us old | new "
-          "| lookup 8k p50 us old | new |")
+    print(
+        "| residencies | sources | RSS B/res old | new | tables B/res old | new "
+        "| lookup 1k p50 us old | new | lookup 8k p50 us old | new |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         o, n = r["old"], r["new"]
         print(
             f"| {r['residencies']:,} | {r['sources']:,} | {o['rss_b_per_res']} | {n['rss_b_per_res']} "
-            f"| {o['table_b_per_res']} | {n['table_b_per_res']} | {o['lookup_1k_p50_us']} | {n['lookup_1k_p50_us']} "
+            f"| {o['table_b_per_res']} | {n['table_b_per_res']} "
+            f"| {o['lookup_1k_p50_us']} | {n['lookup_1k_p50_us']} "
             f"| {o['lookup_8k_p50_us']} | {n['lookup_8k_p50_us']} |"
         )
     if drains:
