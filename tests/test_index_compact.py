@@ -205,3 +205,23 @@ def test_lookup_during_concurrent_writes() -> None:
         t.join(10)
     assert not errors and not t.is_alive()
     assert store.total == 0
+
+
+def test_key_table_bytes_do_not_depend_on_source_slots() -> None:
+    """The same residencies cost the same bytes whichever of 1,024 source slots hold them: a row
+    lists its holders rather than a bitmask per 64-source word (the old layout grew every row by
+    8 bytes per word in use, 136 bytes at 1,024 sources)."""
+    rng = random.Random(3)
+    keys = [rng.getrandbits(64) for _ in range(5000)]
+    sizes = []
+    for holders in ([0, 1, 2], [5, 700, 1023]):
+        store = PrefixStore()
+        for i in range(1024):
+            store.add_source(("e", i))
+        for s in holders[:2]:
+            store.store(s, 0, keys, keys)
+        store.store(holders[2], 1, keys[:100], keys[:100])  # (three holders: still inline)
+        ms = store.lookup(keys, holders)
+        assert [m.blocks for m in ms] == [5000, 5000, 100] and store.total == 10_100
+        sizes.append(store.nbytes)
+    assert sizes[0] == sizes[1]
