@@ -1435,6 +1435,26 @@ static PyObject *Store_lookup(Store *s, PyObject *args) {
                 }
                 i = (i + 1) & mask;
             }
+            /* the usual block: every candidate still alive holds it on GPU (a source has one GPU
+             * entry per key at most, so the count of alive GPU holders says so); nothing changes */
+            i64 ngpu = 0;
+            if (!(h & OVF_BIT)) {
+                for (u64 hh = h; hh; hh >>= ENT_BITS) {
+                    u64 e = hh & ENT_MASK;
+                    if (!e || ent_med(e)) continue;
+                    uint32_t src = (uint32_t)ent_src(e), w = src >> 6;
+                    ngpu += w < uw && ((alive[w] >> (src & 63)) & 1);
+                }
+            } else {
+                const Ovf *o = ovf_of(h);
+                for (uint32_t e = 0; e < o->n; e++)
+                    if (o->e[e].medium == 0 && o->e[e].word < uw)
+                        ngpu += __builtin_popcountll(o->e[e].mask & alive[o->e[e].word]);
+            }
+            if (ngpu == nalive) {
+                j++;
+                continue;
+            }
             int nt = 0;
             i64 nheld = 0;
             if (!(h & OVF_BIT)) { /* inline holders (or none): one entry at a time */
