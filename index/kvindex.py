@@ -48,7 +48,8 @@ class IndexConfig(msgspec.Struct, frozen=True):
     """Engines' block size; None learns it from the first events. A mismatch is logged and counted."""
     max_residencies: int = 20_000_000
     """Cap on indexed residencies (key, source, medium); beyond it the oldest blocks of the largest
-    source are evicted and counted. ~20M is ~4 GB of router memory."""
+    source are evicted and counted. 20M is ~1.3 GB of index tables at any number of sources (~63
+    bytes per residency at 64 or 1,024, up to 2x while a table doubles)."""
     predict_ttl_s: float = 2.0
     """Lifetime of predicted residencies; 0 disables predict-on-route."""
     max_predicted_per_source: int = 200_000
