@@ -36,9 +36,10 @@ from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
 from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, bearer_token, compare_digest
 from router.fleet.sources.configfile import ConfigWatcher, Stamp
+from router.flow.controller import FlowController
 from router.http.asgi import Receive, Scope, Send
 from router.http.body import LARGE_BODY_BYTES, decode_json
-from router.http.errors import json_body, unauthorized, unavailable
+from router.http.errors import ApiError, json_body, unauthorized, unavailable
 from router.http.openapi import openapi_spec
 from router.http.proxy import PATHS, ProxyHandler
 from router.http.upstream import UpstreamPool
@@ -156,6 +157,13 @@ class KVRouter:
         self.service.affinity = self.proxy.affinity = self.replicas.affinity
         self.service.unseen = self.replicas.unseen
         self.replicas.register(self.metrics.registry)
+        self.flow: FlowController | None = None  # --- flow control (router/flow), off by default
+        if config.flow.enabled:
+            self.flow = FlowController(config.flow, self.loads, self._flow_targets)
+            self.proxy.flow = self.flow
+            self.service.flow_open = self.flow.open_members
+            self.metrics.add_series(self.flow.metrics.series)
+            self.metrics.add_collector(self.flow.metrics)
         self._keys = [k.encode() for k in config.api_keys]
         self._trusted = [k.encode() for k in config.trusted_api_keys]
         self._admin_keys = [k.encode() for k in config.admin_keys]
@@ -392,6 +400,8 @@ class KVRouter:
         if self.pods is not None:
             await self.pods.stop()
         await self.replicas.stop()
+        if self.flow is not None:
+            self.flow.close()
         await self.fleet.stop()
         self.index.stop()
         self.tokenizer.close()
@@ -422,6 +432,7 @@ class KVRouter:
         )
         data["cluster"] = self.replicas.describe()
         data["pd"] = self.pd_metrics.dashboard()  # P/D panel (router/pd/metrics.py)
+        data["flow"] = self.flow.describe() if self.flow is not None else None  # flow control panel
         return data
 
     async def _housekeeping(self) -> None:
@@ -469,6 +480,13 @@ class KVRouter:
             data.append(card)
         return {"object": "list", "data": data}
 
+    def _flow_targets(self, model: str) -> list[tuple[str, int]]:
+        """The targets a decision for ``model`` would consider now (none: nobody may serve it)."""
+        try:
+            return [t for m in self.service.candidates_for(model) for t in m.targets]
+        except ApiError:
+            return []
+
     async def route_answer(self, raw: bytes, query: bytes, headers: Any = ()) -> bytes:
         """``POST /route``: the decision for a request body, explained (nothing is sent); raises
         :class:`ApiError` for a bad body."""
@@ -476,6 +494,9 @@ class KVRouter:
         try:
             endpoint, session = self._route_args(body, query, headers)
             decided = await self.service.decide(endpoint, body, dry_run=True, session=session, size=len(raw))
+            if self.flow is not None:  # flow control: whether the proxy would hold it, and why
+                flow = self.flow.would_queue(self.flow.meta(headers, body, len(raw)))
+                return decided.explain_json()[:-1] + b',"flow":' + msgspec.json.encode(flow) + b"}"
             return decided.explain_json()
         finally:
             self.service.release(body, len(raw))
@@ -485,7 +506,7 @@ class KVRouter:
         :class:`ApiError` like it. The native server answers such a lookup in the callback that
         read it, without a task: external schedulers call ``/route`` per request. (Not a large body:
         its work is done off the event loop.)"""
-        if len(raw) > LARGE_BODY_BYTES:
+        if len(raw) > LARGE_BODY_BYTES or self.flow is not None:  # (flow: route_answer says more)
             return None
         body = _token_prompt_body(raw)
         if body is None:

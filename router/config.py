@@ -25,6 +25,7 @@ from index.subscriber import SubscriberConfig
 from router.cluster.config import ClusterConfig, ClusterError, validate_cluster
 from router.decision.policy import POLICIES, PolicyConfig
 from router.fleet.breaker import BreakerConfig
+from router.flow.config import FlowConfig, FlowError, validate_flow
 from router.observe.checks import ChecksConfig
 from router.pd.config import PDConfig
 
@@ -330,6 +331,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Prefill/decode disaggregation, for models served by ``role = "prefill"`` engines."""
     epp: EppConfig = EppConfig()
     """The Envoy ext_proc endpoint picker (docs/gateway.md); off by default."""
+    flow: FlowConfig = FlowConfig()
+    """Flow control: hold requests in the router while every candidate is saturated (router/flow)."""
 
 
 _PATH_RE = re.compile(r"\$\.?(.*)$")
@@ -693,6 +696,10 @@ def validate(cfg: RouterConfig) -> None:
     try:  # [cluster] (router/cluster)
         validate_cluster(cfg.cluster)
     except ClusterError as exc:
+        raise ConfigError(str(exc)) from None
+    try:  # [flow] (router/flow)
+        validate_flow(cfg.flow)
+    except FlowError as exc:
         raise ConfigError(str(exc)) from None
 
 

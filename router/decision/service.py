@@ -407,6 +407,8 @@ class RouterService:
         """Other replicas' concurrent decisions, assumed as load (router/cluster/unseen.py)."""
         self._plan_cache: _Plan | None = None
         """The last candidate set's plan (:meth:`_plan`)."""
+        self.flow_open: Callable[[list[Member]], list[Member]] | None = None
+        """Flow control's ``restrict_to_room`` (router/flow): the candidates a decision may take."""
 
     async def read_json(self, raw: bytes, parse: Callable[[bytes], Any] = json_body) -> Any:
         """``parse(raw)`` (the body decoded, or a 400): on the event loop up to
@@ -592,6 +594,8 @@ class RouterService:
         t1 = time.perf_counter()
         if backends is None:
             backends = self.candidates_for(model, subset)
+        if self.flow_open is not None:  # flow control (router/flow): only backends with room
+            backends = self.flow_open(backends)
         plan = self._plan(backends)
         inputs = plan.inputs
         found: PlanMatch | None = None

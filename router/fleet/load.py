@@ -22,7 +22,7 @@ import logging
 import mmap
 import os
 from _blake2 import blake2b  # (hashlib's blake2b, without loading OpenSSL's hashes at start-up)
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import msgspec
@@ -290,6 +290,8 @@ class LoadTracker:
         self.generation = 0
         """Bumped when a target's load record is made or dropped (readers keep the records of a
         candidate set: :meth:`record`)."""
+        self.on_free: Callable[[], None] | None = None
+        """Called when a request's first byte or end frees capacity (flow control's wake-up)."""
 
     def add_peers(self, peers: PeerLoads) -> None:
         """Another source of other routers' load (the cluster store), tracking every known target."""
@@ -385,6 +387,8 @@ class LoadTracker:
         load.pending_prefill_tokens -= ticket.uncached_tokens
         if self.peers:
             self._publish(ticket.target, load)
+        if self.on_free is not None:
+            self.on_free()
 
     def finish(self, ticket: Ticket) -> None:
         """The response ended (or failed, or the client went away)."""
@@ -396,6 +400,8 @@ class LoadTracker:
         load.active -= 1
         if self.peers:
             self._publish(ticket.target, load)
+        if self.on_free is not None:
+            self.on_free()
 
     def set_engine_metrics(self, target: Target, waiting: float, running: float, kv_usage: float) -> None:
         """Blend in what the engine itself reports (scraped from its /metrics)."""

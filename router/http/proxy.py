@@ -29,6 +29,7 @@ from router.config import ServerConfig
 from router.decision.service import Endpoint, Route, RouterService
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
+from router.flow.controller import FlowController, Rejection, Ticket
 from router.http.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
 from router.http.body import BodyBuffer
 from router.http.errors import (
@@ -87,6 +88,13 @@ _FORWARD_REQUEST_HEADERS = ("x-request-id", "traceparent", "tracestate")
 async def send_error(writer: ResponseWriter, err: ApiError) -> None:
     """An OpenAI-shaped JSON error response."""
     await write_json(writer, err.status, err.body())
+
+
+async def send_rejection(writer: ResponseWriter, rejection: Rejection) -> None:
+    """Flow control's 429/503, with its Retry-After."""
+    body = rejection.body()
+    await writer.start(rejection.status, rejection.headers(body))
+    await writer.end(body)
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
@@ -152,6 +160,8 @@ class ProxyHandler:
         self.authorize = authorize
         self.affinity: SessionAffinity | None = None
         """Reads the session header when session affinity is on (router/cluster)."""
+        self.flow: FlowController | None = None
+        """Flow control (``[flow]``, router/flow): None when off."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: read the body, then :meth:`handle` with a task watching for the client leaving."""
@@ -203,10 +213,18 @@ class ProxyHandler:
         endpoint = PATHS[path]
         size = len(body)
         parsed: Any = None
+        grant: Ticket | None = None
         try:
             if not authorized:
                 self.authorize({"path": path, "headers": headers})
             parsed = await self.service.read_json(body)
+            if self.flow is not None:  # flow control (router/flow): wait for room, decide after
+                admitted = await self.flow.admit(self.flow.meta(headers, parsed, size))
+                if isinstance(admitted, Rejection):
+                    self.service.release(parsed, size)
+                    await send_rejection(writer, admitted)
+                    return
+                grant = admitted
             t0 = time.perf_counter()
             session = self.affinity.session_of(headers) if self.affinity is not None else None
             route = await self.service.decide(endpoint, parsed, session=session, size=size)
@@ -220,6 +238,9 @@ class ProxyHandler:
         except asyncio.CancelledError:
             self.service.release(parsed, size)
             raise
+        finally:
+            if grant is not None:
+                grant.release()  # (its load ticket is taken before the loop runs the queue again)
         self.metrics.routed(
             route.backend,
             route.dp_rank,

@@ -66,6 +66,7 @@ SUMMED = frozenset(
     }
 )
 SUMMED = SUMMED | PD_SUMMED  # P/D series (router/pd/metrics.py) are request-path series too
+SUMMED = SUMMED | {"kvrouter_flow_wait_seconds", "kvrouter_flow_dispatched", "kvrouter_flow_rejected"}
 """Counters and histograms summed over workers, a dead worker's last figures kept (retired); the
 families in none of these sets come from the lowest worker."""
 LIVE_SUMMED = frozenset(
@@ -75,6 +76,7 @@ LIVE_SUMMED = frozenset(
         "kvrouter_session_pins",
         "kvrouter_client_connections",
         "kvrouter_max_client_connections",
+        "kvrouter_flow_queue_depth",  # (each worker's own queue)
     }
 )
 """Gauges summed over the live workers only: a dead worker's memory or pins are gone with it."""
