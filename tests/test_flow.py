@@ -8,6 +8,7 @@ own ``x-request-id``, which the router forwards), so the tests check what the qu
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import socket
@@ -227,7 +228,7 @@ def test_overload_queue_holds_the_excess(make: Callable[..., Any]) -> None:
         statuses = [f.result(timeout=60).status_code for f in futs]
         assert statuses == [200] * 30
         assert all(e.max_in_flight <= 2 for e in engines), [e.max_in_flight for e in engines]
-        assert sum(e.done for e in engines) == 30 and sorted(sum((e.order for e in engines), [])) == sorted(
+        assert sum(e.done for e in engines) == 30 and sorted(r for e in engines for r in e.order) == sorted(
             f"r{i}" for i in range(30)
         )
         assert depth(router) == 0 and metric(router, "kvrouter_flow_dispatched_total") == 30
@@ -329,7 +330,7 @@ def test_high_band_dispatches_first(make: Callable[..., Any]) -> None:
         assert router.app.flow is not None and router.app.flow.depth() == {20: 1, 10: 3, 0: 5}
         for n in range(2, 11):
             engine.release(1)
-            wait_for(lambda n=n: len(engine.order) == min(n, 10), f"dispatch {n}")
+            wait_for(functools.partial(lambda k: len(engine.order) == min(k, 10), n), f"dispatch {n}")
         engine.open()
         assert all(f.result(timeout=30).status_code == 200 for f in futs)
         order = engine.order[1:]
@@ -362,7 +363,7 @@ def test_flooding_flow_gets_its_fair_share(make: Callable[..., Any]) -> None:
         assert all("k1" not in row["flow"] for row in top)  # (a key is shown as a digest)
         for n in range(2, 8):
             engine.release(1)
-            wait_for(lambda n=n: len(engine.order) == n, f"dispatch {n}")
+            wait_for(functools.partial(lambda k: len(engine.order) == k, n), f"dispatch {n}")
         window = engine.order[1:7]  # six dispatches while all three flows wait
         assert sum(r.startswith("flood") for r in window) <= 2, window
         assert (
