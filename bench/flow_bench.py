@@ -1,0 +1,264 @@
+"""Flow control: routing quality at saturation with the admission queue on and off, and its own cost.
+
+``.venv/bin/python bench/flow_bench.py [--quick] [--stages trace,overhead] [--max-active 4,8]
+[--engine-speed 1.0]`` writes ``bench/out/flow.json`` and ``bench/out/flow.md``.
+
+Stages:
+
+- ``trace``: the replicas benchmark's live replay (``bench/replicas.py``: 4 mock vLLM engines over
+  HTTP and ZeroMQ with 2,000-block LRU caches, the first 1,500 requests of the Mooncake synthetic
+  trace in ~60 s, a ``kvrouter serve`` subprocess) at an engine speed where the fleet saturates,
+  once with ``[flow]`` off and once per ``--max-active`` with it on, side by side in one run, each arm
+  on fresh engines and a fresh router: hit ratio, TTFT p50/p90/p99 (trace seconds), answers that
+  were 429/503, the queue's dispatches and waits, router CPU per request.
+- ``overhead``: in one process, on a real event loop, the controller against a real load tracker:
+  the CPU of :meth:`FlowController.admit` plus its ticket's release when nothing queues (what
+  ``[flow]`` on adds to each request; off adds one ``None`` check), and the dispatch latency from a
+  request's end (``LoadTracker.finish``, capacity freed) to the next queued request's ``admit``
+  returning in its own task.
+
+Bounded: each replay stops issuing requests after ``--deadline`` seconds; every process started here
+is stopped at the end; traffic stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from replicas import (
+    CHILDREN,
+    Workload,
+    cpu_seconds,
+    hist_quantile,
+    parse_metrics,
+    total,
+    workload,
+)
+
+from router.fleet.load import LoadTracker
+from router.flow.config import FlowConfig
+from router.flow.controller import FlowController, FlowMeta, Ticket
+from sim.demo import RouterProcess, free_port, router_config
+from sim.driver import DriverConfig, run, scrape_engines
+from sim.fleet import Fleet
+from sim.report import from_live
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def flow_toml(max_active: int, max_pending: int) -> str:
+    return (
+        f"\n[flow]\nenabled = true\nmax_active = {max_active}\nmax_pending_prefill_tokens = {max_pending}\n"
+    )
+
+
+async def run_arm(work: Workload, label: str, extra_toml: str, tmp: Path) -> dict[str, Any]:
+    """Fresh engines and a fresh router with ``extra_toml``; the replay; its figures."""
+    fleet = Fleet.uniform(work.engines, work.engine)
+    await fleet.start()
+    router: RouterProcess | None = None
+    try:
+        port = free_port()
+        path = tmp / f"{label.replace(' ', '_')}.toml"
+        path.write_text(router_config(fleet, "kv", port, 16, None, {}) + extra_toml)
+        router = RouterProcess(path, tmp / f"{label.replace(' ', '_')}.log", port)
+        CHILDREN.append(router)
+        router.start()
+        await router.wait_ready(120.0)
+        cpu0 = cpu_seconds(router.proc.pid) if router.proc else 0.0
+        dcfg = DriverConfig(
+            base_url=router.url,
+            model=work.engine.model,
+            concurrency=work.concurrency,
+            speedup=work.speedup,
+            session_mode=False,
+            deadline_s=work.deadline_s,
+        )
+        t0 = time.monotonic()
+        results = await run(work.requests, dcfg)
+        wall = time.monotonic() - t0
+        cpu = (cpu_seconds(router.proc.pid) if router.proc else 0.0) - cpu0
+        async with httpx.AsyncClient(timeout=10) as client:
+            scrape = parse_metrics((await client.get(router.url + "/metrics")).text)
+        row = from_live(label, results, await scrape_engines(fleet.urls), work.bound, label=label)
+        for attr in ("ttft_p50", "ttft_p90", "ttft_p99"):
+            setattr(row, attr, getattr(row, attr) * work.speedup)  # trace seconds
+        routed = total(scrape, "kvrouter_requests_total")
+        statuses: dict[str, int] = {}
+        for r in results:
+            statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+        wait_p90 = hist_quantile([scrape], "kvrouter_flow_wait_seconds", 0.9)
+        rec = {
+            "arm": label,
+            "row": msgspec.to_builtins(row),
+            "statuses": statuses,
+            "wall_s": wall,
+            "router_cpu_ms_per_request": cpu * 1e3 / routed if routed else None,
+            "flow_dispatched": total(scrape, "kvrouter_flow_dispatched_total"),
+            "flow_rejected": total(scrape, "kvrouter_flow_rejected_total"),
+            "flow_wait_p90_s": wait_p90 * work.speedup if wait_p90 is not None else None,
+        }
+        print(
+            f"  {label:<28} hit {row.hit_ratio:.3f} ttft p50/p90/p99 {row.ttft_p50:.2f}/{row.ttft_p90:.2f}/"
+            f"{row.ttft_p99:.2f} s statuses {statuses} "
+            f"cpu {rec['router_cpu_ms_per_request'] or 0:.2f} ms/req",
+            file=sys.stderr,
+            flush=True,
+        )
+        return rec
+    finally:
+        if router is not None:
+            router.stop()
+        await fleet.stop()
+
+
+async def trace_stage(args: argparse.Namespace) -> list[dict[str, Any]]:
+    work = workload("synthetic", args.quick, args.deadline, args.capacity_blocks, args.engine_speed)
+    out = []
+    with tempfile.TemporaryDirectory(prefix="kvrouter-flow-") as tmpdir:
+        tmp = Path(tmpdir)
+        for rnd in range(args.rounds):
+            arms = [("flow off", "")] + [
+                (f"flow on, max_active {a}", flow_toml(a, args.max_pending)) for a in args.max_active
+            ]
+            for label, toml in arms:
+                rec = await run_arm(work, label, toml, tmp)
+                rec["round"] = rnd
+                out.append(rec)
+    return out
+
+
+async def overhead_stage(n: int) -> dict[str, Any]:
+    """admit + release when nothing queues, and capacity-freed -> dispatched latency."""
+    loads = LoadTracker()
+    targets = [(f"e{i}", 0) for i in range(4)]
+    for t in targets:
+        loads.track(t)
+    ctl = FlowController(FlowConfig(enabled=True, max_active=1), loads, lambda model: targets)
+    meta = FlowMeta("m", 0, "", 100)
+    # -- nothing queues: admit + release, the load tracker's start/finish around it as the proxy does
+    runs = []
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(n):
+            grant = await ctl.admit(meta)
+            assert isinstance(grant, Ticket)
+            grant.release()
+        runs.append((time.process_time() - t0) / n * 1e6)
+    await asyncio.sleep(0)
+    # -- the dispatch latency: every target busy, one request queued; a request's end frees room
+    lat = []
+    for _ in range(min(n, 2000)):
+        tickets = [loads.start(t, 10) for t in targets]
+        waiter = asyncio.get_running_loop().create_task(_timed_admit(ctl, meta))
+        await asyncio.sleep(0)  # (it queues)
+        assert sum(ctl.depth().values()) == 1
+        freed = time.perf_counter()
+        loads.finish(tickets[0])
+        left = await waiter
+        lat.append((left - freed) * 1e6)
+        for tk in tickets[1:]:
+            loads.finish(tk)
+        await asyncio.sleep(0)
+    lat.sort()
+    return {
+        "admit_release_us": statistics.median(runs),
+        "admit_release_us_runs": runs,
+        "dispatch_latency_us_p50": lat[len(lat) // 2],
+        "dispatch_latency_us_p99": lat[int(len(lat) * 0.99)],
+        "dispatch_samples": len(lat),
+    }
+
+
+async def _timed_admit(ctl: FlowController, meta: FlowMeta) -> float:
+    grant = await ctl.admit(meta)
+    left = time.perf_counter()
+    assert isinstance(grant, Ticket)
+    grant.release()
+    return left
+
+
+def markdown(trace: list[dict[str, Any]], overhead: dict[str, Any] | None) -> str:
+    lines = ["# Flow control", ""]
+    if trace:
+        lines += [
+            "| round | arm | hit ratio | TTFT p50 s | p90 | p99 | answers | queue wait p90 s "
+            "| router CPU ms/req |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in trace:
+            row = r["row"]
+            lines.append(
+                f"| {r['round']} | {r['arm']} | {row['hit_ratio']:.3f} | {row['ttft_p50']:.2f} | "
+                f"{row['ttft_p90']:.2f} | {row['ttft_p99']:.2f} | {r['statuses']} | "
+                f"{'-' if r['flow_wait_p90_s'] is None else round(r['flow_wait_p90_s'], 2)} | "
+                f"{r['router_cpu_ms_per_request'] or 0:.2f} |"
+            )
+        lines.append("")
+    if overhead:
+        lines.append(
+            f"admit + release, nothing queued: {overhead['admit_release_us']:.2f} us (median of 5 runs); "
+            f"capacity freed -> dispatched: p50 {overhead['dispatch_latency_us_p50']:.0f} us, "
+            f"p99 {overhead['dispatch_latency_us_p99']:.0f} us ({overhead['dispatch_samples']} samples)"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="300 requests")
+    p.add_argument("--stages", default="trace,overhead")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--capacity-blocks", type=int, default=64_000, help="as bench/replicas.py (2,000 blocks)")
+    p.add_argument(
+        "--engine-speed", type=float, default=1.0, help="1: the fleet saturates (bench/replicas.py)"
+    )
+    p.add_argument("--max-active", default="8", help="flow.max_active of the arms with flow on")
+    p.add_argument("--max-pending", type=int, default=0, help="flow.max_pending_prefill_tokens (0: off)")
+    p.add_argument("--deadline", type=float, default=60.0)
+    p.add_argument("--n", type=int, default=20000, help="admissions timed in the overhead stage")
+    p.add_argument("--out", default=str(OUT))
+    args = p.parse_args(argv)
+    args.max_active = [int(x) for x in args.max_active.split(",") if x]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stages = set(args.stages.split(","))
+    started = time.strftime("%Y-%m-%d %H:%M")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    trace: list[dict[str, Any]] = []
+    overhead = None
+    try:
+        if "overhead" in stages:
+            overhead = asyncio.run(overhead_stage(args.n))
+            print(f"  overhead {json.dumps(overhead)}", file=sys.stderr)
+        if "trace" in stages:
+            trace = asyncio.run(trace_stage(args))
+    finally:
+        for child in CHILDREN:
+            with contextlib.suppress(Exception):
+                child.stop()
+    meta = {"started": started, "args": vars(args), "load": os.getloadavg()}
+    (out / "flow.json").write_text(json.dumps({"meta": meta, "trace": trace, "overhead": overhead}, indent=1))
+    (out / "flow.md").write_text(markdown(trace, overhead))
+    print(markdown(trace, overhead))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
