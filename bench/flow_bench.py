@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import statistics
 import sys
@@ -62,10 +63,9 @@ from sim.report import from_live
 OUT = Path(__file__).resolve().parent / "out"
 
 
-def flow_toml(max_active: int, max_pending: int) -> str:
-    return (
-        f"\n[flow]\nenabled = true\nmax_active = {max_active}\nmax_pending_prefill_tokens = {max_pending}\n"
-    )
+def flow_toml(max_active: int, max_pending: int, restrict: bool = True) -> str:
+    head = f"\n[flow]\nenabled = true\nrestrict_to_room = {str(restrict).lower()}\n"
+    return head + f"max_active = {max_active}\nmax_pending_prefill_tokens = {max_pending}\n"
 
 
 async def run_arm(work: Workload, label: str, extra_toml: str, tmp: Path) -> dict[str, Any]:
@@ -134,9 +134,13 @@ async def trace_stage(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="kvrouter-flow-") as tmpdir:
         tmp = Path(tmpdir)
         for rnd in range(args.rounds):
-            arms = [("flow off", "")] + [
-                (f"flow on, max_active {a}", flow_toml(a, args.max_pending)) for a in args.max_active
-            ]
+            arms = [("flow off", "")]
+            for a in args.max_active:
+                arms.append((f"flow on, max_active {a}", flow_toml(a, args.max_pending)))
+                if args.loose:
+                    arms.append(
+                        (f"flow on, max_active {a}, any target", flow_toml(a, args.max_pending, False))
+                    )
             for label, toml in arms:
                 rec = await run_arm(work, label, toml, tmp)
                 rec["round"] = rnd
@@ -186,6 +190,134 @@ async def overhead_stage(n: int) -> dict[str, Any]:
     }
 
 
+# ---- priority and fairness under overload: a closed-loop background load, probes on top -----------
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 1 << 30) for _ in range(n)]
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str], prompt: list[int]
+) -> tuple[int, float]:
+    """(status, TTFT s) of one streamed completion."""
+    body = {"model": "toy-model", "prompt": prompt, "max_tokens": 8, "stream": True}
+    t0 = time.perf_counter()
+    ttft = -1.0
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        async for chunk in r.aiter_raw():
+            if ttft < 0 and chunk:
+                ttft = time.perf_counter() - t0
+    return r.status_code, ttft
+
+
+async def _loop(
+    client: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    rng: random.Random,
+    stop: float,
+    out: list[float],
+) -> None:
+    while time.monotonic() < stop:
+        status, ttft = await _one(client, url, headers, _prompt(rng, 512))
+        if status == 200:
+            out.append(ttft)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+async def contention_arm(
+    label: str,
+    flow: str,
+    loops: dict[str, tuple[int, dict[str, str]]],
+    seconds: float,
+    tmp: Path,
+) -> dict[str, Any]:
+    """2 mock engines, a router with ``flow`` (TOML lines, "" = off), closed loops per group
+    (name -> (clients, headers)) for ``seconds``: each group's TTFT p50/p90/p99 and answers."""
+    from sim.engine import EngineConfig
+
+    fleet = Fleet.uniform(2, EngineConfig(model="toy-model", time_scale=0.25))
+    await fleet.start()
+    router: RouterProcess | None = None
+    try:
+        port = free_port()
+        path = tmp / f"{label.replace(' ', '_')}.toml"
+        path.write_text(router_config(fleet, "kv", port, 16, None, {}) + flow)
+        router = RouterProcess(path, tmp / f"{label.replace(' ', '_')}.log", port)
+        CHILDREN.append(router)
+        router.start()
+        await router.wait_ready(120.0)
+        results: dict[str, list[float]] = {name: [] for name in loops}
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            stop = time.monotonic() + seconds
+            tasks = [
+                _loop(client, router.url, hdrs, random.Random(f"{name}{i}"), stop, results[name])
+                for name, (n, hdrs) in loops.items()
+                for i in range(n)
+            ]
+            await asyncio.gather(*tasks)
+        rec: dict[str, Any] = {"arm": label}
+        for name, xs in results.items():
+            rec[name] = {
+                "n": len(xs),
+                **{
+                    f"p{int(q * 100)}_ms": (v * 1e3 if (v := _pct(xs, q)) else None) for q in (0.5, 0.9, 0.99)
+                },
+            }
+        print(
+            f"  {label:<36} {json.dumps({k: v for k, v in rec.items() if k != 'arm'})}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return rec
+    finally:
+        if router is not None:
+            router.stop()
+        await fleet.stop()
+
+
+async def contention_stage(seconds: float) -> list[dict[str, Any]]:
+    flow = "\n[flow]\nenabled = true\nmax_active = 4\npriorities = [10]\n"
+    high = {"x-kvrouter-priority": "10"}
+    bg: tuple[int, dict[str, str]] = (48, {})
+    out = []
+    with tempfile.TemporaryDirectory(prefix="kvrouter-flow-") as tmpdir:
+        tmp = Path(tmpdir)
+        # priority: 2 high-band clients alone, then beside 48 default-band ones (flow on, then off)
+        out.append(await contention_arm("priority: high alone", flow, {"high": (2, high)}, seconds, tmp))
+        out.append(
+            await contention_arm(
+                "priority: loaded, flow on", flow, {"high": (2, high), "default": bg}, seconds, tmp
+            )
+        )
+        out.append(
+            await contention_arm(
+                "priority: loaded, flow off", "", {"high": (2, high), "default": bg}, seconds, tmp
+            )
+        )
+        # fairness: 3 flows of 4 clients each, alone, then beside a flow of 40 (10x)
+        others = {f"flow{i}": (4, {"x-gateway-inference-fairness-id": f"f{i}"}) for i in range(3)}
+        flood = {"flood": (40, {"x-gateway-inference-fairness-id": "flood"})}
+        out.append(await contention_arm("fairness: others alone", flow, others, seconds, tmp))
+        out.append(
+            await contention_arm(
+                "fairness: with a 10x flood, flow on", flow, {**others, **flood}, seconds, tmp
+            )
+        )
+        out.append(
+            await contention_arm(
+                "fairness: with a 10x flood, flow off", "", {**others, **flood}, seconds, tmp
+            )
+        )
+    return out
+
+
 async def _timed_admit(ctl: FlowController, meta: FlowMeta) -> float:
     grant = await ctl.admit(meta)
     left = time.perf_counter()
@@ -194,8 +326,21 @@ async def _timed_admit(ctl: FlowController, meta: FlowMeta) -> float:
     return left
 
 
-def markdown(trace: list[dict[str, Any]], overhead: dict[str, Any] | None) -> str:
+def markdown(
+    trace: list[dict[str, Any]],
+    overhead: dict[str, Any] | None,
+    contention: list[dict[str, Any]] = (),  # type: ignore[assignment]
+) -> str:
     lines = ["# Flow control", ""]
+    if contention:
+        lines += ["| arm | group | answered | TTFT p50 ms | p90 | p99 |", "|---|---|---|---|---|---|"]
+        for r in contention:
+            for name, g in r.items():
+                if name == "arm":
+                    continue
+                cells = [f"{g[k]:.0f}" if g[k] is not None else "-" for k in ("p50_ms", "p90_ms", "p99_ms")]
+                lines.append(f"| {r['arm']} | {name} | {g['n']} | " + " | ".join(cells) + " |")
+        lines.append("")
     if trace:
         lines += [
             "| round | arm | hit ratio | TTFT p50 s | p90 | p99 | answers | queue wait p90 s "
@@ -223,7 +368,8 @@ def markdown(trace: list[dict[str, Any]], overhead: dict[str, Any] | None) -> st
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="300 requests")
-    p.add_argument("--stages", default="trace,overhead")
+    p.add_argument("--stages", default="overhead,contention,trace")
+    p.add_argument("--contention-s", type=float, default=12.0, help="seconds per contention arm")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--capacity-blocks", type=int, default=64_000, help="as bench/replicas.py (2,000 blocks)")
     p.add_argument(
@@ -232,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-active", default="8", help="flow.max_active of the arms with flow on")
     p.add_argument("--max-pending", type=int, default=0, help="flow.max_pending_prefill_tokens (0: off)")
     p.add_argument("--deadline", type=float, default=60.0)
+    p.add_argument(
+        "--loose", action="store_true", help="also arms with flow.restrict_to_room = false (decide among all)"
+    )
     p.add_argument("--n", type=int, default=20000, help="admissions timed in the overhead stage")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
@@ -243,10 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     trace: list[dict[str, Any]] = []
     overhead = None
+    contention: list[dict[str, Any]] = []
     try:
         if "overhead" in stages:
             overhead = asyncio.run(overhead_stage(args.n))
             print(f"  overhead {json.dumps(overhead)}", file=sys.stderr)
+        if "contention" in stages:
+            contention = asyncio.run(contention_stage(args.contention_s))
         if "trace" in stages:
             trace = asyncio.run(trace_stage(args))
     finally:
@@ -254,9 +406,11 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(Exception):
                 child.stop()
     meta = {"started": started, "args": vars(args), "load": os.getloadavg()}
-    (out / "flow.json").write_text(json.dumps({"meta": meta, "trace": trace, "overhead": overhead}, indent=1))
-    (out / "flow.md").write_text(markdown(trace, overhead))
-    print(markdown(trace, overhead))
+    (out / "flow.json").write_text(
+        json.dumps({"meta": meta, "trace": trace, "overhead": overhead, "contention": contention}, indent=1)
+    )
+    (out / "flow.md").write_text(markdown(trace, overhead, contention))
+    print(markdown(trace, overhead, contention))
     return 0
 
 

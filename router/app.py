@@ -161,7 +161,8 @@ class KVRouter:
         if config.flow.enabled:
             self.flow = FlowController(config.flow, self.loads, self._flow_targets)
             self.proxy.flow = self.flow
-            self.service.flow_open = self.flow.open_members
+            if config.flow.restrict_to_room:
+                self.service.flow_open = self.flow.open_members
             self.metrics.add_series(self.flow.metrics.series)
             self.metrics.add_collector(self.flow.metrics)
         self._keys = [k.encode() for k in config.api_keys]

@@ -38,6 +38,11 @@ class FlowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_kv_usage: float = 0.8
     """``vllm:kv_cache_usage_perc`` (0..1) at or above this saturates a target; read only when
     ``health.scrape_metrics`` is on. 0: not a criterion."""
+    restrict_to_room: bool = True
+    """A request let through is decided among the targets with room only, so no engine passes
+    ``max_active``. False: among every candidate, the policy weighing their load as always, so a
+    long cached prefix may send a request to a saturated engine (which then queues it itself) while
+    another has room: the queue then bounds the fleet's total, not each engine's."""
     # --- the queue ---
     ttl_s: float = 60.0
     """Longest a request waits in the queue; then 429 (sheddable band) or 503, with Retry-After."""
