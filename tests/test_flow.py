@@ -377,6 +377,20 @@ def test_flooding_flow_gets_its_fair_share(make: Callable[..., Any]) -> None:
         clients.close()
 
 
+def test_any_target_mode_still_queues(make: Callable[..., Any]) -> None:
+    """restrict_to_room = false: the decision sees every candidate, the queue still holds the excess."""
+    router, [engine] = make(1, flow="max_active = 1\nrestrict_to_room = false")
+    assert router.app.service.flow_open is None and router.app.flow is not None
+    clients = Clients(router.url)
+    try:
+        futs = [clients.send(f"r{i}", body(i)) for i in range(4)]
+        wait_for(lambda: engine.in_flight == 1 and depth(router) == 3, "one in flight, three queued")
+        engine.open()
+        assert [f.result(timeout=30).status_code for f in futs] == [200] * 4 and engine.max_in_flight == 1
+    finally:
+        clients.close()
+
+
 def test_config_rejects_bad_flow_keys(tmp_path: Path) -> None:
     from router.config import ConfigError, load_config
 
