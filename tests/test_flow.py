@@ -399,3 +399,15 @@ def test_config_rejects_bad_flow_keys(tmp_path: Path) -> None:
         path.write_text(f'[flow]\n{bad}\n[[backends]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
         with pytest.raises(ConfigError, match="flow"):
             load_config(path)
+
+
+def test_every_flow_key_is_documented() -> None:
+    import msgspec
+
+    from router.flow.config import FlowConfig
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "flow-control.md").read_text()
+    for f in msgspec.structs.fields(FlowConfig):
+        assert re.search(rf"^{f.name} = |^\[flow\.{f.name}\]", doc, re.MULTILINE), (
+            f"docs/flow-control.md lacks {f.name}"
+        )
