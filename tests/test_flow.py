@@ -212,7 +212,7 @@ def test_off_and_unsaturated_answer_the_same(make: Callable[..., Any]) -> None:
 def test_overload_queue_holds_the_excess(make: Callable[..., Any]) -> None:
     """More requests than the engines may hold: the router holds the rest, the engines never pass
     the threshold, every request is answered and none is lost."""
-    router, engines = make(2, flow="max_active = 2\nttl_s = 60")
+    router, engines = make(2, flow="max_active = 2\nttl_s = 60\nrestrict_to_room = true")
     clients = Clients(router.url)
     try:
         futs = [clients.send(f"r{i}", body(i)) for i in range(30)]
@@ -378,8 +378,9 @@ def test_flooding_flow_gets_its_fair_share(make: Callable[..., Any]) -> None:
 
 
 def test_any_target_mode_still_queues(make: Callable[..., Any]) -> None:
-    """restrict_to_room = false: the decision sees every candidate, the queue still holds the excess."""
-    router, [engine] = make(1, flow="max_active = 1\nrestrict_to_room = false")
+    """restrict_to_room = false (the default): the decision sees every candidate, the queue still
+    holds the excess."""
+    router, [engine] = make(1, flow="max_active = 1")
     assert router.app.service.flow_open is None and router.app.flow is not None
     clients = Clients(router.url)
     try:

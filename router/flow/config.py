@@ -38,11 +38,13 @@ class FlowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_kv_usage: float = 0.8
     """``vllm:kv_cache_usage_perc`` (0..1) at or above this saturates a target; read only when
     ``health.scrape_metrics`` is on. 0: not a criterion."""
-    restrict_to_room: bool = True
-    """A request let through is decided among the targets with room only, so no engine passes
-    ``max_active``. False: among every candidate, the policy weighing their load as always, so a
-    long cached prefix may send a request to a saturated engine (which then queues it itself) while
-    another has room: the queue then bounds the fleet's total, not each engine's."""
+    restrict_to_room: bool = False
+    """True: a request let through is decided among the targets with room only, so no engine ever
+    passes ``max_active`` (the strict bound). False (the default): among every candidate, the policy
+    weighing their load as always, so a long cached prefix may still send a request to a busy engine
+    while another has room; the queue then bounds the fleet's total in flight. On the saturated
+    Mooncake replay the strict mode lost three quarters of the hit ratio (every dispatch went to
+    whichever engine freed first) and this one gained on flow control off (docs/benchmarks/flow.md)."""
     # --- the queue ---
     ttl_s: float = 60.0
     """Longest a request waits in the queue; then 429 (sheddable band) or 503, with Retry-After."""
