@@ -247,6 +247,7 @@ class EppConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``/route``. Off by default: without a gateway in front nothing would call it."""
 
     enabled: bool = False
+    """Start the picker's gRPC ports with ``kvrouter serve``."""
     host: str = "127.0.0.1"
     """Listen address of both gRPC ports ("0.0.0.0" in a pod, where the gateway is another host)."""
     port: int = 9002
@@ -271,6 +272,7 @@ class EppConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tls_cert_file: str = ""
     """PEM certificate chain of both gRPC ports; "" (with ``tls_key_file``): plaintext."""
     tls_key_file: str = ""
+    """PEM private key of ``tls_cert_file``; both set or both empty."""
     tls_client_ca_file: str = ""
     """PEM CA bundle: when set, clients (the gateway) must present a certificate it signed (mTLS)."""
     message_timeout_s: float = 30.0
