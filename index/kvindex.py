@@ -73,7 +73,7 @@ class SourcePlan:
     block size, the hybrid ones, the unknown ones; valid while no source comes or goes and no
     source's block size or KV cache groups change (:meth:`KVIndex.plan_valid`)."""
 
-    __slots__ = ("groups", "hybrid", "main_size", "n", "pos_of", "unknown", "version")
+    __slots__ = ("groups", "hybrid", "main_size", "n", "pos_of", "unknown", "unknown_media", "version")
 
     def __init__(self, version: tuple[int, int], n: int, main_size: int) -> None:
         self.version = version
@@ -85,6 +85,9 @@ class SourcePlan:
         """(candidate position, store index, block size) of hybrid models' sources."""
         self.unknown: list[int] = []
         """Positions of candidates the index does not follow."""
+        self.unknown_media: list[dict[str, int] | None] = []
+        """Per candidate ``{}`` where the index does not follow it, else None (a match copies it:
+        no Python loop over a fleet the index does not follow)."""
         self.pos_of: dict[int, tuple[int, int]] = {}
         """Store index -> (candidate position, block size) of the plain sources."""
 
@@ -247,6 +250,11 @@ class KVIndex:
         plan = SourcePlan(version, len(candidates), main_size)
         plan.hybrid = hybrid
         plan.unknown = unknown
+        if unknown:
+            empty: dict[str, int] = {}  # (never changed: shared)
+            plan.unknown_media = [None] * len(candidates)
+            for i in unknown:
+                plan.unknown_media[i] = empty
         for size, (sidxs, where) in by_size.items():
             identity = len(sidxs) == len(candidates)
             plan.groups.append((size, sidxs, None if identity else where))
@@ -298,9 +306,7 @@ class KVIndex:
         if matched is None:
             matched = [0] * n
         if plan.unknown:
-            media = [None] * n
-            for i in plan.unknown:
-                media[i] = {}
+            media = plan.unknown_media.copy()
         groups: dict[int, SourceMatch] = {}
         now = time.monotonic()
         if plan.hybrid:

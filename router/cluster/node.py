@@ -61,7 +61,7 @@ from router.cluster.wire import (
     pack_keys,
     unpack_keys,
 )
-from router.fleet.load import Target, TargetLoad
+from router.fleet.load import PeerColumns, Target, TargetLoad
 from router.observe.metrics import LeanHistogram
 
 log = logging.getLogger("kvrouter.cluster")
@@ -166,10 +166,13 @@ class Cluster:
 
     # --- PeerLoads -------------------------------------------------------------------------------
     def track(self, target: Target) -> None:
-        """A target joined this replica's fleet (nothing to send until it has load)."""
+        """A target joined this replica's fleet (nothing to send until it has load; the peers'
+        sums for it kept where decisions read them)."""
+        self.table.watch(target)
 
     def forget(self, target: Target) -> None:
         """A target left this replica's fleet: its figures go to zero for the peers."""
+        self.table.unwatch(target)
         if self._own.pop(target, None) is not None:
             self._changed(target)
 
@@ -186,6 +189,14 @@ class Cluster:
     def others(self, target: Target) -> tuple[int, int, int]:
         """The peers' summed figures for a target."""
         return self.table.totals.get(target, _ZERO)
+
+    def slot_of(self, target: Target) -> int:
+        """Where :meth:`columns` keeps a target's peers' sums (-1: nowhere)."""
+        return self.table.slot_of(target)
+
+    def columns(self) -> PeerColumns:
+        """The peers' sums of this replica's targets, one row per slot."""
+        return PeerColumns(self.table.cells, 0, 3, 1, -1)
 
     def _changed(self, target: Target) -> None:
         self._dirty.add(target)

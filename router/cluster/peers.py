@@ -1,14 +1,18 @@
 """The other replicas as this one last heard them: their in-flight figures per target, summed.
 
 Pure state, no I/O: the :class:`~router.cluster.node.Cluster` feeds it decoded messages and the
-time they arrived (this replica's monotonic clock: a peer's own clock is never read), and the load
-tracker reads :meth:`PeerTable.others` for every candidate of every decision, so that read is one
-dict lookup. Sums are kept up to date as figures change, and a peer that goes silent for
-``peer_timeout_s`` (or says goodbye) is removed together with everything it contributed.
+time they arrived (this replica's monotonic clock: a peer's own clock is never read). Sums are kept
+up to date as figures change (when a peer's share arrives, not when a decision reads them), and a
+peer that goes silent for ``peer_timeout_s`` (or says goodbye) is removed together with everything
+it contributed. The sums of the targets this replica routes to are also kept in one int64 column
+(:attr:`PeerTable.cells`, a slot per target): a decision reads every candidate's from there in one
+compiled pass, whatever the fleet's width (router/decision/service.py).
 """
 
 from __future__ import annotations
 
+import logging
+from array import array
 from collections.abc import Iterable
 
 from router.cluster.wire import LoadRow
@@ -18,6 +22,8 @@ Figures = tuple[int, int, int]
 """(active, prefilling, pending prefill tokens)."""
 
 _ZERO: Figures = (0, 0, 0)
+
+log = logging.getLogger("kvrouter.cluster")
 
 
 class Peer:
@@ -70,6 +76,37 @@ class PeerTable:
         """Messages of peers never received (sequence gaps), over every peer ever heard."""
         self.refused = 0
         """Messages from new peers refused because :attr:`MAX_PEERS` were known."""
+        self.cells = array("q")
+        """The sums of the watched targets (:meth:`watch`), three int64 per slot."""
+        self._slots: dict[Target, int] = {}
+        self._free: list[int] = []
+
+    def watch(self, target: Target) -> None:
+        """Keep ``target``'s sums in :attr:`cells` (a target of this replica's fleet); at most
+        :attr:`MAX_TARGETS` (past it a target's peers' load is not seen by decisions: logged)."""
+        if target in self._slots:
+            return
+        if self._free:
+            slot = self._free.pop()
+        elif len(self._slots) >= self.MAX_TARGETS:
+            log.error("cluster: %d targets watched; %s's peer load is not seen", len(self._slots), target)
+            return
+        else:
+            slot = len(self.cells) // 3
+            self.cells.extend(_ZERO)
+        self._slots[target] = slot
+        self.cells[slot * 3 : slot * 3 + 3] = array("q", self.totals.get(target, _ZERO))
+
+    def unwatch(self, target: Target) -> None:
+        """Stop keeping ``target``'s sums in :attr:`cells` (it left this replica's fleet)."""
+        slot = self._slots.pop(target, None)
+        if slot is not None:
+            self.cells[slot * 3 : slot * 3 + 3] = array("q", _ZERO)
+            self._free.append(slot)
+
+    def slot_of(self, target: Target) -> int:
+        """A watched target's slot in :attr:`cells` (-1: not watched)."""
+        return self._slots.get(target, -1)
 
     def others(self, target: Target) -> Figures:
         """The peers' summed figures for one target."""
@@ -128,6 +165,11 @@ class PeerTable:
             self.totals.pop(target, None)
         else:
             self.totals[target] = total
+        slot = self._slots.get(target)
+        if slot is not None:
+            cells = self.cells
+            i = slot * 3
+            cells[i], cells[i + 1], cells[i + 2] = total
 
     def drop(self, replica: str) -> Peer | None:
         """Forget a peer and withdraw its figures from the sums."""

@@ -375,32 +375,50 @@ static int get_ll(PyObject *o, long long *out) {
  * the least loaded candidates first (router/cluster/unseen.py); order: round_robin's candidate
  * order, turn its turn. The record is bytes: the columns of the enum above. */
 static PyObject *score(PyObject *self, PyObject *args) {
-    PyObject *matchedl, *medial, *offsl, *roles, *loadsl, *assumedl, *spread, *rng, *order;
+    PyObject *matchedl, *medial, *offsl, *roles, *loadsl, *assumedl, *spread, *rng, *order, *extrao = Py_None;
     long long prompt_blocks, block_size, min_blocks_cfg, turn;
     int kind;
     double gpu, cpu, storage, predicted, min_ratio_cfg, load_weight, decode_weight, waiting_weight, temperature;
-    if (!PyArg_ParseTuple(args, "(LLiddddLddddd)O!OOOO!OOOOL", &prompt_blocks, &block_size, &kind, &gpu, &cpu, &storage,
-                          &predicted, &min_blocks_cfg, &min_ratio_cfg, &load_weight, &decode_weight, &waiting_weight,
-                          &temperature, &PyList_Type, &matchedl, &medial, &offsl, &roles, &PyList_Type, &loadsl,
-                          &assumedl, &spread, &rng, &order, &turn))
+    if (!PyArg_ParseTuple(args, "(LLiddddLddddd)O!OOOO!OOOOL|O", &prompt_blocks, &block_size, &kind, &gpu, &cpu,
+                          &storage, &predicted, &min_blocks_cfg, &min_ratio_cfg, &load_weight, &decode_weight,
+                          &waiting_weight, &temperature, &PyList_Type, &matchedl, &medial, &offsl, &roles,
+                          &PyList_Type, &loadsl, &assumedl, &spread, &rng, &order, &turn, &extrao))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(matchedl);
     if (n == 0) {
         PyErr_SetString(PyExc_ValueError, "no candidates");
         return NULL;
     }
+    /* extra: None, or per candidate (active, prefilling, pending) int64 triples added to its load
+     * record's figures (other routers' load, gathered by gather()) */
+    Py_buffer extra = {0};
+    const long long *ex = NULL;
+    if (extrao != Py_None) {
+        if (PyObject_GetBuffer(extrao, &extra, PyBUF_SIMPLE)) return NULL;
+        if (extra.len != (Py_ssize_t)((size_t)n * 3 * 8)) {
+            PyBuffer_Release(&extra);
+            PyErr_SetString(PyExc_ValueError, "extra must hold three int64 per candidate");
+            return NULL;
+        }
+        ex = (const long long *)extra.buf;
+    }
     if (PyList_GET_SIZE(loadsl) != n || (medial != Py_None && (!PyList_Check(medial) || PyList_GET_SIZE(medial) != n)) ||
         (offsl != Py_None && (!PyList_Check(offsl) || PyList_GET_SIZE(offsl) != n)) ||
         (assumedl != Py_None && (!PyList_Check(assumedl) || PyList_GET_SIZE(assumedl) != n))) {
         PyErr_SetString(PyExc_ValueError, "every per-candidate list must have one entry per candidate");
+        if (ex) PyBuffer_Release(&extra);
         return NULL;
     }
     if (offsl != Py_None && !PyBytes_Check(roles)) {
         PyErr_SetString(PyExc_TypeError, "roles must be bytes");
+        if (ex) PyBuffer_Release(&extra);
         return NULL;
     }
     PyObject *rec = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((size_t)n * N_COLS * 8));
-    if (!rec) return NULL;
+    if (!rec) {
+        if (ex) PyBuffer_Release(&extra);
+        return NULL;
+    }
     char *buf = PyBytes_AS_STRING(rec);
     double *credit_c = COL_D(buf, n, C_CREDIT), *prefill_c = COL_D(buf, n, C_PREFILL), *queued_c = COL_D(buf, n, C_QUEUED);
     double *score_c = COL_D(buf, n, C_SCORE), *assumed_c = COL_D(buf, n, C_ASSUMED), *waiting_c = COL_D(buf, n, C_WAITING);
@@ -457,6 +475,22 @@ static PyObject *score(PyObject *self, PyObject *args) {
         double prefill = (double)prompt_blocks > credit ? (double)prompt_blocks - credit : 0.0;
         PyObject *active_o, *pending_o, *waiting_o;
         if (load_fields(PyList_GET_ITEM(loadsl, i), &active_o, &pending_o, &waiting_o)) goto done;
+        if (ex && (ex[i * 3] || ex[i * 3 + 2])) { /* the record's figures plus the others' (as Python adds) */
+            PyObject *a = PyLong_FromLongLong(ex[i * 3]), *p = PyLong_FromLongLong(ex[i * 3 + 2]);
+            PyObject *sa = a ? PyNumber_Add(active_o, a) : NULL, *sp = p ? PyNumber_Add(pending_o, p) : NULL;
+            Py_XDECREF(a);
+            Py_XDECREF(p);
+            Py_DECREF(active_o);
+            Py_DECREF(pending_o);
+            if (!sa || !sp) {
+                Py_XDECREF(sa);
+                Py_XDECREF(sp);
+                Py_DECREF(waiting_o);
+                goto done;
+            }
+            active_o = sa;
+            pending_o = sp;
+        }
         long long active = 0;
         double waiting = 0.0, q = 0.0;
         int bad = get_ll(active_o, &active) || as_double(waiting_o, &waiting);
@@ -630,6 +664,7 @@ done:
     Py_XDECREF(ties);
     Py_XDECREF(pick);
     Py_DECREF(rec);
+    if (ex) PyBuffer_Release(&extra);
     return out;
 }
 
@@ -856,7 +891,93 @@ static PyObject *top(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* gather(out, table, base, stride, rows, skip, slots): other routers' figures per candidate, added
+ * into ``out`` (a writable buffer of three int64 per candidate: active, prefilling, pending).
+ * ``table`` is int64 cells: candidate i's figures are the ``rows`` triples at
+ * ``base + slots[i] * stride + r * 3`` (r != skip), ``slots`` int64 per candidate (-1: none).
+ * One pass in C over what the peers' shares already keep per target: a decision reads the fleet's
+ * peer load without a Python object per candidate. */
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *outo, *tableo, *slotso;
+    Py_ssize_t base, stride, rows, skip;
+    if (!PyArg_ParseTuple(args, "OOnnnnO", &outo, &tableo, &base, &stride, &rows, &skip, &slotso)) return NULL;
+    Py_buffer out, table, slots;
+    if (PyObject_GetBuffer(outo, &out, PyBUF_WRITABLE)) return NULL;
+    if (PyObject_GetBuffer(tableo, &table, PyBUF_SIMPLE)) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(slotso, &slots, PyBUF_SIMPLE)) {
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    Py_ssize_t n = slots.len / 8, cells = table.len / 8;
+    if (slots.len % 8 || out.len != n * 24 || base < 0 || stride < 0 || rows < 0 || rows * 3 > stride) {
+        PyErr_SetString(PyExc_ValueError, "gather: out must hold three int64 per slot entry; rows within stride");
+        goto done;
+    }
+    long long *o = (long long *)out.buf;
+    const long long *t = (const long long *)table.buf, *sl = (const long long *)slots.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long s = sl[i];
+        if (s < 0) continue;
+        Py_ssize_t room = cells - base - rows * 3; /* (the last slot's rows must end within the table) */
+        if (room < 0 || (stride ? s > room / stride : 0)) {
+            PyErr_SetString(PyExc_IndexError, "gather: slot past the table");
+            goto done;
+        }
+        const long long *row = t + base + s * stride;
+        long long a = 0, b = 0, c = 0;
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            if (r == skip) continue;
+            a += row[r * 3];
+            b += row[r * 3 + 1];
+            c += row[r * 3 + 2];
+        }
+        o[i * 3] += a;
+        o[i * 3 + 1] += b;
+        o[i * 3 + 2] += c;
+    }
+    ret = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&slots);
+    return ret;
+}
+
+/* take(record, n, picked) -> bytes: the record of the candidates at ``picked`` (a list of
+ * positions), in that order: the kept record of a decision without a slice per cell */
+static PyObject *take(PyObject *self, PyObject *args) {
+    PyObject *rec, *picked;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OnO!", &rec, &n, &PyList_Type, &picked) || check_record(rec, n, 0)) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(picked);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((size_t)k * N_COLS * 8));
+    if (!out) return NULL;
+    const long long *src = (const long long *)PyBytes_AS_STRING(rec);
+    long long *dst = (long long *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(picked, j));
+        if (i == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (i < 0 || i >= n) {
+            Py_DECREF(out);
+            PyErr_SetString(PyExc_IndexError, "take: position past the record");
+            return NULL;
+        }
+        for (int c = 0; c < N_COLS; c++) dst[(size_t)c * (size_t)k + (size_t)j] = src[(size_t)c * (size_t)n + (size_t)i];
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"gather", gather, METH_VARARGS, "add other routers' figures per candidate into a buffer"},
+    {"take", take, METH_VARARGS, "the record of some candidates"},
     {"score", score, METH_VARARGS, "every candidate's cost and the choice: (record, best, prefix, inflight)"},
     {"reasons", reasons, METH_VARARGS, "each candidate's reason code"},
     {"render", render, METH_VARARGS, "the candidates' JSON list"},

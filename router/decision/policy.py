@@ -126,13 +126,16 @@ class Policy:
         dry_run: bool = False,
         assumed: list[float] | None = None,
         spread: tuple[float, float] | None = None,
+        extra: bytearray | None = None,
     ) -> Decision:
         """THE decision over ``inputs``' candidates (one compiled pass: see the module docstring):
         ``matched[i]`` blocks of the prompt cached on candidate i, by medium in ``media[i]`` (a
         dict) or ``offs[i]`` (the index's per-medium counts off GPU, named by
         ``inputs.medium_names``), else all on GPU; ``loads[i]`` its load record; ``assumed[i]``
         load assumed on it; ``spread``: (count, blocks each) of other replicas' unseen decisions
-        to place on the least loaded first."""
+        to place on the least loaded first; ``extra``: other routers' figures added to the load
+        records' (three int64 per candidate: active, prefilling, pending prefill tokens), as
+        :func:`router.decision._kernel.gather` writes them."""
         if not matched:
             raise ValueError("no candidates")
         cfg = self.config
@@ -168,6 +171,7 @@ class Policy:
             self.rng,
             order,
             turn,
+            extra,
         )
         outcome: Literal["prefix", "load", "fallback"]
         outcome = "fallback" if not have_prompt else "prefix" if prefix else "load"

@@ -219,8 +219,7 @@ class Scored:
         if n <= k:
             return self
         picked = _kernel.top(self.record, n, self.best, k)
-        rec = self.record
-        record = b"".join(rec[(c * n + i) * 8 : (c * n + i) * 8 + 8] for c in range(_NCOLS) for i in picked)
+        record = _kernel.take(self.record, n, picked)
         targets = self.inputs.targets
         inputs = Inputs([targets[i] for i in picked], self.inputs.medium_names, self.inputs.roles)
         media = [self.media[i] for i in picked] if self.media is not None else None

@@ -18,12 +18,13 @@ import msgspec
 from index.keys import TokenBuffer
 from index.kvindex import KVIndex, MatchReport, PlanMatch, SourcePlan
 from index.store import GroupMatch, SourceMatch
+from router.decision import _kernel
 from router.decision.pd import PDPlan, PDPlanner
 from router.decision.policy import Candidate, Policy
 from router.decision.record import TOP_K, CandidateScore, Decision, Inputs, Scored
 from router.decision.tokenizer import PrefixTokens, RequestTokenizer, TokenizerError, TokenizerUnavailable
 from router.fleet.breaker import Breakers
-from router.fleet.load import LoadTracker, TargetLoad
+from router.fleet.load import LoadTracker, PeerLoads, TargetLoad
 from router.fleet.membership import Member, Membership
 from router.http.body import LARGE_BODY_BYTES, release
 from router.http.errors import ApiError, bad_request, json_body, not_found_model, unavailable
@@ -308,7 +309,7 @@ class _Plan:
     """One candidate set as every decision over it needs it, built once (O(candidates)) and kept
     while the candidates, the index's sources and the load records stay the same."""
 
-    __slots__ = ("backends", "inputs", "key", "loads", "members", "sources")
+    __slots__ = ("backends", "inputs", "key", "loads", "members", "peer_slots", "sources")
 
     def __init__(
         self,
@@ -317,13 +318,25 @@ class _Plan:
         inputs: Inputs,
         sources: SourcePlan,
         loads: list[TargetLoad],
+        peer_slots: list[bytes],
     ) -> None:
         self.key = key
         self.backends = backends
         self.inputs = inputs
         self.sources = sources
         self.loads = loads
+        self.peer_slots = peer_slots
+        """Per peer view of the load tracker, the candidates' slots in its columns."""
         self.members = {b.name: b for b in backends}
+
+    def peer_figures(self, peers: Sequence[PeerLoads]) -> bytearray:
+        """The other routers' figures per candidate (three int64 each), read from what their
+        shares keep per target in one compiled pass per peer view: no Python per candidate."""
+        out = bytearray(len(self.inputs.targets) * 24)
+        for p, slots in zip(peers, self.peer_slots, strict=True):
+            c = p.columns()
+            _kernel.gather(out, c.table, c.base, c.stride, c.rows, c.skip, slots)
+        return out
 
 
 def validate_body(endpoint: Endpoint, body: Any) -> str:
@@ -409,6 +422,9 @@ class RouterService:
         """The last candidate set's plan (:meth:`_plan`)."""
         self.flow_open: Callable[[list[Member]], list[Member]] | None = None
         """Flow control's ``restrict_to_room`` (router/flow): the candidates a decision may take."""
+        self._unblocked: tuple[list[Member], frozenset[str], list[Member]] | None = None
+        """(candidates, the ejected among them, the candidates without them) of the last decision
+        with a breaker open."""
 
     async def read_json(self, raw: bytes, parse: Callable[[bytes], Any] = json_body) -> Any:
         """``parse(raw)`` (the body decoded, or a 400): on the event loop up to
@@ -460,9 +476,16 @@ class RouterService:
             raise not_found_model(model)
         if not self.breakers.any_open():
             return backends  # (the common case: no breaker to ask, one check per decision)
-        available = self.breakers.available
-        ok = [b for b in backends if available(b.name)]
-        return ok or backends
+        # the list without the ejected, kept while the candidates and the ejected stay the same (its
+        # identity keys the candidate set's plan: a new list each decision re-planned every one)
+        blocked = self.breakers.blocked()
+        kept = self._unblocked
+        if kept is not None and kept[0] is backends and kept[1] == blocked:
+            return kept[2]
+        ok = [b for b in backends if b.name not in blocked] if blocked else backends
+        ok = ok or backends
+        self._unblocked = (backends, blocked, ok)
+        return ok
 
     async def decide(
         self,
@@ -566,7 +589,12 @@ class RouterService:
         names, roles = index.medium_roles()
         record = self.loads.record
         plan = _Plan(
-            key, backends, Inputs(targets, names, roles), index.plan(targets), [record(t) for t in targets]
+            key,
+            backends,
+            Inputs(targets, names, roles),
+            index.plan(targets),
+            [record(t) for t in targets],
+            self.loads.peer_slots(targets),
         )
         self._plan_cache = plan
         return plan
@@ -617,10 +645,13 @@ class RouterService:
         else:
             block_size, prompt_blocks = self.index.config.block_size or 16, 0
             matched, media, offs = [0] * n, None, None
-        loads = plan.loads if not self.loads.peers else [self.loads.get(t) for t in inputs.targets]
+        loads = plan.loads
+        peers = self.loads.peers
         # --- P/D hook (router/decision/pd.py): two pools when prefill-role engines take this model
         plan_pd: PDPlan | None = None
         if self.pd is not None and self._disaggregated(model):
+            if peers:
+                loads = [self.loads.get(t) for t in inputs.targets]
             scored = Scored(inputs, b"", 0, 0, policy.config.name, media, offs)  # (its by_medium only)
             cands = [
                 Candidate(
@@ -660,6 +691,7 @@ class RouterService:
                 have_prompt=tokens is not None,
                 dry_run=dry_run,
                 spread=spread,
+                extra=plan.peer_figures(peers) if peers else None,
             )
             if unseen is not None and not dry_run and decision.scored is not None:
                 unseen.decided(decision.scored.prefill_of(decision.scored.best))

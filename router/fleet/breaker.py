@@ -79,6 +79,12 @@ class Breakers:
         st = self._states.get(name)
         return st is None or st.open_until == 0.0 or self.clock() >= st.open_until
 
+    def blocked(self) -> frozenset[str]:
+        """The backends not :meth:`available` now (open, within their cooldown): O(breakers that
+        ever opened), not O(fleet); what a cached candidate list is keyed by."""
+        now = self.clock()
+        return frozenset(n for n, st in self._states.items() if st.open_until and now < st.open_until)
+
     def any_open(self) -> bool:
         """Some breaker is open or half-open (else every backend is :meth:`available`)."""
         return any(st.open_until for st in self._states.values())

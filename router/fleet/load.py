@@ -22,8 +22,9 @@ import logging
 import mmap
 import os
 from _blake2 import blake2b  # (hashlib's blake2b, without loading OpenSSL's hashes at start-up)
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
@@ -70,6 +71,26 @@ class PeerLoads(Protocol):
 
     def others(self, target: Target) -> tuple[int, int, int]:
         """(active, prefilling, pending_prefill_tokens) summed over the other routers."""
+
+    def slot_of(self, target: Target) -> int:
+        """Where :meth:`columns` keeps a target's figures (-1: nowhere, no load from others); the
+        same while the target stays tracked."""
+
+    def columns(self) -> PeerColumns:
+        """The other routers' figures of every slot, kept up to date as their shares arrive (a
+        decision reads them for all its candidates in one compiled pass, not target by target)."""
+
+
+class PeerColumns(NamedTuple):
+    """Int64 cells holding other routers' figures: a slot's are the ``rows`` triples (active,
+    prefilling, pending_prefill_tokens) from ``base + slot * stride``, row ``skip`` left out (this
+    process's own; -1: none)."""
+
+    table: Any
+    base: int
+    stride: int
+    rows: int
+    skip: int
 
 
 _FIELDS = 3  # active, prefilling, pending_prefill_tokens
@@ -266,6 +287,14 @@ class BoardView:
     def others(self, target: Target) -> tuple[int, int, int]:
         return self.board.others(self.worker, target)
 
+    def slot_of(self, target: Target) -> int:
+        slot = self.board.slots.get(target)
+        return -1 if slot is None else slot
+
+    def columns(self) -> PeerColumns:
+        b = self.board
+        return PeerColumns(b.cells, b._rows, b._stride, b.workers, self.worker)
+
 
 class Ticket:
     """One dispatched request's share of a target's load; released exactly once."""
@@ -298,6 +327,17 @@ class LoadTracker:
         for target in self._loads:
             peers.track(target)
         self.peers.append(peers)
+        self.generation += 1  # (the candidate sets' peer slots: :meth:`peer_slots`)
+
+    def peer_slots(self, targets: Sequence[Target]) -> list[bytes]:
+        """Per peer view, where each target's figures live in its :meth:`PeerLoads.columns` (int64
+        per target, -1: none): valid while :attr:`generation` stays the same (slots are given when
+        a target is tracked and taken back when it is forgotten)."""
+        out = []
+        for p in self.peers:
+            slot_of = p.slot_of
+            out.append(array("q", [slot_of(t) for t in targets]).tobytes())
+        return out
 
     def _own(self, target: Target) -> TargetLoad:
         load = self._loads.get(target)
@@ -417,6 +457,7 @@ __all__ = [
     "BoardView",
     "LoadBoard",
     "LoadTracker",
+    "PeerColumns",
     "PeerLoads",
     "Target",
     "TargetLoad",
