@@ -1,0 +1,279 @@
+"""Decision cost against fleet width through the service: ``kvrouter serve`` over real sockets.
+
+Per width (8, 64, 256, 1,024 candidates: backends x 8 DP ranks on one zero-latency upstream,
+``bench/zero_mock.py``) and per arm (``alone``; ``cluster``: a second replica on the same Redis,
+both taking the same traffic), a keep-alive client sends completions with a 1,024-token prompt of
+token ids (an 8-block prefix shared, the rest each request's own) at a fixed concurrency; measured
+on the first replica: its CPU (``/proc/<pid>/stat`` utime + stime) per proxied request over
+``--count`` requests after a warm-up, and the client's request latency p50/p99. The index follows
+no event stream here (the mock publishes none): what grows with width is the router's own work.
+
+Several trees side by side in one run (each router runs from its tree, with its extensions built
+in place)::
+
+    python bench/decision_service.py --trees new=.,old=/tmp/old-tree --out bench/out/decision-service.json
+
+Bounded: ``--count`` requests per arm, every wait has a deadline, every process started here is
+stopped at the end; traffic stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.returncode})")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"port {port} not listening within {timeout:.0f} s")
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    """A blocking GET (readiness and debug pages only)."""
+    with socket.create_connection(("127.0.0.1", port), 5) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def wait_for(cond: Any, what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+            if cond():
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what}: not within {timeout:.0f} s")
+
+
+def config(port: int, upstream: int, width: int, redis_url: str | None) -> str:
+    backends = max(width // 8, 1)
+    dp = width // backends
+    lines = ["block_size = 16", "[server]", f"port = {port}", 'log_level = "warning"']
+    for i in range(backends):
+        lines += ["[[backends]]", f'name = "e{i}"', f'url = "http://127.0.0.1:{upstream}"']
+        lines += ['models = ["m"]', f"dp_size = {dp}"]
+    if redis_url:
+        lines += ["[cluster]", f'redis_url = "{redis_url}"']
+    return "\n".join(lines) + "\n"
+
+
+class Client:
+    """Keep-alive HTTP/1.1 connections sending pre-encoded requests (little CPU of its own)."""
+
+    def __init__(self, port: int, bodies: list[bytes]) -> None:
+        self.port = port
+        self.requests = [
+            b"POST /v1/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(b)}\r\n\r\n".encode()
+            + b
+            for b in bodies
+        ]
+
+    async def run(self, count: int, concurrency: int, seed: int) -> list[float]:
+        rng = random.Random(seed)
+        order = [rng.randrange(len(self.requests)) for _ in range(count)]
+        spans: list[float] = []
+        it = iter(order)
+
+        async def one_conn() -> None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            try:
+                for i in it:
+                    t0 = time.perf_counter()
+                    writer.write(self.requests[i])
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+                    if not head.startswith(b"HTTP/1.1 200"):
+                        raise RuntimeError(head[:200].decode(errors="replace"))
+                    fields = (h.partition(b":") for h in head.split(b"\r\n"))
+                    length = next(int(v) for k, _, v in fields if k.lower() == b"content-length")
+                    await reader.readexactly(length)
+                    spans.append(time.perf_counter() - t0)
+            finally:
+                writer.close()
+
+        await asyncio.gather(*(one_conn() for _ in range(concurrency)))
+        return spans
+
+
+def bodies(n: int = 64) -> list[bytes]:
+    rng = random.Random(1)
+    prefix = [rng.randrange(1, 30000) for _ in range(128)]
+    out = []
+    for _ in range(n):
+        prompt = prefix + [rng.randrange(1, 30000) for _ in range(1024 - 128)]
+        out.append(json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode())
+    return out
+
+
+class Procs:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, cmd: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": str(cwd)}
+        with open(log, "wb") as f:
+            p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def stop(self, p: subprocess.Popen[bytes]) -> None:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if p in self.procs:
+            self.procs.remove(p)
+
+    def stop_all(self) -> None:
+        for p in list(self.procs):
+            self.stop(p)
+
+
+def router(
+    procs: Procs, tree: Path, tmp: Path, name: str, upstream: int, width: int, redis: str | None
+) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(config(port, upstream, width, redis))
+    p = procs.start([PY, "-m", "router.cli", "serve", "--config", str(cfg)], tree, tmp / f"{name}.log")
+    wait_port(port, p)
+    wait_for(lambda: get(port, "/ready")[0] == 200, f"{name} ready")
+    return p, port
+
+
+def arm(
+    procs: Procs,
+    tree: Path,
+    tmp: Path,
+    upstream: int,
+    width: int,
+    redis: str | None,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One replica measured (and with ``redis`` a second one beside it taking the same traffic)."""
+    tag = f"{tree.name}-{width}-{'cluster' if redis else 'alone'}"
+    a, port_a = router(procs, tree, tmp, tag + "-a", upstream, width, redis)
+    b = None
+    try:
+        ports = [port_a]
+        if redis:
+            b, port_b = router(procs, tree, tmp, tag + "-b", upstream, width, redis)
+            ports.append(port_b)
+
+            def peers_seen() -> bool:
+                return all(len(json.loads(get(p, "/debug/index")[1])["cluster"]["peers"]) == 1 for p in ports)
+
+            wait_for(peers_seen, "replicas see each other")
+        reqs = bodies()
+
+        async def drive(count: int, seed: int) -> list[float]:
+            runs = [Client(p, reqs).run(count, args.concurrency, seed + k) for k, p in enumerate(ports)]
+            return (await asyncio.gather(*runs))[0]
+
+        asyncio.run(drive(args.warmup, 1))
+        cpu0 = cpu_seconds(a.pid)
+        spans = asyncio.run(drive(args.count, 2))
+        cpu = cpu_seconds(a.pid) - cpu0
+        spans.sort()
+        return {
+            "tree": tree.name if args.names is None else args.names[str(tree)],
+            "candidates": width,
+            "arm": "cluster" if redis else "alone",
+            "cpu_us_per_request": cpu / len(spans) * 1e6,
+            "p50_ms": statistics.median(spans) * 1e3,
+            "p99_ms": spans[int(len(spans) * 0.99) - 1] * 1e3,
+            "requests": len(spans),
+        }
+    finally:
+        if b is not None:
+            procs.stop(b)
+        procs.stop(a)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trees", default="new=.", help="name=path,... (each router runs from its tree)")
+    ap.add_argument("--widths", default="8,64,256,1024")
+    ap.add_argument("--arms", default="alone,cluster")
+    ap.add_argument("--count", type=int, default=1500)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=Path("bench/out/decision-service.json"))
+    args = ap.parse_args()
+    trees = [(n, Path(p).resolve()) for n, p in (t.split("=", 1) for t in args.trees.split(","))]
+    args.names = {str(p): n for n, p in trees}
+    procs = Procs()
+    rows: list[dict[str, Any]] = []
+    tmp = Path(tempfile.mkdtemp(prefix="decision-service-"))
+    redis_bin = shutil.which("redis-server")
+    try:
+        upstream = free_port()
+        mock = procs.start([PY, str(ROOT / "bench" / "zero_mock.py"), str(upstream)], ROOT, tmp / "mock.log")
+        wait_port(upstream, mock)
+        redis_url = None
+        if "cluster" in args.arms:
+            if redis_bin is None:
+                raise SystemExit("redis-server is not installed")
+            rport = free_port()
+            cmd = [redis_bin, "--port", str(rport), "--bind", "127.0.0.1", "--save", ""]
+            rp = procs.start(cmd, tmp, tmp / "redis.log")
+            wait_port(rport, rp)
+            redis_url = f"redis://127.0.0.1:{rport}/0"
+        for width in (int(w) for w in args.widths.split(",")):
+            for which in args.arms.split(","):
+                for _, tree in trees:  # (the trees side by side, per width and arm)
+                    row = arm(
+                        procs, tree, tmp, upstream, width, redis_url if which == "cluster" else None, args
+                    )
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    finally:
+        procs.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
