@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -119,6 +119,10 @@ class KVIndex:
         self.ingestor.on_reset = self._forget_predictions
         self.ingestor.on_touched = self._touched
         self._predicted: dict[int, dict[int, float]] = {}
+        self._holders: dict[int, dict[int, float]] = {}
+        """Block key -> the sources it is predicted on, with the expiry: a match finds the
+        candidates a prediction extends from the prompt's keys, not by a walk over every source
+        with predictions (at a high request rate, nearly every source has some)."""
         self._plock = threading.Lock()
         """Guards changes to the predictions (the event loop adds them, the ingest thread ends them)."""
         self._watched: set[int] = set()
@@ -139,7 +143,8 @@ class KVIndex:
         self.subscriber.remove_source(source)
         sidx = self.store.source_index(source)
         if sidx is not None:
-            self._predicted.pop(sidx, None)
+            with self._plock:
+                self._unhold(sidx, self._predicted.pop(sidx, None))
 
     def source_ready(self, source: SourceId) -> bool:
         """True once the source's first bootstrap replay has ended (done, failed or abandoned) or
@@ -331,37 +336,74 @@ class KVIndex:
                 matched[i] = hm.blocks
                 media[i] = hm.by_medium
                 groups[i] = hm
-        predictions = self._predicted
-        if predictions:
-            pos_of = plan.pos_of
-            names = self.store._media_names
-            for sidx, predicted in list(predictions.items()):  # (sources with predictions: recent choices)
-                at = pos_of.get(sidx) if predicted else None
-                if at is None:
-                    continue
-                i, size = at
-                ks = keys[size]
-                b = j = matched[i]
-                while j < len(ks) and predicted.get(ks[j], 0.0) > now:
-                    j += 1
-                if j == b:
-                    continue
-                row = offs[i] if offs is not None else None
-                by = {"GPU": b}
-                if row:
-                    for k, c in enumerate(row):
-                        if c:
-                            by[names[k]] = c
-                            by["GPU"] -= c
-                by[PREDICTED] = j - b
-                if media is None:
-                    media = [None] * n
-                media[i] = by
-                matched[i] = j
+        if self._holders:
+            media = self._extend_plan(plan, keys, matched, offs, media, now)
         main = plan.main_size
         if main not in keys:
             keys[main] = prompt_keys(tokens, main, lora_name=lora_name, extra_keys=extra)
         return PlanMatch(main, len(tokens) // main, keys, matched, media, offs, groups)
+
+    def _extend_plan(
+        self,
+        plan: SourcePlan,
+        keys: dict[int, list[int]],
+        matched: list[int],
+        offs: list[list[int] | None] | None,
+        media: list[dict[str, int] | None] | None,
+        now: float,
+    ) -> list[dict[str, int] | None] | None:
+        """Predictions on the plan's plain candidates: one whose next prompt block (after what it
+        holds, ``matched``) is predicted on it gets the predicted run on top (``matched`` and
+        ``media`` changed in place; ``media`` made when first needed). Found through
+        :attr:`_holders` from the keys at the depths the candidates reached (few distinct ones): the
+        work is the candidates predicted there, not the sources with predictions."""
+        holders = self._holders
+        pos_of = plan.pos_of
+        predictions = self._predicted
+        found: list[tuple[int, int, int]] = []  # (position, held blocks, with the predicted run)
+        for size, ks in keys.items():
+            nk = len(ks)
+            for b in set(matched):
+                if b >= nk:
+                    continue
+                held = holders.get(ks[b])
+                if not held:
+                    continue
+                for sidx, expiry in list(held.items()):  # (the ingest thread may end some meanwhile)
+                    at = pos_of.get(sidx)
+                    if at is None or at[1] != size or expiry <= now or matched[at[0]] != b:
+                        continue
+                    predicted = predictions.get(sidx)
+                    if not predicted:
+                        continue
+                    j = b
+                    while j < nk and predicted.get(ks[j], 0.0) > now:
+                        j += 1
+                    if j > b:
+                        found.append((at[0], b, j))
+        if not found:
+            return media
+        names = self.store._media_names
+        if media is None:
+            media = [None] * plan.n
+        same: dict[tuple[int, int], dict[str, int]] = {}  # (all on GPU: one dict per run, shared)
+        for i, b, j in found:
+            row = offs[i] if offs is not None else None
+            if row and any(row):
+                by = {"GPU": b}
+                for k, c in enumerate(row):
+                    if c:
+                        by[names[k]] = c
+                        by["GPU"] -= c
+                by[PREDICTED] = j - b
+            else:
+                shared = same.get((b, j))
+                if shared is None:
+                    shared = same[(b, j)] = {"GPU": b, PREDICTED: j - b}
+                by = shared
+            media[i] = by
+            matched[i] = j
+        return media
 
     def medium_roles(self) -> tuple[tuple[str, ...], bytes]:
         """The index's medium names by medium index and what the policy credits each as (1 GPU,
@@ -535,21 +577,45 @@ class KVIndex:
                     return False
             if self._grouped(sidx):
                 keys = keys[-1:]
+            holders = self._holders
             if now + self.config.predict_ttl_s <= expiry:  # (this router's own: the latest of all)
                 pred.update(
                     dict.fromkeys(keys, expiry)
                 )  # (in C: a loop held the event loop 14 ms per 50k keys)
+                for k in keys:
+                    h = holders.get(k)
+                    if h is None:
+                        holders[k] = {sidx: expiry}
+                    else:
+                        h[sidx] = expiry
             else:
                 for k in keys:
                     if pred.get(k, 0.0) < expiry:
                         pred[k] = expiry
+                        h = holders.get(k)
+                        if h is None:
+                            holders[k] = {sidx: expiry}
+                        else:
+                            h[sidx] = expiry
             self._watch(sidx)
         return True
+
+    def _unhold(self, sidx: int, keys: Iterable[int] | None) -> None:
+        """(under _plock) The source's predictions of these keys ended: out of :attr:`_holders`."""
+        if not keys:
+            return
+        holders = self._holders
+        for k in keys:
+            h = holders.get(k)
+            if h is not None and h.pop(sidx, None) is not None and not h:
+                del holders[k]
 
     def _purge(self, sidx: int, now: float) -> dict[int, float]:
         """(under _plock) The source's live predictions only."""
         pred = self._predicted.get(sidx, {})
         live = self._predicted[sidx] = {k: t for k, t in pred.items() if t > now}
+        if len(live) < len(pred):
+            self._unhold(sidx, [k for k, t in pred.items() if t <= now])
         return live
 
     def _watch(self, sidx: int) -> None:
@@ -566,12 +632,15 @@ class KVIndex:
             if not pred:
                 return
             if keys is None:
+                self._unhold(sidx, list(pred))
                 pred.clear()
                 return
             ids = array("Q")
             ids.frombytes(keys)
-            for k in pred.keys() & set(ids):
+            ended = pred.keys() & set(ids)
+            for k in ended:
                 del pred[k]
+            self._unhold(sidx, ended)
 
     def purge_predictions(self) -> None:
         """Drop expired predictions (the router calls this periodically to bound memory); a source
@@ -591,6 +660,7 @@ class KVIndex:
     def _forget_predictions(self, sidx: int) -> None:
         with self._plock:
             if sidx in self._predicted:
+                self._unhold(sidx, list(self._predicted[sidx]))
                 self._predicted[sidx] = {}
 
     def status(self) -> list[SourceStatus]:
