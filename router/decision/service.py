@@ -422,6 +422,8 @@ class RouterService:
         """The last candidate set's plan (:meth:`_plan`)."""
         self.flow_open: Callable[[list[Member]], list[Member]] | None = None
         """Flow control's ``restrict_to_room`` (router/flow): the candidates a decision may take."""
+        self._subset: tuple[list[Member], frozenset[str], list[Member]] | None = None
+        """(candidates, a gateway's subset, the candidates in it) of the last decision with one."""
         self._unblocked: tuple[list[Member], frozenset[str], list[Member]] | None = None
         """(candidates, the ejected among them, the candidates without them) of the last decision
         with a breaker open."""
@@ -458,7 +460,13 @@ class RouterService:
         subset hint, router/epp)."""
         backends = self.membership.routable_for(model)
         if subset is not None and backends:
-            backends = [b for b in backends if b.name in subset]
+            last = self._subset  # (the same subset again: the same list, so the same plan)
+            if last is not None and last[0] is backends and last[1] == subset:
+                backends = last[2]
+            else:
+                whole = backends
+                backends = [b for b in backends if b.name in subset]
+                self._subset = (whole, subset, backends)
             if not backends:
                 raise unavailable(
                     f"No backend of the request's endpoint subset can take `{model}` now",
