@@ -239,6 +239,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=1500)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1, help="each arm this many times, in turn; medians")
     ap.add_argument("--out", type=Path, default=Path("bench/out/decision-service.json"))
     args = ap.parse_args()
     trees = [(n, Path(p).resolve()) for n, p in (t.split("=", 1) for t in args.trees.split(","))]
@@ -260,19 +261,34 @@ def main() -> None:
             rp = procs.start(cmd, tmp, tmp / "redis.log")
             wait_port(rport, rp)
             redis_url = f"redis://127.0.0.1:{rport}/0"
-        for width in (int(w) for w in args.widths.split(",")):
-            for which in args.arms.split(","):
-                for _, tree in trees:  # (the trees side by side, per width and arm)
-                    row = arm(
-                        procs, tree, tmp, upstream, width, redis_url if which == "cluster" else None, args
-                    )
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+        for r in range(args.rounds):
+            for width in (int(w) for w in args.widths.split(",")):
+                for which in args.arms.split(","):
+                    for _, tree in trees:  # (the trees side by side, per width and arm)
+                        url = redis_url if which == "cluster" else None
+                        row = arm(procs, tree, tmp, upstream, width, url, args) | {"round": r}
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1))
+    args.out.write_text(json.dumps({"runs": rows, "medians": medians(rows)}, indent=1))
+    for m in medians(rows):
+        print(json.dumps(m))
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (tree, candidates, arm): the median of each figure over the rounds."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["tree"], row["candidates"], row["arm"]), []).append(row)
+    out = []
+    for (tree, width, which), rs in groups.items():
+        figures = ("cpu_us_per_request", "p50_ms", "p99_ms")
+        out.append({"tree": tree, "candidates": width, "arm": which, "rounds": len(rs)})
+        out[-1] |= {f: statistics.median(r[f] for r in rs) for f in figures}
+    return out
 
 
 if __name__ == "__main__":
