@@ -11,7 +11,8 @@ no event stream here (the mock publishes none): what grows with width is the rou
 Several trees side by side in one run (each router runs from its tree, with its extensions built
 in place)::
 
-    python bench/decision_service.py --trees new=.,old=/tmp/old-tree --out bench/out/decision-service.json
+    python bench/decision_service.py --trees new=.,old=<old tree> --rounds 2 \
+      --out bench/out/decision-service.json
 
 Bounded: ``--count`` requests per arm, every wait has a deadline, every process started here is
 stopped at the end; traffic stays on 127.0.0.1.
