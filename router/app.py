@@ -235,6 +235,7 @@ class KVRouter:
             ),
         )
         self.metrics.add_series(picker.epp_metrics.series)
+        picker.flow = self.flow  # (the same queue and rules as the proxy's)
         return EppServer(self.config.epp, picker, srv.max_body_bytes + (1 << 16))
 
     # --- ASGI ----------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ from router.config import EppConfig
 from router.decision.service import Endpoint, Route, RouterService
 from router.epp import protocol as p
 from router.fleet.load import LoadTracker, Ticket
+from router.flow.controller import FlowController, Rejection
+from router.flow.controller import Ticket as FlowTicket
 from router.http.body import BodyBuffer
 from router.http.errors import ApiError, bad_request, too_large
 from router.observe.checks import PredictionChecks, observe_route, route_checkable, sse_usage, usage_in_json
@@ -133,6 +135,9 @@ class Picker:
         """Whether a request's headers let it pass :data:`ENGINE_FIELDS` (``trusted_api_keys``)."""
         self.epp_metrics = EppMetrics()
         self.addresses = Addresses(service)
+        self.flow: FlowController | None = None
+        """Flow control (``[flow]``): the proxy's queue, so the gateway's requests wait and are shed
+        by the same rules as the proxy's; None when off."""
 
     async def Process(
         self,
@@ -208,6 +213,8 @@ class _Stream:
         self.endpoints: list[tuple[str, str, int]] = []
         """(address, member name, rank) in the order the gateway got them."""
         self.ticket: Ticket | None = None
+        self.grant: FlowTicket | None = None
+        """Flow control's hold on the model's room, from leaving its queue until the load is counted."""
         self.target: tuple[str, int] | None = None
         self.decided_at = 0.0
         self.status = 0
@@ -320,6 +327,10 @@ class _Stream:
                         "service_unavailable",
                         "no_eligible_endpoint",
                     )
+            if picker.flow is not None:  # wait in flow control's queue; decided when it leaves
+                answer = await self._admit(picker.flow, headers, parsed, size)
+                if answer is not None:
+                    return [answer]
             t0 = time.perf_counter()
             route = await service.decide(endpoint, parsed, size=size, subset=subset)
             decision_s = time.perf_counter() - t0 - route.timings_us.get("held", 0.0) / 1e6
@@ -331,6 +342,7 @@ class _Stream:
         target = (route.backend, route.dp_rank)
         self.target = target
         self.ticket = picker.loads.start(target, service.uncached_tokens(route, target))
+        self._release_grant()  # (the load is counted now: the queue may let the next one go)
         self.decided_at = time.perf_counter()
         picker.metrics.routed(
             route.backend,
@@ -363,6 +375,27 @@ class _Stream:
         for at in pieces:
             out.append(p.streamed_body(bytes(view[at : at + _CHUNK]), at + _CHUNK >= len(sent)))
         return out
+
+    async def _admit(
+        self, flow: FlowController, headers: dict[str, str], parsed: Any, size: int
+    ) -> p.Message | None:
+        """Flow control's admission, as the proxy's: None once the request may be decided (its
+        grant kept until the load is counted), else the Rejection as an ImmediateResponse (429 in a
+        sheddable band, 503 otherwise, with Retry-After). A gateway that resets the stream while
+        the request waits cancels this task: the request leaves the queue then."""
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        admitted = await flow.admit(flow.meta(raw, parsed, size))
+        if isinstance(admitted, Rejection):
+            self.outcome = "rejected"
+            details = f"kvrouter_flow_{admitted.reason}"
+            return self.reject(admitted.status, admitted.body(), details, admitted.retry_after)
+        self.grant = admitted
+        return None
+
+    def _release_grant(self) -> None:
+        if self.grant is not None:
+            self.grant.release()
+            self.grant = None
 
     def _endpoints(self, route: Route) -> list[tuple[str, str, int]]:
         """The chosen target's address, then up to ``epp.fallbacks`` next-best on other addresses
@@ -497,7 +530,7 @@ class _Stream:
             self.outcome = "rejected"
         return self.reject(err.status, err.body(), f"kvrouter_{err.code}", retry_after=err.status == 503)
 
-    def reject(self, status: int, body: bytes, details: str, retry_after: bool = False) -> p.Message:
+    def reject(self, status: int, body: bytes, details: str, retry_after: bool | int = False) -> p.Message:
         self.finished = True
         self.picker.epp_metrics.immediate.inc((str(status),))
         return p.immediate(status, body, details, retry_after)
@@ -507,6 +540,7 @@ class _Stream:
         the request no longer counts as in flight."""
         if self.ticket is not None and self.target is not None and not self.finished:
             self.picker.metrics.error(self.target[0], "stream_reset")
+        self._release_grant()  # (a decision that failed or was cancelled: its room back)
         self._release()
         if self.route is not None:
             self.route.report = None

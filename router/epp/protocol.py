@@ -160,12 +160,12 @@ def picked_buffered_body(
     return ProcessingResponse(request_body=ext_proc.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
-def immediate(status: int, body: bytes, details: str, retry_after: bool = False) -> Message:
+def immediate(status: int, body: bytes, details: str, retry_after: bool | int = False) -> Message:
     """An HTTP answer from the picker itself (Envoy sends it to the client, nothing goes upstream):
-    ``body`` is an OpenAI-shaped error."""
+    ``body`` is an OpenAI-shaped error; ``retry_after``: True for 1 s, or the seconds."""
     headers = [("content-type", "application/json")]
     if retry_after:
-        headers.append(("retry-after", "1"))
+        headers.append(("retry-after", str(int(retry_after))))
     return ProcessingResponse(
         immediate_response=ext_proc.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
