@@ -1,7 +1,10 @@
 """The chaos soak: `make soak` runs it for 10 minutes (bounded), writes bench/out/soak/report.json
 and plot.svg, prints the summary and exits 0 only when every invariant held. See sim/chaos.py.
 
-``python bench/soak.py [--minutes 10] [--out bench/out/soak] [--interval 12]``
+``python bench/soak.py [--minutes 10] [--out bench/out/soak] [--interval 12] [--flow]``
+
+``--flow`` adds the flow-control lane (sim/chaos.py): ``[flow]`` on, offered load over capacity,
+clients that hang up while queued.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "soak"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flow", action="store_true", help="add the flow-control lane ([flow] on, overload)")
+    ap.add_argument("--flow-clients", type=int, default=24)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -37,6 +42,8 @@ def main() -> int:
             engines=args.engines,
             clients=args.clients,
             seed=args.seed,
+            flow=args.flow,
+            flow_clients=args.flow_clients,
             tokenizer=str(build_toy_tokenizer(work / "tok")),
         )
         report = asyncio.run(Soak(cfg, work).run())

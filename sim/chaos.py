@@ -37,6 +37,15 @@ header and a trickle (``store_huge_bulk``), arrays 100k deep (``store_deep_array
 line (``store_endless_line``). A hostile fault is held for ``fault_hold_s`` and at least until one
 attack went out (the breaker may have ejected the engine for a moment), 10 s more at most.
 
+A flow-control lane (``flow = True``): the router runs with ``[flow]`` on and a low
+``flow_max_active`` per engine, ``flow_clients`` more clients send back to back (offered load over
+what the engines may hold; half of them in a sheddable band, ``x-kvrouter-priority: -1``, each its
+own ``x-gateway-inference-fairness-id``), and a client every ``flow_disconnect_every_s`` sends a
+request and hangs up before any answer, while it waits in the queue. Every request of theirs must
+end with its answer or a clean 429/503 (judged as any other); the report counts requests lost or
+hung (0), the queue's rejections by reason (``disconnect`` among them: they did leave it), the
+largest queue depth sampled, and the queue must be empty at the end.
+
 Invariants, checked all along and reported at the end:
 
 - the router never exits; its RSS stays under ``rss_bound_mb`` and grows by at most
@@ -130,6 +139,16 @@ class SoakConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     request_timeout_s: float = 30.0
     model: str = "mock-model"
+    flow: bool = False
+    """The flow-control lane: ``[flow]`` on, load over capacity, clients leaving while queued."""
+    flow_clients: int = 24
+    flow_max_active: int = 2
+    """``flow.max_active`` per engine: low, so that the extra clients overload the fleet."""
+    flow_ttl_s: float = 8.0
+    """Under ``request_timeout_s``: a request the queue cannot serve is shed before a client gives up."""
+    flow_max_band_requests: int = 12
+    """Small, so that full bands are part of the run too."""
+    flow_disconnect_every_s: float = 0.25
 
 
 @dataclass
@@ -178,6 +197,14 @@ class SoakReport:
     upstream_violations: dict[str, float] = field(default_factory=dict)
     store_failures: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    hung: int = 0
+    """Requests with no answer within ``request_timeout_s``."""
+    flow_rejected: dict[str, float] = field(default_factory=dict)
+    flow_status: dict[str, int] = field(default_factory=dict)
+    """The flow lane's clients' answers by HTTP status."""
+    flow_disconnects: int = 0
+    flow_depth_max: float = 0.0
+    flow_depth_after: float = 0.0
 
     def summary(self, cfg: SoakConfig) -> dict[str, Any]:
         per: dict[str, list[float | None]] = {}
@@ -231,7 +258,27 @@ class SoakReport:
             "retries_refused": self.retries_refused,
             "malformed_frames_counted": self.decode_errors,
             "inflight_after": self.inflight_after,
+            "hung": self.hung,
+            "lost": self.lost,
+            **(
+                {
+                    "flow": {
+                        "rejected_by_reason": self.flow_rejected,
+                        "answers_by_status": dict(sorted(self.flow_status.items())),
+                        "disconnects_sent": self.flow_disconnects,
+                        "queue_depth_max": self.flow_depth_max,
+                        "queue_depth_after": self.flow_depth_after,
+                    }
+                }
+                if cfg.flow
+                else {}
+            ),
         }
+
+    @property
+    def lost(self) -> int:
+        """Requests sent that ended with no verdict at all (each ends as exactly one)."""
+        return self.requests - self.ok - self.clean_errors - self.bad - self.poisoned
 
     def passed(self, cfg: SoakConfig) -> bool:
         s = self.summary(cfg)
@@ -249,6 +296,9 @@ class SoakReport:
             and converged
             and s["lost_batches_during_replayed_faults"] == 0
             and self.inflight_after == 0
+            and self.hung == 0
+            and self.lost == 0
+            and (not cfg.flow or (self.flow_depth_after == 0 and self.flow_rejected.get("disconnect", 0) > 0))
         )
 
 
@@ -371,6 +421,11 @@ class Soak:
             "[health.breaker]\neject_s = 1.0\nmax_eject_s = 4.0\n"
             "[index.subscriber]\nreplay_timeout_s = 1.0\nreplay_retry_s = 1.0\n"
         )
+        if cfg.flow:
+            toml += (
+                f"[flow]\nenabled = true\nmax_active = {cfg.flow_max_active}\nttl_s = {cfg.flow_ttl_s}\n"
+                f"max_band_requests = {cfg.flow_max_band_requests}\npriorities = [-1]\n"
+            )
         if self.store_url:
             toml += (
                 f'[cluster]\nredis_url = "{self.store_url}"\nreconnect_min_s = 0.05\nreconnect_max_s = 1.0\n'
@@ -457,11 +512,13 @@ class Soak:
         if len(self.report.bad_examples) < 50:
             self.report.bad_examples.append(why)
 
-    async def _one(self, client: httpx.AsyncClient, i: int) -> None:
+    async def _one(self, client: httpx.AsyncClient, i: int, extra: dict[str, str] | None = None) -> int:
+        """One request, judged; its HTTP status (0: none)."""
         path, body = self._body(i)
         tag = tag_of(i)
         self.report.requests += 1
-        headers = {"x-request-id": tag}
+        headers = {"x-request-id": tag, **(extra or {})}
+        r: httpx.Response | None = None
         try:
             if body["stream"]:
                 async with client.stream("POST", f"{self.url}{path}", json=body, headers=headers) as r:
@@ -470,9 +527,9 @@ class Soak:
                 r = await client.post(f"{self.url}{path}", json=body, headers=headers)
                 raw = r.content
         except httpx.TimeoutException as exc:
-            return self._bad(
-                f"{path}: no answer within {self.cfg.request_timeout_s} s ({type(exc).__name__})"
-            )
+            self.report.hung += 1
+            self._bad(f"{path}: no answer within {self.cfg.request_timeout_s} s ({type(exc).__name__})")
+            return 0
         except httpx.HTTPError as exc:
             verdict, why = "bad", f"{type(exc).__name__}: {exc}"
             if foreign(tag, str(exc).encode()):  # (the parser choked on another answer's bytes)
@@ -489,6 +546,45 @@ class Soak:
                 self.report.poisoned_examples.append(f"{path}: {why}")
         else:
             self._bad(f"{path}: {why}")
+        return r.status_code if r is not None else 0
+
+    async def _flow_clients(self, k: int) -> None:
+        """The flow lane's extra load: back to back, half in the sheddable band, a flow id each."""
+        timeout = httpx.Timeout(self.cfg.request_timeout_s)
+        extra = {"x-gateway-inference-fairness-id": f"tenant-{k}"}
+        if k % 2:
+            extra["x-kvrouter-priority"] = "-1"
+        limits = httpx.Limits(max_connections=2)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            i = 20_000_000 + k
+            while not self._stop.is_set():
+                status = str(await self._one(client, i, extra))
+                self.report.flow_status[status] = self.report.flow_status.get(status, 0) + 1
+                i += self.cfg.flow_clients
+                if status in ("429", "503"):  # (backs off less than Retry-After: the pressure stays)
+                    await self._pause(0.2 + 0.3 * self.rng.random())
+
+    async def _flow_leavers(self) -> None:
+        """Clients that send a request and hang up while it waits in the queue (before any answer)."""
+        n = 0
+        host, port = self.url.rsplit(":", 1)[0][7:], int(self.url.rsplit(":", 1)[1])
+        while not self._stop.is_set():
+            await self._pause(self.cfg.flow_disconnect_every_s)
+            n += 1
+            path, body = self._body(30_000_000 + n)
+            payload = json.dumps(body).encode()
+            with contextlib.suppress(OSError, TimeoutError):
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+                writer.write(
+                    f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    f"x-request-id: {tag_of(30_000_000 + n)}\r\n"
+                    f"content-length: {len(payload)}\r\n\r\n".encode()
+                    + payload
+                )
+                await writer.drain()
+                await self._pause(0.05 + 0.3 * self.rng.random())
+                writer.transport.abort()
+                self.report.flow_disconnects += 1
 
     async def _clients(self, k: int) -> None:
         timeout = httpx.Timeout(self.cfg.request_timeout_s)
@@ -606,6 +702,9 @@ class Soak:
                 rss = self._rss_mb()
                 self.report.rss_max_mb = max(self.report.rss_max_mb, rss)
                 with contextlib.suppress(httpx.HTTPError):
+                    if self.cfg.flow:
+                        depth = await self._metric(c, "kvrouter_flow_queue_depth")
+                        self.report.flow_depth_max = max(self.report.flow_depth_max, depth)
                     prompt = await self._metric(c, "kvrouter_prompt_tokens_total")
                     matched = await self._metric(c, "kvrouter_matched_tokens_total", 'medium="GPU"')
                     hit = (matched - last[1]) / (prompt - last[0]) if prompt > last[0] else None
@@ -769,6 +868,9 @@ class Soak:
                 asyncio.create_task(self._watch()),
                 asyncio.create_task(self._schedule()),
             ]
+            if self.cfg.flow:
+                tasks += [asyncio.create_task(self._flow_clients(k)) for k in range(self.cfg.flow_clients)]
+                tasks.append(asyncio.create_task(self._flow_leavers()))
             await asyncio.sleep(self.cfg.seconds)
             self._stop.set()
             await asyncio.gather(*tasks)
@@ -785,6 +887,11 @@ class Soak:
                 self.report.store_failures = await self._by_label(
                     c, "kvrouter_cluster_failures_total", "kind"
                 )
+                if self.cfg.flow:
+                    self.report.flow_rejected = await self._by_label(
+                        c, "kvrouter_flow_rejected_total", "reason"
+                    )
+                    self.report.flow_depth_after = await self._metric(c, "kvrouter_flow_queue_depth")
                 deadline = time.monotonic() + 15  # what clients left behind must be released
                 while True:
                     self.report.inflight_after = await self._metric(c, "kvrouter_inflight_requests")

@@ -54,6 +54,37 @@ def test_a_short_chaos_soak_holds_every_invariant(tmp_path: Path, tokdir: Path) 
     assert (tmp_path / "out" / "plot.svg").read_text().startswith("<svg")
 
 
+def test_a_short_flow_control_soak_loses_and_hangs_nothing(tmp_path: Path, tokdir: Path) -> None:
+    """The flow-control lane alone: [flow] on, more clients than the engines may hold, clients that
+    hang up while queued; every request ends answered or with a clean 429/503, the queue sheds by
+    its rules and is empty at the end."""
+    cfg = SoakConfig(
+        seconds=20.0,
+        engines=2,
+        clients=2,
+        tokenizer=str(tokdir),
+        faults=[],
+        hostile_faults=[],
+        store_faults=[],
+        rogue_rate=100.0,
+        flow=True,
+        flow_clients=16,
+        flow_max_active=1,
+        flow_ttl_s=3.0,
+        flow_max_band_requests=6,
+        flow_disconnect_every_s=0.2,
+    )
+    report = asyncio.run(Soak(cfg, tmp_path).run())
+    summary = write_report(report, cfg, tmp_path / "out")
+    print(json.dumps(summary, indent=2))
+    assert summary["passed"], summary
+    flow = summary["flow"]
+    assert summary["hung"] == 0 and summary["lost"] == 0 and report.ok > 20, summary
+    assert flow["queue_depth_max"] > 0 and flow["rejected_by_reason"].get("disconnect", 0) > 0, summary
+    assert flow["rejected_by_reason"].get("queue_full", 0) > 0, summary
+    assert set(flow["answers_by_status"]) <= {"200", "429", "503"}, summary
+
+
 def _stream(*events: bytes) -> bytes:
     return b"".join(events) + b"data: [DONE]\n\n"
 
