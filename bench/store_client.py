@@ -4,8 +4,10 @@
 replicas in one process (one uvloop loop) on a real ``redis-server``; each request is a load-tracker
 start, first byte and finish on one replica 5 and 10 ms apart, then 20 ms of quiet (three messages
 per request, each delivered to all three replicas). Prints this process's CPU time per request with
-each client and without any sharing. redis-py is measured only when it is installed (it is not a
-dependency: ``pip install 'redis[hiredis]'``); its adapter here implements the same store interface.
+each client and without any sharing, and the p50/p99 of a publish's round trip (the pipelined
+PUBLISH and SETs of a replica's load, to the store's reply). redis-py and valkey-glide are measured
+only when installed (neither is a dependency: ``pip install 'redis[hiredis]' valkey-glide``); their
+adapters here implement the same store interface.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import contextlib
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +94,83 @@ class RedisPyStore(RedisStore):
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+
+
+class GlideStore(RedisStore):
+    """The store interface over valkey-glide's asyncio client (its Rust core delivers messages to a
+    callback; RESP3 push messages)."""
+
+    def __init__(self, url: str, timeout_s: float, client_name: str = "kvrouter") -> None:
+        super().__init__(url, timeout_s, client_name)
+        from glide import GlideError
+
+        self.errors = (GlideError, OSError, TimeoutError, ConnectionError)
+        self._c: Any = None
+        self._s: Any = None
+
+    async def open(self, channel: str, on_message: Callable[[bytes], None]) -> None:
+        from glide import GlideClient, GlideClientConfiguration, NodeAddress
+
+        ep = self.url.removeprefix("redis://").split("/")[0]
+        host, port = ep.rsplit(":", 1)
+        addr = [NodeAddress(host, int(port))]
+        ms = int(self.timeout_s * 1000)
+        self._c = await GlideClient.create(GlideClientConfiguration(addr, request_timeout=ms))
+        subs = GlideClientConfiguration.PubSubSubscriptions(
+            {GlideClientConfiguration.PubSubChannelModes.Exact: {channel}},
+            lambda msg, _ctx: on_message(msg.message),
+            None,
+        )
+        self._s = await GlideClient.create(
+            GlideClientConfiguration(addr, request_timeout=ms, pubsub_subscriptions=subs)
+        )
+
+    async def lost(self) -> None:
+        await asyncio.Event().wait()
+
+    async def publish(
+        self,
+        channel: str,
+        payload: bytes,
+        sets: Sequence[tuple[str, bytes, int]] = (),
+        hset: tuple[str, str, str] | None = None,
+    ) -> None:
+        from glide import Batch, ExpirySet, ExpiryType
+
+        batch = Batch(is_atomic=False)
+        batch.publish(payload, channel)
+        for key, value, ttl_ms in sets:
+            batch.set(key, value, expiry=ExpirySet(ExpiryType.MILLSEC, max(1, ttl_ms)))
+        if hset is not None:
+            batch.hset(hset[0], {hset[1]: hset[2]})
+        await self._c.exec(batch, raise_on_error=True)
+
+    async def read_states(self, registry: str, key_of: str) -> list[tuple[bytes, int]]:
+        return []
+
+    async def scan_values(self, pattern: str, limit: int) -> list[tuple[str, bytes, int]]:
+        return []
+
+    async def remove(self, channel: str, payload: bytes, key: str, registry: str, field: str) -> None:
+        await self._c.publish(payload, channel)
+
+    def close(self) -> None:
+        for c in (self._c, self._s):
+            if c is not None:
+                asyncio.get_event_loop().create_task(c.close())
+        self._c = self._s = None
+
+
+def timed_store(store: type[RedisStore], rtts: list[float]) -> type[RedisStore]:
+    """``store`` with each publish's round trip appended to ``rtts`` (seconds)."""
+
+    class Timed(store):  # type: ignore[misc,valid-type]
+        async def publish(self, *args: Any, **kwargs: Any) -> None:
+            t0 = time.perf_counter()
+            await super().publish(*args, **kwargs)
+            rtts.append(time.perf_counter() - t0)
+
+    return Timed
 
 
 async def measure(url: str | None, store: type[RedisStore], requests: int) -> float:
@@ -201,6 +281,8 @@ def decision_path(repeat: int = 20_000) -> list[tuple[str, float, float]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the clients' order alternating; medians")
+    p.add_argument("--no-decision", action="store_true", help="skip the decision-path micro figures")
     args = p.parse_args()
     binary = shutil.which("redis-server") or shutil.which("valkey-server")
     if binary is None:
@@ -218,16 +300,38 @@ def main() -> int:
         try:
             time.sleep(0.5)
             url = f"redis://127.0.0.1:{port}/0"
-            rows = [("no sharing", None, RedisStore), ("lean RESP client", url, RedisStore)]
+            rows: list[tuple[str, str | None, type[RedisStore]]] = [
+                ("no sharing", None, RedisStore),
+                ("lean RESP client", url, RedisStore),
+            ]
             try:
                 import redis  # noqa: F401
 
                 rows.append(("redis-py + hiredis", url, RedisPyStore))
             except ImportError:
                 print("redis-py not installed: its row is skipped", file=sys.stderr)
-            for label, u, store in rows:
-                cpu = uvloop.run(measure(u, store, args.requests))
-                print(f"{label:<20} {cpu * 1e3:6.2f} ms CPU per request", flush=True)
+            try:
+                import glide  # noqa: F401
+
+                rows.append(("valkey-glide", url, GlideStore))
+            except ImportError:
+                print("valkey-glide not installed: its row is skipped", file=sys.stderr)
+            cpus: dict[str, list[float]] = {}
+            rtts: dict[str, list[float]] = {}
+            for r in range(args.rounds):
+                for label, u, store in rows if r % 2 == 0 else rows[::-1]:
+                    cpu = uvloop.run(
+                        measure(u, timed_store(store, rtts.setdefault(label, [])), args.requests)
+                    )
+                    cpus.setdefault(label, []).append(cpu)
+            for label, _, _ in rows:
+                rt = sorted(rtts[label])
+                p50, p99 = (rt[len(rt) // 2] * 1e3, rt[int(len(rt) * 0.99)] * 1e3) if rt else (0.0, 0.0)
+                lat = f", publish p50 {p50:.3f} ms p99 {p99:.3f} ms" if rt else ""
+                cpu = statistics.median(cpus[label])
+                print(f"{label:<20} {cpu * 1e3:6.3f} ms CPU per request{lat}", flush=True)
+            if args.no_decision:
+                return 0
             print("inside one decision (us per call): without sharing / with sharing")
             for what, a, b in decision_path():
                 print(f"  {what:<45} {a:7.2f} / {b:7.2f}", flush=True)

@@ -1,11 +1,13 @@
 """A zero-latency OpenAI-shaped upstream for proxy benchmarks: raw asyncio HTTP/1.1, keep-alive.
 
-``python bench/zero_mock.py PORT [--chunks N] [--pace-ms MS]``: non-stream requests get a fixed JSON
-completion at once; ``"stream": true`` requests get N SSE chunks (the first at once, the rest
-``--pace-ms`` apart) and ``data: [DONE]``; a P/D prefill leg (``kv_transfer_params`` with
-``do_remote_decode``) gets a completion with transfer parameters, as a vLLM prefill engine
-answers. It answers /health, /v1/models and /tokenize (vllm-router's kv_aware policy calls it) so
-routers accept it: by default with a fixed answer (no work at all),
+``python bench/zero_mock.py PORT [--chunks N] [--pace-ms MS] [--ttft-ms MS]``: non-stream requests
+get a fixed JSON completion at once; ``"stream": true`` requests get N SSE chunks (the first at once,
+the rest ``--pace-ms`` apart) and ``data: [DONE]``; ``--ttft-ms`` delays the first chunk (after the
+response head, as vLLM sends it) and a non-stream answer (by the whole generation) like an engine's
+prefill, so that the upstream has vLLM-like latencies without spending CPU on them; a P/D prefill
+leg (``kv_transfer_params`` with ``do_remote_decode``) gets a completion with transfer parameters,
+as a vLLM prefill engine answers. It answers /health, /v1/models and /tokenize (vllm-router's
+kv_aware policy calls it) so routers accept it: by default with a fixed answer (no work at all),
 with ``--tokenizer PATH`` by really tokenizing the prompt with that HF tokenizer.json, as a vLLM
 engine's /tokenize does (and charges to the engine's CPU).
 Deliberately minimal so that the upstream is not the bottleneck of the measurement.
@@ -118,6 +120,7 @@ async def handle(
     pace: float,
     cost: float = 0.0,
     tokenize: Tokenize = fixed_tokenize,
+    ttft: float = 0.0,
 ) -> None:
     event = EVENT
     try:
@@ -147,6 +150,9 @@ async def handle(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                     b"transfer-encoding: chunked\r\n\r\n"
                 )
+                if ttft:
+                    await writer.drain()
+                    await asyncio.sleep(ttft)
                 for i in range(chunks):
                     if i and pace:
                         await writer.drain()
@@ -154,6 +160,8 @@ async def handle(
                     writer.write(_chunk(b"data: " + event + b"\n\n"))
                 writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             else:
+                if ttft:
+                    await asyncio.sleep(ttft + max(chunks - 1, 0) * pace)
                 writer.write(_response(COMPLETION))
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
@@ -163,10 +171,15 @@ async def handle(
 
 
 async def main(
-    port: int, chunks: int, pace: float, cost: float = 0.0, tokenize: Tokenize = fixed_tokenize
+    port: int,
+    chunks: int,
+    pace: float,
+    cost: float = 0.0,
+    tokenize: Tokenize = fixed_tokenize,
+    ttft: float = 0.0,
 ) -> None:
     server = await asyncio.start_server(
-        lambda r, w: handle(r, w, chunks, pace, cost, tokenize), "127.0.0.1", port, backlog=1024
+        lambda r, w: handle(r, w, chunks, pace, cost, tokenize, ttft), "127.0.0.1", port, backlog=1024
     )
     async with server:
         await server.serve_forever()
@@ -214,6 +227,7 @@ if __name__ == "__main__":
     ap.add_argument("port", type=int)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--pace-ms", type=float, default=0.0)
+    ap.add_argument("--ttft-ms", type=float, default=0.0, help="raw mode: delay before the first chunk")
     ap.add_argument("--framework", action="store_true", help="FastAPI under uvicorn, as vLLM serves")
     ap.add_argument("--cost-us", type=float, default=0.0, help="raw mode: CPU microseconds per request")
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json: /tokenize really tokenizes")
@@ -237,4 +251,4 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(main(a.port, a.chunks, a.pace_ms / 1000, a.cost_us / 1e6, tokenize_fn))
+    asyncio.run(main(a.port, a.chunks, a.pace_ms / 1000, a.cost_us / 1e6, tokenize_fn, a.ttft_ms / 1000))
