@@ -3,7 +3,8 @@
 ``.venv/bin/python bench/recv_bench.py [--messages 200000]``: one PUB socket queues N single-event
 BlockStored messages (vLLM's layout, pre-encoded) into a SUB socket over TCP on 127.0.0.1, then the
 receive step alone drains them, as ``EventSubscriber._drain_live`` does (chunks of ``max_chunk``,
-nothing ingested), once with the C loop and once with the Python one, alternating, three rounds.
+nothing ingested), with the C loop, with the Python loop on index/zsock.py's binding, and with the
+Python loop on pyzmq's own sockets (the library the binding replaces), alternating, three rounds.
 Reports CPU microseconds per message (the thread's CPU time: ZMQ's I/O thread is not counted).
 An explanation of the service figures (bench/service_bench.py), not a substitute for them.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from index import zsock
 from index.ingest import Ingestor
 from index.store import PrefixStore
 from index.subscriber import EventSubscriber, SourceConfig, SubscriberConfig
@@ -31,14 +33,20 @@ def payloads(n: int) -> list[bytes]:
     return out
 
 
-def one_drain(ctx: zmq.Context[Any], msgs: list[bytes], native: bool) -> float:
+def one_drain(ctx: zmq.Context[Any], msgs: list[bytes], native: bool, pyzmq: bool = False) -> float:
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.bind("tcp://127.0.0.1:0")
     endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
     cfg = SubscriberConfig(native_receive=native, rcvhwm=0)
-    sub = EventSubscriber(Ingestor(PrefixStore(), 16), config=cfg, ctx=ctx)
+    real = zsock.backend
+    if pyzmq:  # (the subscriber takes its socket library when it is made: pyzmq's for this one)
+        zsock.backend = lambda: zmq
+    try:
+        sub = EventSubscriber(Ingestor(PrefixStore(), 16), config=cfg, ctx=ctx)
+    finally:
+        zsock.backend = real
     try:
         sub.add_source(SourceConfig("e", 0, endpoint, None))
         src = sub._sources[("e", 0)]
@@ -49,7 +57,7 @@ def one_drain(ctx: zmq.Context[Any], msgs: list[bytes], native: bool) -> float:
             pub.send_multipart([b"", i.to_bytes(8, "big"), p], copy=False)
         # wait until everything sits in the SUB socket's queue
         deadline = time.monotonic() + 60
-        while src.sub.getsockopt(zmq.EVENTS) & zmq.POLLIN == 0 and time.monotonic() < deadline:
+        while not src.sub.poll(0) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.5)
         got = 0
@@ -73,11 +81,12 @@ def main() -> int:
     args = p.parse_args()
     msgs = payloads(args.messages)
     ctx: zmq.Context[Any] = zmq.Context()
-    res: dict[str, list[float]] = {"C": [], "Python": []}
+    res: dict[str, list[float]] = {"C": [], "Python": [], "pyzmq": []}
     try:
-        for _ in range(args.rounds):
-            res["C"].append(one_drain(ctx, msgs, True))
-            res["Python"].append(one_drain(ctx, msgs, False))
+        for r in range(args.rounds):
+            sides = [("C", True, False), ("Python", False, False), ("pyzmq", False, True)]
+            for name, native, py in sides if r % 2 == 0 else sides[::-1]:
+                res[name].append(one_drain(ctx, msgs, native, py))
     finally:
         ctx.term()
     for k, v in res.items():
@@ -86,7 +95,9 @@ def main() -> int:
             + ", ".join(f"{x:.2f}" for x in v)
             + ")"
         )
-    print(f"ratio Python / C: {statistics.median(res['Python']) / statistics.median(res['C']):.1f}x")
+    c = statistics.median(res["C"])
+    print(f"ratio Python / C: {statistics.median(res['Python']) / c:.1f}x")
+    print(f"ratio pyzmq / C: {statistics.median(res['pyzmq']) / c:.1f}x")
     return 0
 
 

@@ -55,9 +55,10 @@ class RedisPyStore(RedisStore):
         await self._ps.subscribe(channel)
 
         async def read() -> None:
-            while True:
-                msg = await self._ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg is not None and msg.get("type") == "message":
+            # (listen() blocks on the socket without a timer per message; get_message(timeout=...)
+            # arms one per call)
+            async for msg in self._ps.listen():
+                if msg.get("type") == "message":
                     on_message(msg["data"])
 
         self._reader = asyncio.get_running_loop().create_task(read())
