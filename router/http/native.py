@@ -53,12 +53,6 @@ class NativeEndpoints:
         for path in self.sync:  # (what the server does not answer at once, e.g. with access logs on)
             self.routes[path] = lambda h, q, r, w, p=path[1]: self._get(p, h, q, w)  # type: ignore[misc]
 
-    def constant(self, method: str, path: str) -> bool:
-        """Whether a successful answer to this request is the same every time, so the server may
-        give it again without asking (``GET`` / ``HEAD /health``: this process's status, worker
-        index and pid)."""
-        return path == "/health" and method in ("GET", "HEAD")
-
     def get(self, method: str, path: str) -> Handler | None:
         """The handler of a request, or None when the web framework serves it."""
         handler = self.routes.get((method, path))

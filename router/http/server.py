@@ -13,10 +13,10 @@ What it implements, and no more:
 
 - HTTP/1.0 and 1.1, keep-alive with an idle timeout, pipelined requests answered in order (reading
   pauses while one is in flight), content-length and chunked request bodies, ``Expect: 100-continue``;
-- a bodiless GET or HEAD whose exact bytes were parsed before (probes and pollers repeat theirs)
-  reuses that parse (:attr:`HttpServer.heads`), and a repeated ``/health`` probe is given the bytes
-  of its answer again until the second of their date ends (:attr:`HttpServer.canned`); a POST whose
-  head repeats but for its content-length, read whole, reuses its parse too (:attr:`HttpServer.posts`);
+- every request is parsed by httptools on its own connection: nothing parsed or answered on one
+  connection is reused for another (a parse or an answer kept across connections would be state on
+  the security boundary that a smuggled request could reach, for ~2-3 us of a streamed request
+  that costs the router ~1-2 ms of CPU);
 - limits: request line plus headers at most ``_MAX_HEAD`` bytes (431), body at most
   ``max_body_bytes`` (413 as soon as it is known, then the connection is closed), held in one
   buffer; the whole head within ``head_timeout_s`` of its first byte and the whole body within
@@ -87,14 +87,6 @@ _ANSWERS_PER_TURN = 64
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 _NO_BODY = frozenset({204, 304})
 _BACKLOG = 2048
-_HEADS = 256
-"""How many distinct request heads :attr:`HttpServer.heads` keeps (then it starts again, empty)."""
-_HEAD_BYTES = 2048
-_POSTS_PAUSE_S = 60.0
-"""How long :attr:`HttpServer.posts` learns no head after it filled without a hit."""
-_HEAD_FIELDS = 32
-"""Heads with more header fields are not remembered: at most 256 x 32 fields, ~1 MB of parses."""
-_UNCACHED = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
 # reason phrases (RFC 9110 and the registry); an enum built from http.HTTPStatus costs ~3 ms of start-up
 _REASONS = {
     100: b"Continue",
@@ -177,22 +169,6 @@ def http_date(t: float) -> bytes:
         tm.tm_min,
         tm.tm_sec,
     )
-
-
-def _length_line(data: bytes) -> tuple[int, int, int] | None:
-    """Where a request's head ends (its blank line) and where the digits of its content-length
-    line are (``data[i:j]``), that line spelled ``content-length: `` or ``Content-Length: `` (as
-    clients send it) in a head of at most :data:`_HEAD_BYTES`; None otherwise. The key of a POST
-    head in :attr:`HttpServer.posts` is the head with those digits replaced by a NUL."""
-    end = data.find(b"\r\n\r\n", 0, _HEAD_BYTES)
-    if end < 0:
-        return None
-    i = data.find(b"\r\ncontent-length: ", 0, end)
-    if i < 0:
-        i = data.find(b"\r\nContent-Length: ", 0, end)
-        if i < 0:
-            return None
-    return end, i + 18, data.find(b"\r\n", i + 18, end + 2)
 
 
 class _Request:
@@ -342,8 +318,6 @@ class _Connection(asyncio.Protocol):
         self._reject: ApiError | None = None
         self._final: ApiError | None = None
         self._stop_reading = False
-        self._last = True
-        """The last request the parser completed keeps the connection (or none was parsed yet)."""
         self._in_head = False
         self._open = False
         self._head_seen = 0
@@ -432,37 +406,10 @@ class _Connection(asyncio.Protocol):
 
     def _received(self, data: bytes) -> None:
         server = self.server
-        canned = server.canned.get(data)
-        if (
-            canned is not None
-            and not self._open
-            and self.task is None
-            and not self.queue
-            and not self.write_paused
-            and not self._stop_reading
-            and int(time.time()) == server.canned_second
-            and self.transport is not None
-        ):
-            # a probe repeated within the second: its very answer again (:attr:`HttpServer.canned`)
-            self.transport.write(canned)
-            self._idle_for = server.keepalive_timeout
-            self._due = 0.0  # (a whole request: what came before it was blank lines)
-            self._idle_since = self.loop.time()
-            if self._idle is None:
-                self._idle = self.loop.call_later(server.keepalive_timeout, self._idle_due)
-            return
         self._disarm_idle()
         if self._stop_reading:
             return
         self._idle_for = server.keepalive_timeout  # (it spoke: idle from now on means between requests)
-        if not self._open and self._last:
-            # at a message boundary, after a request that kept the connection (after one that ends
-            # it the parser refuses what follows, and so does this connection): a head seen before
-            if data[:5] == b"POST " and self._post_again(data):
-                return
-            if len(data) <= _HEAD_BYTES and self._head_again(data):  # (a larger read is not hashed)
-                return
-        pending = -1 if self._open else len(self.queue)
         if self._in_head:
             # a head still arriving: count it here, since httptools buffers an unfinished header
             # line without calling back (the chunk that starts a head is bounded by the read size)
@@ -499,8 +446,6 @@ class _Connection(asyncio.Protocol):
             self._track_deadline()
         if self._work > _READ_WORK:
             self._yield_reading()
-        if pending >= 0 and not self._open and not self._stop_reading and len(self.queue) == pending + 1:
-            self.server.remember_head(data, self.queue[-1])
         self._after_read()
 
     def _yield_reading(self) -> None:
@@ -570,64 +515,6 @@ class _Connection(asyncio.Protocol):
             limit,
         )
         self._refuse(request_timeout(what, seconds))
-
-    def _head_again(self, data: bytes) -> bool:
-        """The very bytes of a bodiless GET or HEAD parsed before (a probe, a poller): queued with
-        that parse, or answered at once when nothing is before it and the answer needs no await
-        (:attr:`HttpServer.heads`); False when ``data`` is not one."""
-        server = self.server
-        known = server.heads.get(data)
-        if known is None:
-            return False
-        method, path, raw_path, query, headers, version, keep_alive = known
-        self._due = 0.0
-        if not keep_alive:
-            self._stop_reading = True  # as the parser would refuse what follows
-        if self.task is None and not self.queue and not self.write_paused and not server.access_log:
-            answer = server.native.answer_now(method, path, headers, query)
-            if answer is not None:
-                keep_alive = keep_alive and not server.stopping
-                response = self._response(method, version, keep_alive, *answer)
-                self.write(response)
-                if not keep_alive or self.gone:
-                    self.close()
-                    return True
-                if answer[0] == 200 and server.native.constant(method, path):
-                    server.can(data, response)
-                self._arm_idle()
-                return True
-        self.queue.append(_Request(method, path, raw_path, query, list(headers), b"", version, keep_alive))
-        self._after_read()
-        return True
-
-    def _post_again(self, data: bytes) -> bool:
-        """A POST whose head is one parsed before but for its content-length's digits, read whole
-        in ``data`` and alone: queued with that parse (:attr:`HttpServer.posts`); False otherwise."""
-        server = self.server
-        if not server.posts:
-            return False
-        where = _length_line(data)
-        if where is None:
-            return False
-        end, i, j = where
-        digits = data[i:j]
-        if not digits.isdigit() or len(digits) > 12 or int(digits) != len(data) - end - 4:
-            return False  # (ASCII digits only, and exactly the rest of the read: its whole body)
-        known = server.posts.get(data[:i] + b"\0" + data[j : end + 4])
-        if known is None or int(digits) > server.max_body_bytes:
-            return False
-        path, raw_path, query, headers, at, version, keep_alive = known
-        self._due = 0.0
-        if not keep_alive:
-            self._stop_reading = True
-        headers = list(headers)
-        headers[at] = (b"content-length", digits)
-        server.post_hits += 1
-        self.queue.append(
-            _Request("POST", path, raw_path, query, headers, data[end + 4 :], version, keep_alive)
-        )
-        self._after_read()
-        return True
 
     def _after_read(self) -> None:
         if self.queue:
@@ -740,7 +627,6 @@ class _Connection(asyncio.Protocol):
         raw_path, path, query = self._target()
         body = self._body.take()
         keep_alive = self.parser.should_keep_alive()
-        self._last = keep_alive
         self.queue.append(
             _Request(
                 self.parser.get_method().decode("latin-1"),
@@ -1084,113 +970,6 @@ class HttpServer:
         self._server: asyncio.AbstractServer | None = None
         self._date = b""
         self._date_at = 0
-        self.heads: dict[bytes, tuple[str, str, bytes, bytes, Headers, str, bool]] = {}
-        """Exact bytes of a bodiless GET or HEAD -> its parse. Probes and pollers (a load balancer's
-        health check, Prometheus, an external scheduler's ``/v1/models``) send the same bytes every
-        time; a repeat skips httptools' callbacks and the URL split, about a third of answering a
-        ``/health``. Keyed by every byte, so a hit is exactly what parsing would
-        give; anything with a body or framing headers is parsed every time. The heads are kept as
-        sent (an ``Authorization`` value included) until the table fills; every request, hit or
-        not, is authorized again."""
-
-        self.posts: dict[bytes, tuple[str, bytes, bytes, Headers, int, str, bool]] = {}
-        """The head of a POST parsed before, its content-length's digits replaced by a NUL (which no
-        parsed head holds) -> its parse and where its content-length is among its headers. A client
-        repeats its head but for the body's length (an external scheduler's ``/route``, a gateway's
-        completions); a POST whose head matches, read whole and alone, skips httptools' callbacks
-        (~3 us of a ~4 us parse of a 1k-token body). Only a head with exactly one framing header,
-        ``content-length`` spelled ``content-length: `` or ``Content-Length: ``, its value ASCII
-        digits; the body must be exactly the rest of the read and within ``max_body_bytes``, else
-        the request is parsed as any other. Bounded like :attr:`heads`; when it fills without a single
-        hit (every head differs: a request id in each), no head is learned for
-        :data:`_POSTS_PAUSE_S`, so such a client pays the learning ~256 times a minute at most."""
-        self.post_hits = 0
-        """POSTs parsed from :attr:`posts` since it was last emptied."""
-        self._posts_paused_until = 0.0
-        self.canned: dict[bytes, bytes] = {}
-        """Exact bytes of a probe -> the exact bytes of its answer, for the rest of the wall-clock
-        second whose date the answer carries (:attr:`canned_second`; a clock step ends it too).
-        For answers that depend on nothing but the request (:meth:`NativeEndpoints.constant
-        <router.http.native.NativeEndpoints.constant>`: ``/health``), given with 200 on a
-        keep-alive connection; emptied when the API keys change (a head's authorization may change
-        with them) and when the server stops. A probe answered from here costs one dictionary
-        lookup and one write: ~2 us less server CPU than answering it again
-        (``/health``)."""
-        self.canned_second = 0
-        """The wall-clock second of the date :attr:`canned` answers carry: given only within it."""
-        app.on_config_applied.append(self.canned.clear)
-
-    def can(self, head: bytes, response: bytes) -> None:
-        """Keep ``response``, just built for the probe ``head``, for the rest of its second
-        (:attr:`canned`)."""
-        second = int(time.time())
-        if second != self._date_at or self.stopping:
-            return  # (its date line is from the second before)
-        if second != self.canned_second:
-            self.canned.clear()
-            self.canned_second = second
-        if len(self.canned) < _HEADS:
-            self.canned[head] = response
-
-    def remember_head(self, data: bytes, req: _Request) -> None:
-        """Keep the parse of ``data``, the whole of one request just parsed alone: a bodiless GET
-        or HEAD (:attr:`heads`), or a POST (:attr:`posts`)."""
-        if req.method == "POST":
-            self._remember_post(data, req)
-            return
-        if (
-            len(data) > _HEAD_BYTES
-            or req.method not in ("GET", "HEAD")
-            or req.body
-            or len(req.headers) > _HEAD_FIELDS
-            or any(name in _UNCACHED for name, _ in req.headers)
-        ):
-            return
-        if len(self.heads) >= _HEADS:
-            self.heads.clear()  # many distinct heads (a request id in each?): start again
-        self.heads[data] = (
-            req.method,
-            req.path,
-            req.raw_path,
-            req.query,
-            list(req.headers),
-            req.version,
-            req.keep_alive,
-        )
-
-    def _remember_post(self, data: bytes, req: _Request) -> None:
-        if self._posts_paused_until:
-            if time.monotonic() < self._posts_paused_until:
-                return
-            self._posts_paused_until = 0.0
-        where = _length_line(data)
-        if (
-            where is None  # (spelled otherwise: parsed every time)
-            or len(data) != where[0] + 4 + len(req.body)
-            or len(req.headers) > _HEAD_FIELDS
-            or sum(name in _UNCACHED for name, _ in req.headers) != 1
-        ):
-            return
-        end, i, j = where
-        at = next((k for k, (name, _) in enumerate(req.headers) if name == b"content-length"), -1)
-        if at < 0 or data[i:j] != req.headers[at][1] or not req.headers[at][1].isdigit():
-            return  # (framed otherwise)
-        if len(self.posts) >= _HEADS:
-            self.posts.clear()
-            if not self.post_hits:
-                # every head differs (a request id in each?): stop learning them for a while
-                self._posts_paused_until = time.monotonic() + _POSTS_PAUSE_S
-                return
-            self.post_hits = 0
-        self.posts[data[:i] + b"\0" + data[j : end + 4]] = (
-            req.path,
-            req.raw_path,
-            req.query,
-            list(req.headers),
-            at,
-            req.version,
-            req.keep_alive,
-        )
 
     def date_line(self) -> bytes:
         """The ``date`` header, formatted at most once per second."""
@@ -1281,7 +1060,6 @@ class HttpServer:
     async def stop(self) -> None:
         """Stop accepting, drain in-flight requests for ``drain_timeout_s``, stop the router."""
         self.stopping = True
-        self.canned.clear()
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
