@@ -10,9 +10,10 @@ carries) and the latency it adds to each token.
 
 Sides (all in front of one ``bench/zero_mock.py --ttft-ms T --pace-ms P``, streaming completions):
 ``direct`` (no router: the baseline of the latencies), ``kvrouter`` (``kvrouter serve``, its own
-server), ``kvrouter, no head caches`` (the same with the cross-connection parse caches and canned
-probe answers off), ``uvicorn`` (the same ASGI app on uvicorn + httptools + uvloop) and ``granian``
-(the same ASGI app on granian, one worker, uvloop). The client is raw asyncio on uvloop: ``c``
+server), ``kvrouter-nocache`` (only meaningful on a build that still has the server's
+cross-connection head caches: the same with them off; not a default side), ``uvicorn`` (the same
+ASGI app on uvicorn + httptools + uvloop) and ``granian`` (the same ASGI app on granian, one
+worker, uvloop). The client is raw asyncio on uvloop: ``c``
 keep-alive connections, each sending one streaming request after another for ``--seconds``; a
 prober asks ``/health`` twice a second, as a load balancer does. Rounds alternate the sides' order;
 figures are medians over rounds. CPU is the user+system time of the side's whole process group
@@ -176,7 +177,7 @@ def main() -> int:
     ap.add_argument("--ttft-ms", type=float, default=40.0)
     ap.add_argument("--itl-ms", type=float, default=20.0)
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--sides", default="direct,kvrouter,kvrouter-nocache,uvicorn,granian")
+    ap.add_argument("--sides", default="direct,kvrouter,uvicorn,granian")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     try:
