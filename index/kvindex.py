@@ -36,6 +36,11 @@ from index.store import GroupMatch, PrefixStore, SourceId, SourceMatch, group_me
 from index.subscriber import EventSubscriber, SourceConfig, SourceStatus, SubscriberConfig
 
 PREDICTED = "PREDICTED"
+LARGE_PREDICTION_KEYS = 4096
+"""A prediction of more block keys than this is recorded in slices of this many through the
+``defer`` given to :meth:`KVIndex.predict` (the router's worker threads): recorded inline, the 62k
+keys of a million-token prompt held the event loop ~75 ms. The slices already recorded count at
+once, a prefix of the prediction: a match extended by it is never longer than the whole one."""
 
 PredictionListener = Callable[[SourceId, int, Sequence[int], float], None]
 """Called with (source, block size, keys not yet confirmed by events, ttl seconds) after a prediction."""
@@ -529,8 +534,12 @@ class KVIndex:
             m.by_medium[PREDICTED] = i - m.blocks
             m.blocks = i
 
-    def predict(self, source: SourceId, report: MatchReport) -> None:
-        """Give ``source`` predicted residencies for the report's prompt blocks for ``predict_ttl_s``."""
+    def predict(
+        self, source: SourceId, report: MatchReport, defer: Callable[..., None] | None = None
+    ) -> None:
+        """Give ``source`` predicted residencies for the report's prompt blocks for ``predict_ttl_s``.
+        ``defer(fn, *args)``: runs ``fn(*args)`` in another thread, soon; given, a prediction of
+        more than :data:`LARGE_PREDICTION_KEYS` keys is recorded there, in slices."""
         ttl = self.config.predict_ttl_s
         sidx = self.store.source_index(source)
         if ttl <= 0 or sidx is None:
@@ -540,7 +549,9 @@ class KVIndex:
         if not keys:
             return
         now = time.monotonic()
-        if not self._add_predictions(sidx, keys, now + ttl, now):
+        if defer is not None and len(keys) > LARGE_PREDICTION_KEYS and not self._grouped(sidx):
+            defer(self._add_in_slices, sidx, keys, now + ttl)
+        elif not self._add_predictions(sidx, keys, now + ttl, now):
             return
         if self.prediction_listener is not None:
             # the blocks the source's events already confirmed are known to every process that follows
@@ -562,6 +573,16 @@ class KVIndex:
         if expiry <= now or not keys:
             return False
         return self._add_predictions(sidx, keys, expiry, now)
+
+    def _add_in_slices(self, sidx: int, keys: Sequence[int], expiry: float) -> None:
+        """:meth:`_add_predictions` of ``keys`` in slices of :data:`LARGE_PREDICTION_KEYS` (each a
+        short hold of the lock and of the interpreter), up to the first the cap refuses."""
+        for at in range(0, len(keys), LARGE_PREDICTION_KEYS):
+            now = time.monotonic()
+            if expiry <= now or not self._add_predictions(
+                sidx, keys[at : at + LARGE_PREDICTION_KEYS], expiry, now
+            ):
+                return
 
     def _add_predictions(self, sidx: int, keys: Sequence[int], expiry: float, now: float) -> bool:
         """Keys predicted on a source until ``expiry`` (a later one of a key already predicted wins);

@@ -6,11 +6,14 @@ predicted blocks confirmed and removed by their engine's events, expire and rest
 from __future__ import annotations
 
 import random
+import threading
 import time
 from array import array
+from collections.abc import Callable
+from typing import Any
 
 from index.keys import prompt_keys
-from index.kvindex import PREDICTED, IndexConfig, KVIndex
+from index.kvindex import LARGE_PREDICTION_KEYS, PREDICTED, IndexConfig, KVIndex
 
 BS = 16
 
@@ -69,3 +72,29 @@ def test_match_plan_finds_every_prediction_the_walk_finds() -> None:
         holders = sum(len(h) for h in index._holders.values())
         assert holders == sum(len(p) for p in index._predicted.values()), case  # (one entry per prediction)
     assert checked > 2000 and extended > 200, (checked, extended)
+
+
+def test_a_large_prediction_is_recorded_in_slices_by_the_deferred_call() -> None:
+    """Over LARGE_PREDICTION_KEYS keys, predict() only hands the work to ``defer`` (the router's
+    worker threads): nothing is predicted until it runs, then every block, slice by slice, in
+    a thread of its own while matches run."""
+    index = KVIndex(IndexConfig(block_size=BS, predict_ttl_s=30.0, max_predicted_per_source=1 << 20))
+    s = ("e", 0)
+    index.ingestor.add_source(s)
+    prompt = [7 + i % 999 for i in range(BS * (LARGE_PREDICTION_KEYS * 2 + 5))]
+    n = len(prompt) // BS
+    deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+    index.predict(s, index.match(prompt, [s]), lambda fn, *args: deferred.append((fn, args)))
+    assert len(deferred) == 1 and index.match(prompt, [s]).matches[s].blocks == 0
+    fn, args = deferred[0]
+    worker = threading.Thread(target=fn, args=args)
+    worker.start()
+    while worker.is_alive():  # (a prefix of the prediction, never more)
+        assert index.match(prompt, [s]).matches[s].blocks in range(0, n + 1)
+    worker.join()
+    assert index.match(prompt, [s]).matches[s].by_medium == {"GPU": 0, PREDICTED: n}
+    small = prompt[: BS * 3]  # (under the threshold: at once, defer unused)
+    t = ("f", 0)
+    index.ingestor.add_source(t)
+    index.predict(t, index.match(small, [t]), lambda fn, *args: deferred.append((fn, args)))
+    assert len(deferred) == 1 and index.match(small, [t]).matches[t].by_medium == {"GPU": 0, PREDICTED: 3}

@@ -746,13 +746,18 @@ class RouterService:
         )
         if not dry_run:
             if report is not None:
-                self.index.predict((decision.backend, decision.dp_rank), report)
+                self.predict((decision.backend, decision.dp_rank), report)
                 if plan_pd is not None and plan_pd.prefill_target is not None:  # P/D: both legs' engines
-                    self.index.predict(plan_pd.prefill_target, report)
+                    self.predict(plan_pd.prefill_target, report)
             self.recent.append(route.kept())
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", route.explain_json().decode())
         return route
+
+    def predict(self, target: tuple[str, int], report: MatchReport) -> None:
+        """The prompt's blocks predicted on ``target`` (it computes them now); a large prediction
+        is recorded in the worker threads (:data:`index.kvindex.LARGE_PREDICTION_KEYS`)."""
+        self.index.predict(target, report, self.tokenizer.offload_soon)
 
     def _disaggregated(self, model: str) -> bool:
         """The model has prefill-role engines (P/D pools); one version check for a fleet without."""

@@ -465,7 +465,7 @@ class _Stream:
                 picker.loads.finish(self.ticket)
             self.ticket = picker.loads.start(target, picker.service.uncached_tokens(route, target))
             if route.report is not None:
-                picker.service.index.predict(target, route.report)  # the prefix is computed there now
+                picker.service.predict(target, route.report)  # the prefix is computed there now
             self.target = target
             return
         em.served.inc(("other",))

@@ -388,7 +388,7 @@ class ProxyHandler:
             attempt += 1
             backend = members[target[0]]
             if attempt > 1 and route.report is not None:
-                self.service.index.predict(target, route.report)  # the prefix will be computed here now
+                self.service.predict(target, route.report)  # the prefix will be computed here now
             uncached = self.service.uncached_tokens(route, target)
             ticket = self.loads.start(target, uncached)
             started = time.perf_counter()
