@@ -2515,6 +2515,8 @@ static PyMethodDef mod_methods[] = {
     {"zmq_load", mod_zmq_load, METH_VARARGS, "zmq_load(path, (ZMQError, Again)) -> bool: bind a libzmq"},
     {"z_ctx_new", mod_z_ctx_new, METH_O, "z_ctx_new(io_threads) -> a new libzmq context (address)"},
     {"z_ctx_term", mod_z_ctx_term, METH_O, "terminate a context (waits for its sockets to close)"},
+    {"z_ctx_option", mod_z_ctx_option, METH_VARARGS, "z_ctx_option(context, option, value or -1) -> value"},
+    {"z_getsockopt_int", mod_z_getsockopt_int, METH_VARARGS, "z_getsockopt_int(socket, option) -> int"},
     {"z_socket", mod_z_socket, METH_VARARGS, "z_socket(context, type) -> address"},
     {"z_close", mod_z_close, METH_O, "close a socket"},
     {"z_setsockopt", mod_z_setsockopt, METH_VARARGS, "z_setsockopt(socket, option, int or bytes)"},

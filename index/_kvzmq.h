@@ -23,6 +23,7 @@ static struct {
     void *(*ctx_new)(void);
     int (*ctx_term)(void *);
     int (*ctx_set)(void *, int, int);
+    int (*ctx_get)(void *, int);
     void *(*socket)(void *, int);
     int (*close)(void *);
     int (*setsockopt)(void *, int, const void *, size_t);
@@ -71,7 +72,7 @@ static PyObject *mod_zmq_load(PyObject *self, PyObject *args) {
         "zmq_ctx_new", "zmq_ctx_term", "zmq_socket", "zmq_close", "zmq_setsockopt", "zmq_getsockopt",
         "zmq_bind", "zmq_connect", "zmq_socket_monitor", "zmq_poll", "zmq_send", "zmq_strerror",
         "zmq_msg_init", "zmq_msg_recv", "zmq_msg_data", "zmq_msg_size", "zmq_msg_more", "zmq_msg_close",
-        "zmq_errno",   "zmq_ctx_set",
+        "zmq_errno",   "zmq_ctx_set",    "zmq_ctx_get",
     };
     enum { N = sizeof(names) / sizeof(names[0]) };
     void *a[N];
@@ -103,6 +104,7 @@ static PyObject *mod_zmq_load(PyObject *self, PyObject *args) {
     memcpy(&ZMQ.close, &a[17], sizeof(void *));
     memcpy(&ZMQ.err, &a[18], sizeof(void *));
     memcpy(&ZS.ctx_set, &a[19], sizeof(void *));
+    memcpy(&ZS.ctx_get, &a[20], sizeof(void *));
     Py_XINCREF(err);
     Py_XSETREF(ZErrType, err);
     Py_XINCREF(again);
@@ -143,6 +145,18 @@ static PyObject *mod_z_ctx_term(PyObject *self, PyObject *arg) {
     }
     if (r < 0) return zs_error();
     Py_RETURN_NONE;
+}
+
+/* z_ctx_option(context, option, value or -1) -> the option's value: zmq_ctx_set first when value
+ * >= 0 (ZMQ_MAX_SOCKETS holds only when set before the context's first socket) */
+static PyObject *mod_z_ctx_option(PyObject *self, PyObject *args) {
+    unsigned long long ctx;
+    int opt, value;
+    if (!PyArg_ParseTuple(args, "Kii", &ctx, &opt, &value) || !zs_ready()) return NULL;
+    if (value >= 0 && ZS.ctx_set((void *)(uintptr_t)ctx, opt, value) < 0) return zs_error();
+    int r = ZS.ctx_get((void *)(uintptr_t)ctx, opt);
+    if (r < 0) return zs_error();
+    return PyLong_FromLong(r);
 }
 
 static PyObject *mod_z_socket(PyObject *self, PyObject *args) {
@@ -197,6 +211,17 @@ static PyObject *mod_z_getsockopt_bytes(PyObject *self, PyObject *args) {
     if (ZS.getsockopt((void *)(uintptr_t)s, opt, buf, &n) < 0) return zs_error();
     if (n > 0 && buf[n - 1] == 0) n--;
     return PyBytes_FromStringAndSize(buf, (Py_ssize_t)n);
+}
+
+/* z_getsockopt_int(socket, option) -> int (ZMQ_FD, ZMQ_EVENTS: options whose value is a C int) */
+static PyObject *mod_z_getsockopt_int(PyObject *self, PyObject *args) {
+    unsigned long long s;
+    int opt;
+    if (!PyArg_ParseTuple(args, "Ki", &s, &opt) || !zs_ready()) return NULL;
+    int v = 0;
+    size_t n = sizeof(v);
+    if (ZS.getsockopt((void *)(uintptr_t)s, opt, &v, &n) < 0) return zs_error();
+    return PyLong_FromLong(v);
 }
 
 /* z_bind(socket, endpoint, connect: bool) */

@@ -1,6 +1,7 @@
 """The ZeroMQ subscriber: one SUB socket per source (instance, DP rank), kept exactly in step.
 
-Two threads, off the router's event loop: the receiving thread (a poller over every socket)
+Two threads, off the router's event loop: the receiving thread (woken by the sockets that have
+something: :class:`index.zsock.ReadyPoller`, so an idle source costs nothing per wake-up)
 drains what is queued at each wake-up (up to ``max_chunk`` messages per socket), does the sequence
 bookkeeping below reading only each payload's seq and timestamp, and hands the raw payloads, in
 order, to the ingest thread, which applies them with one C call per chunk without the GIL
@@ -26,6 +27,15 @@ Per source it tracks the sequence number of the last applied batch:
   skipped.
 - a payload that does not decode is counted, logged with its source and skipped; the stream goes on.
 
+Scale (thousands of sources in one process): a source costs one libzmq socket (its SUB) plus, with a
+replay endpoint, its DEALER, which is also how its connection is seen (``ZMQ_IMMEDIATE``: the DEALER
+can send only while connected, and its ZMQ_FD signals when that changes), or, without one, a
+socket monitor (two sockets: libzmq's and ours; libzmq's stable API gives no way to share one
+between sockets). The context's socket cap is raised from libzmq's 1,023 to what the descriptor
+limit allows (raised itself first), replays in flight are capped (``max_replays``, the rest wait
+their turn), and a socket that cannot be opened is reported once and retried with a capped
+exponential backoff, without holding up the other sources (docs/scale.md).
+
 Memory is bounded: ZMQ's receive high-water mark bounds queued messages (overflow shows up as a
 gap, then a replay), held live messages during a replay are capped, and the store has its own cap.
 """
@@ -33,19 +43,23 @@ gap, then a replay), held live messages during a replay are capped, and the stor
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
+import math
 import os
 import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 import index._kvcore as _kvcore
-from index import zsock
+from index import fds, zsock
 from index.ingest import Ingestor
 from index.store import SourceId
 from index.wire import END_SEQ, Batch, RawBatch, WireError, decode_seq, peek_message, split_replay_reply
@@ -111,8 +125,22 @@ class SubscriberConfig(msgspec.Struct, frozen=True):
     (paced ingest). A backlog's chunks (hundreds) still go to the ingest thread, so receiving and
     applying overlap. 0: every chunk to the ingest thread."""
     open_retry_s: float = 1.0
-    """A source whose socket cannot be bound or connected is tried again this often (a port still
-    held by the socket it replaces is usually free a moment later)."""
+    """A source whose socket cannot be bound or connected is tried again after this long (a port
+    still held by the socket it replaces is usually free a moment later), then after twice as
+    long each time, up to ``open_retry_max_s``: a source that stays unopenable (no descriptor or
+    socket left, an address refused) costs a try now and then, not one a second for good."""
+    open_retry_max_s: float = 30.0
+    """The longest wait between two tries of a source that cannot be opened."""
+    max_replays: int = 256
+    """Replay requests in flight at once; more wait their turn (their timeout runs from their
+    sending). A router starting next to thousands of engines asks each for its buffer: all at once,
+    the answers queued faster than they were read and replays timed out."""
+    max_sockets: int = 0
+    """The socket cap of the subscriber's own ZeroMQ context (ZMQ_MAX_SOCKETS; libzmq's default is
+    1,023, ~340 sources); 0: the descriptor limit (each socket needs one), at most libzmq's 65,535."""
+    raise_fd_limit: bool = True
+    """Raise the process's soft descriptor limit to its hard limit when the subscriber is made (each
+    source holds 2-4 descriptors; most processes start at 1,024)."""
     io_threads: int = 2
     """ZeroMQ I/O threads of the subscriber's own context (they read the SUB sockets, TCP to
     messages). Two, not libzmq's one: a backlog from many sources (a replica starting, a burst of
@@ -160,6 +188,8 @@ class SourceStatus(msgspec.Struct):
     1: "full_attention"}``); None for a one-group engine."""
     group_faults: int = 0
     """Malformed KV cache group metadata (each makes matches conservative; logged)."""
+    open_attempts: int = 0
+    """Failed tries to open the stream's sockets since it last opened (with ``error``)."""
 
 
 _STATUS_COUNTERS = (
@@ -180,12 +210,18 @@ _STATUS_COUNTERS = (
 
 
 class _Replay:
-    __slots__ = ("bootstrap", "deadline", "replies", "start", "unreadable", "until")
+    __slots__ = ("bootstrap", "deadline", "queued", "replies", "sent", "start", "unreadable", "until")
 
     def __init__(self, start: int, until: int | None, deadline: float, bootstrap: bool = False) -> None:
         self.start = start
         self.until = until
         self.deadline = deadline
+        """Given up after this (monotonic); from its creation while the replay connection is down
+        (as a request queued in the socket was), from its sending once sent; none while it waits
+        for a slot (``max_replays``)."""
+        self.sent = False
+        self.queued = False
+        """Waiting for a slot among the replays in flight."""
         self.bootstrap = bootstrap
         """A (re)connection's replay from seq 0, not a gap's."""
         self.replies: list[tuple[int, bytes]] = []
@@ -205,7 +241,18 @@ class _Source:
         self.sub: Any = None
         """The SUB socket (index/zsock.py's, or pyzmq's when libzmq could not be bound)."""
         self.monitor: Any = None
+        """A socket monitor (sources without a replay endpoint: how their connection is seen)."""
         self.dealer: Any = None
+        """The replay socket (ZMQ_IMMEDIATE): replays, and the source's connection state."""
+        self.up = False
+        """The DEALER has a connection (it can send)."""
+        self.skip_up = False
+        """The next connection of a DEALER reopened while connected is not a reconnection: no
+        bootstrap for it (the socket was closed only to drop an abandoned replay's stragglers)."""
+        self.dealer_delay = 0.0
+        """Backoff of a DEALER that could not be reopened (0: none pending)."""
+        self.dealer_error: str | None = None
+        self.closed = False
         self.peers = 0
         self.last_seq = -1
         self.last_ts = 0.0
@@ -228,6 +275,19 @@ class _Source:
         """The first bootstrap attempt has ended (or none is configured): the source is ready."""
 
 
+class _Failed:
+    """A source whose sockets could not be opened: retried with backoff until they open."""
+
+    __slots__ = ("attempts", "cfg", "delay", "due", "error")
+
+    def __init__(self, cfg: SourceConfig, error: str, due: float, delay: float, attempts: int) -> None:
+        self.cfg = cfg
+        self.error = error
+        self.due = due
+        self.delay = delay
+        self.attempts = attempts
+
+
 class EventSubscriber:
     """Keeps an :class:`Ingestor` in step with every configured source; start() / stop()."""
 
@@ -243,19 +303,36 @@ class EventSubscriber:
         self._own_ctx = ctx is None
         self._z: Any = zsock.backend()
         """The socket library: index/zsock.py (libzmq bound), else pyzmq (the same names)."""
-        self.ctx: Any = zsock.context_of(ctx, self.config.io_threads)
+        max_sockets = None
+        if self._own_ctx:
+            limit = fds.raise_fd_limit() if self.config.raise_fd_limit else fds.fd_limit()
+            max_sockets = self.config.max_sockets or max(zsock.DEFAULT_MAX_SOCKETS, limit)
+        self.ctx: Any = zsock.context_of(ctx, self.config.io_threads, max_sockets)
         """A context of the backend's (a pyzmq context passed in is shadowed: the same libzmq)."""
         self._sources: dict[SourceId, _Source] = {}
-        self._failed: dict[SourceId, tuple[SourceConfig, str, float]] = {}
-        """Sources whose socket could not be opened: (config, error, next attempt); retried by the
-        thread, shown by status() until they open."""
+        self._failed: dict[SourceId, _Failed] = {}
+        """Sources whose socket could not be opened; retried by the thread (:attr:`_retry`), shown
+        by status() until they open."""
+        self._retry: list[tuple[float, int, str, SourceId]] = []
+        """Heap of (due, tie, "open" or "dealer", source): sockets to try again."""
+        self._tie = itertools.count()
+        self.open_errors = 0
+        """Failed tries to open a source's sockets (every try counts; each error is logged once)."""
+        self._sockets = 0
+        """libzmq sockets held (a monitor counts two: libzmq's and ours)."""
+        self._inflight: dict[int, _Source] = {}
+        """id(source) -> source with a replay request sent and not finished (at most max_replays)."""
+        self._replay_wait: deque[_Source] = deque()
+        """Sources whose replay waits for a slot among those in flight."""
+        self._deadlines: list[tuple[float, int, _Source, _Replay]] = []
+        """Heap of replay deadlines (stale entries skipped): timeouts checked in O(due), not O(sources)."""
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._applier: threading.Thread | None = None
         self._apply_q: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=self.config.apply_queue)
-        self._poller = self._z.Poller()
-        self._by_socket: dict[Any, tuple[str, _Source]] = {}
+        self._poller = zsock.ReadyPoller()
+        """Tokens (kind, source): "sub", "monitor", "dealer"; ("wake", None) for the pipe."""
         self._wake_r = self._wake_w = -1
         """A pipe in the poller that wakes the thread for a command (add, remove, stop) at once:
         waiting for the poll timeout made a joining engine's stream start up to poll_ms late. Opened
@@ -305,7 +382,7 @@ class EventSubscriber:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller.register(self._wake_r, self._z.POLLIN)
+        self._poller.register(self._wake_r, ("wake", None))
         self._applier = threading.Thread(target=self._apply_loop, name="kv-ingest", daemon=True)
         self._applier.start()
         self._thread = threading.Thread(target=self._run, name="kv-subscriber", daemon=True)
@@ -329,6 +406,7 @@ class EventSubscriber:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1
+        self._poller.close()
         if self._own_ctx:
             self.ctx.term()
 
@@ -365,6 +443,7 @@ class EventSubscriber:
                     block_size_mismatch=st.block_size_mismatch > 0,
                     blocks=self.ingestor.store.source_blocks(src.sidx),
                     bootstrap=src.bootstrap,
+                    error=src.dealer_error,
                     kv_groups={
                         g: f"{spec.kind} {spec.window}" if spec.rule == "sliding_window" else spec.kind
                         for g, spec in sorted(st.groups.items())
@@ -373,7 +452,8 @@ class EventSubscriber:
                     group_faults=st.group_faults,
                 )
             )
-        for cfg, error, _ in list(self._failed.values()):
+        for failed in list(self._failed.values()):
+            cfg = failed.cfg
             zero: dict[str, Any] = dict.fromkeys(_STATUS_COUNTERS, 0)
             out.append(
                 SourceStatus(
@@ -387,12 +467,33 @@ class EventSubscriber:
                     block_size=None,
                     block_size_mismatch=False,
                     blocks={},
-                    bootstrap="pending" if cfg.replay_endpoint is not None else "none",
-                    error=error,
+                    bootstrap="failed" if cfg.replay_endpoint is not None else "none",
+                    error=failed.error,
+                    open_attempts=failed.attempts,
                     **zero,
                 )
             )
         return out
+
+    def resources(self) -> dict[str, int | None]:
+        """The headroom of the event streams: sources followed and failing, libzmq sockets held and
+        the context's cap, descriptors open and the limit, failed opening tries, replays in flight
+        and waiting (``/debug/index``, the ``kvrouter_event_*`` metrics)."""
+        try:
+            socket_limit: int | None = zsock.socket_limit(self.ctx)
+        except Exception:  # (a terminated context)
+            socket_limit = None
+        return {
+            "sources": len(self._sources),
+            "sources_failing": len(self._failed),
+            "sockets": self._sockets,
+            "socket_limit": socket_limit,
+            "fds": fds.open_fds(),
+            "fd_limit": fds.fd_limit(),
+            "open_errors": self.open_errors,
+            "replays_in_flight": len(self._inflight),
+            "replays_waiting": len(self._replay_wait),
+        }
 
     def source_ready(self, source: SourceId) -> bool:
         """Whether a followed source's first bootstrap attempt has ended (or none is configured)."""
@@ -406,90 +507,163 @@ class EventSubscriber:
 
     # --- sockets (subscriber thread, or before start) -------------------------------------------
     def _try_open(self, cfg: SourceConfig) -> None:
-        """Open a source; when its socket cannot be bound or connected, log it, show it in status()
-        and try again later (the thread loop): one source's bad address or taken port must not
-        stop the others' streams."""
+        """Open a source; when its sockets cannot be opened (an address to bind that is taken, one
+        ZMQ refuses, no descriptor or socket left), log it once per error, count it, show it in
+        status() and try again after a backoff (the thread loop): one source's failure must not stop
+        the others' streams."""
         try:
             self._open(cfg)
         except self._z.ZMQError as exc:
-            known = self._failed.get(cfg.source_id)
-            if known is None or known[0] != cfg or known[1] != str(exc):
+            self.open_errors += 1
+            sid = cfg.source_id
+            known = self._failed.get(sid)
+            retry = self.config.open_retry_s
+            same = known is not None and known.cfg == cfg
+            delay = min(self.config.open_retry_max_s, known.delay * 2) if same and known else retry
+            attempts = known.attempts + 1 if same and known else 1
+            if not same or known is None or known.error != str(exc):
                 log.error(
-                    "source %s/dp%d: cannot %s %s: %s (retrying every %.0fs)",
+                    "source %s/dp%d: cannot %s %s: %s (retried after %.1fs, backing off to %.0fs)",
                     cfg.instance,
                     cfg.dp_rank,
                     "bind" if cfg.bind else "connect to",
                     cfg.endpoint,
                     exc,
-                    self.config.open_retry_s,
+                    retry,
+                    self.config.open_retry_max_s,
                 )
-            self._failed[cfg.source_id] = (cfg, str(exc), time.monotonic() + self.config.open_retry_s)
+            due = time.monotonic() + delay
+            self._failed[sid] = _Failed(cfg, str(exc), due, delay, attempts)
+            heapq.heappush(self._retry, (due, next(self._tie), "open", sid))
 
-    def _retry_failed(self) -> None:
-        now = time.monotonic()
-        for cfg, _, due in list(self._failed.values()):
-            if due <= now and self._failed.get(cfg.source_id, (None,))[0] is cfg:
-                self._try_open(cfg)
+    def _retry_due(self, now: float) -> None:
+        """Try again what is due (sources, DEALERs); O(due) per turn."""
+        heap = self._retry
+        while heap and heap[0][0] <= now:
+            due, _, kind, sid = heapq.heappop(heap)
+            if kind == "open":
+                failed = self._failed.get(sid)
+                if failed is not None and failed.due == due:
+                    self._try_open(failed.cfg)
+            else:
+                src = self._sources.get(sid)
+                if src is not None and src.dealer is None and src.dealer_delay > 0:
+                    self._open_dealer(src)
+
+    def _new_dealer(self, cfg: SourceConfig) -> Any:
+        """The source's replay socket, connected. ZMQ_IMMEDIATE: it queues nothing while it has no
+        connection, so whether it can send tells whether the engine's replay socket is reachable,
+        and its ZMQ_FD signals when that changes (the connection seen without a socket monitor)."""
+        z = self._z
+        dealer = self.ctx.socket(z.DEALER)
+        try:
+            dealer.setsockopt(z.LINGER, 0)
+            dealer.setsockopt(zsock.IMMEDIATE, 1)
+            assert cfg.replay_endpoint is not None
+            dealer.connect(cfg.replay_endpoint)
+        except z.ZMQError:
+            dealer.close(0)
+            raise
+        self._sockets += 1
+        return dealer
 
     def _open(self, cfg: SourceConfig) -> None:
         """Open the source's sockets (raises ZMQError when the address cannot be bound or
-        connected, with nothing left behind), then give it a store slot."""
+        connected, or a socket cannot be made, with nothing left behind), then give it a store slot."""
         if cfg.source_id in self._sources:
             return
         z = self._z
         sub = self.ctx.socket(z.SUB)
-        monitor = None
+        monitor = dealer = None
         try:
             sub.setsockopt(z.LINGER, 0)
             sub.setsockopt(z.RCVHWM, self.config.rcvhwm)
             sub.setsockopt(z.SUBSCRIBE, cfg.topic.encode())
-            monitor = sub.get_monitor_socket(
-                z.EVENT_CONNECTED | z.EVENT_ACCEPTED | z.EVENT_DISCONNECTED | z.EVENT_CLOSED
-            )
+            if cfg.replay_endpoint is None:
+                monitor = sub.get_monitor_socket(
+                    z.EVENT_CONNECTED | z.EVENT_ACCEPTED | z.EVENT_DISCONNECTED | z.EVENT_CLOSED
+                )
             if cfg.bind:
                 sub.bind(cfg.endpoint)
                 endpoint = sub.getsockopt_string(z.LAST_ENDPOINT)  # port 0 -> the real one
             else:
                 sub.connect(cfg.endpoint)
                 endpoint = cfg.endpoint
+            if cfg.replay_endpoint is not None:
+                dealer = self._new_dealer(cfg)
         except z.ZMQError:
             if monitor is not None:
                 sub.disable_monitor()
                 monitor.close(0)
             sub.close(0)
             raise
+        self._sockets += 1 + (2 if monitor is not None else 0)
         self._failed.pop(cfg.source_id, None)
         sidx = self.ingestor.add_source(cfg.source_id)
         src = _Source(cfg, sidx)
         src.endpoint = endpoint
-        src.sub, src.monitor = sub, monitor
+        src.sub, src.monitor, src.dealer = sub, monitor, dealer
         self._sources[cfg.source_id] = src
-        self._poller.register(sub, z.POLLIN)
-        self._poller.register(monitor, z.POLLIN)
-        self._by_socket[sub] = ("sub", src)
-        self._by_socket[monitor] = ("monitor", src)
+        self._poller.register(sub, ("sub", src))
+        if monitor is not None:
+            self._poller.register(monitor, ("monitor", src))
+        if dealer is not None:
+            self._poller.register(dealer, ("dealer", src))
+
+    def _open_dealer(self, src: _Source) -> None:
+        """(Re)open a source's DEALER; when it cannot be made, report it once, show it in status(),
+        and try again with a capped backoff (the source's live stream goes on)."""
+        try:
+            dealer = self._new_dealer(src.cfg)
+        except self._z.ZMQError as exc:
+            self.open_errors += 1
+            first = src.dealer_delay == 0
+            src.dealer_delay = (
+                self.config.open_retry_s if first else min(self.config.open_retry_max_s, src.dealer_delay * 2)
+            )
+            if first:
+                log.error(
+                    "source %s: cannot open its replay socket (%s): %s (retried with backoff)",
+                    src.name,
+                    src.cfg.replay_endpoint,
+                    exc,
+                )
+            src.dealer_error = str(exc)
+            due = time.monotonic() + src.dealer_delay
+            heapq.heappush(self._retry, (due, next(self._tie), "dealer", src.cfg.source_id))
+            return
+        src.dealer_delay = 0.0
+        src.dealer_error = None
+        src.dealer = dealer
+        self._poller.register(dealer, ("dealer", src))
 
     def _close_dealer(self, src: _Source) -> None:
         if src.dealer is not None:
             self._poller.unregister(src.dealer)
-            self._by_socket.pop(src.dealer, None)
             src.dealer.close(0)
             src.dealer = None
+            self._sockets -= 1
+        src.up = False
 
     def _close_source(self, source: SourceId, forget: bool = True) -> None:
         src = self._sources.pop(source, None)
         if src is None:
             return
+        src.closed = True
+        self._inflight.pop(id(src), None)
         self._close_dealer(src)
         for sock in (src.sub, src.monitor):
             if sock is not None:
                 self._poller.unregister(sock)
-                self._by_socket.pop(sock, None)
         if src.sub is not None:
-            src.sub.disable_monitor()
+            if src.monitor is not None:
+                src.sub.disable_monitor()
             src.sub.close(0)
+            self._sockets -= 1
         if src.monitor is not None:
             src.monitor.close(0)
+            self._sockets -= 2
+        self._pump_replays()
         if forget:
             ingestor = self.ingestor
             # detached now (a source re-added under this id meanwhile gets a fresh slot), dropped in
@@ -519,19 +693,20 @@ class EventSubscriber:
     def _turn(self) -> None:
         cfg = self.config
         self._drain_commands()
-        if self._failed:
-            self._retry_failed()
+        if self._retry and self._retry[0][0] <= time.monotonic():
+            self._retry_due(time.monotonic())
         try:  # (the wake-up pipe is always polled: never a busy loop with no sockets)
-            ready = dict(self._poller.poll(cfg.poll_ms))
-        except self._z.ZMQError as exc:  # pragma: no cover - context terminated under us
+            tokens = self._poller.poll(cfg.poll_ms)
+        except OSError as exc:  # pragma: no cover - the poller closed under us
             log.error("poll failed: %s", exc)
             self._stop.set()
             return
-        if ready.pop(self._wake_r, None) is not None:
+        work: list[tuple[str, _Source]] = [t for t in tokens if t[1] is not None]
+        if len(work) < len(tokens):  # the wake-up pipe: commands first, then the sockets woken
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
-            return  # commands first, then whatever is ready (polled again at once)
-        if not ready and self._busy:
+            self._drain_commands()
+        if not work and self._busy:
             # idle after a burst: the heap gives back what the messages took (glibc keeps it), once
             # the ingest thread has applied (and let go of) the chunks handed over before this; here
             # when it has nothing left (a hand-over would keep the next small chunk from being
@@ -542,24 +717,29 @@ class EventSubscriber:
             else:
                 self._submit(self._trim)
         chunk: list[tuple[int, Batch | bytes | None]] = []
+        done = 0
         try:
-            for sock in ready:
-                kind, src = self._by_socket.get(sock, ("", None))
-                if src is None:
-                    continue
-                if kind == "sub":
-                    self._drain_live(src, chunk)
-                elif kind == "monitor":
-                    self._on_monitor(src, chunk)
-                elif kind == "dealer":
-                    self._on_replay_reply(src, chunk)
-            now = time.monotonic()
-            for src in list(self._sources.values()):
-                if src.replay is not None and now > src.replay.deadline:
-                    log.warning("source %s: replay timed out after %.1fs", src.name, cfg.replay_timeout_s)
-                    src.replay_failed_at = now
-                    self._finish_replay(src, chunk)
+            for kind, src in work:
+                if not src.closed:
+                    if kind == "sub":
+                        self._drain_live(src, chunk)
+                        sub = src.sub
+                        if not src.closed and sub.getsockopt(zsock.EVENTS) & zsock.POLLIN:
+                            self._poller.again(sub)  # (its budget ran out: the rest at the next turn)
+                    elif kind == "monitor":
+                        self._on_monitor(src, chunk)
+                    elif kind == "dealer":
+                        self._on_dealer(src, chunk)
+                done += 1
+            if self._deadlines and self._deadlines[0][0] <= time.monotonic():
+                self._time_out(chunk)
         finally:
+            # a socket woken and not handled would signal nothing more: handed back for the next
+            # turn (the one that failed too: _run waits poll_ms before it)
+            for _, src in work[done:]:
+                for sock in (src.sub, src.monitor, src.dealer):
+                    if sock is not None and not src.closed:
+                        self._poller.again(sock)
             # what was accepted before a failure is applied all the same: its sequence numbers are
             # taken, so nothing would ever replay it (the failure itself goes on to _run's log)
             if chunk:
@@ -578,8 +758,20 @@ class EventSubscriber:
                     self._submit(lambda c=chunk: self._apply(c))  # type: ignore[misc]
             if self._after_chunk:
                 after, self._after_chunk = self._after_chunk, []
-                for work in after:
-                    self._submit(work)  # in order: after the chunk above is applied
+                for later in after:
+                    self._submit(later)  # in order: after the chunk above is applied
+
+    def _time_out(self, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
+        """Replays past their deadline are given up (what they did not bring is lost)."""
+        now = time.monotonic()
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, _, src, replay = heapq.heappop(heap)
+            if src.closed or src.replay is not replay or replay.deadline != deadline:
+                continue  # finished, or its deadline moved (sent after waiting for a slot)
+            log.warning("source %s: replay timed out after %.1fs", src.name, self.config.replay_timeout_s)
+            src.replay_failed_at = now
+            self._finish_replay(src, chunk)
 
     def _ingest_idle(self) -> bool:
         """The ingest thread has finished everything handed to it, so work done now in the receiving
@@ -745,7 +937,7 @@ class EventSubscriber:
                 src.gaps += 1
             can_replay = (
                 allow_replay
-                and src.cfg.replay_endpoint is not None
+                and src.dealer is not None
                 and time.monotonic() - src.replay_failed_at > self.config.replay_retry_s
             )
             if can_replay:
@@ -762,19 +954,80 @@ class EventSubscriber:
         src.last_ts = batch.ts
 
     def _start_replay(self, src: _Source, start: int, until: int | None, bootstrap: bool = False) -> None:
-        if src.dealer is None:
-            dealer = self.ctx.socket(self._z.DEALER)
-            dealer.setsockopt(self._z.LINGER, 0)
-            assert src.cfg.replay_endpoint is not None
-            dealer.connect(src.cfg.replay_endpoint)
-            src.dealer = dealer
-            self._poller.register(dealer, self._z.POLLIN)
-            self._by_socket[dealer] = ("dealer", src)
-        src.replay = _Replay(start, until, time.monotonic() + self.config.replay_timeout_s, bootstrap)
+        """Ask the engine for its batches from ``start`` (until ``until``): sent now when the
+        replay connection is up and a slot is free, else when it is (its deadline runs from now
+        while the connection is down, as for a request queued in the socket)."""
+        replay = _Replay(start, until, time.monotonic() + self.config.replay_timeout_s, bootstrap)
+        src.replay = replay
         if bootstrap:
             src.bootstrap = "pending"
         src.replays += 1
-        src.dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        heapq.heappush(self._deadlines, (replay.deadline, next(self._tie), src, replay))
+        self._send_replay(src)
+
+    def _send_replay(self, src: _Source) -> None:
+        replay = src.replay
+        if replay is None or replay.sent or src.dealer is None or not src.up:
+            return
+        if len(self._inflight) >= self.config.max_replays:
+            if not replay.queued:
+                replay.queued = True
+                replay.deadline = math.inf  # (waiting on this process, not on the engine)
+                self._replay_wait.append(src)
+            return
+        try:
+            src.dealer.send_multipart([b"", replay.start.to_bytes(8, "big")])
+        except self._z.Again:  # the connection went just now: sent when it is back
+            src.up = False
+            return
+        replay.sent = True
+        replay.queued = False
+        self._inflight[id(src)] = src
+        replay.deadline = time.monotonic() + self.config.replay_timeout_s
+        heapq.heappush(self._deadlines, (replay.deadline, next(self._tie), src, replay))
+
+    def _pump_replays(self) -> None:
+        """Send waiting replays while slots are free."""
+        wait = self._replay_wait
+        while wait and len(self._inflight) < self.config.max_replays:
+            src = wait.popleft()
+            replay = src.replay
+            if src.closed or replay is None or replay.sent or not replay.queued:
+                continue
+            replay.queued = False
+            replay.deadline = time.monotonic() + self.config.replay_timeout_s
+            heapq.heappush(self._deadlines, (replay.deadline, next(self._tie), src, replay))
+            self._send_replay(src)
+
+    def _on_dealer(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
+        """The DEALER woke: replies first, then its connection state (ZMQ_IMMEDIATE: it can send
+        only while connected). A (re)connection starts a bootstrap replay, as a socket monitor's
+        CONNECTED did: what the engine still buffers, or an empty answer that tells a new process."""
+        dealer = src.dealer
+        if dealer is None:
+            return
+        events = dealer.getsockopt(zsock.EVENTS)
+        if events & zsock.POLLIN:
+            self._on_replay_reply(src, chunk)
+            dealer = src.dealer  # (reopened when a replay was abandoned)
+            if dealer is None or src.closed:
+                return
+            events = dealer.getsockopt(zsock.EVENTS)
+        up = bool(events & zsock.POLLOUT)
+        if up == src.up:
+            return
+        src.up = up
+        if not up:
+            src.peers = 0
+            return
+        src.peers = 1
+        if src.skip_up:
+            src.skip_up = False
+            self._send_replay(src)  # (one that waited for the connection)
+        elif src.replay is None:
+            self._start_replay(src, 0, None, bootstrap=True)
+        else:
+            self._send_replay(src)
 
     def _on_replay_reply(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
         dealer = src.dealer
@@ -813,9 +1066,15 @@ class EventSubscriber:
                 src.bootstrapped = True
 
             self._after_chunk.append(bootstrapped)
-        if not finished:
-            # replies of an abandoned request could still arrive and be mistaken for the next one's
+        if self._inflight.pop(id(src), None) is not None:
+            self._pump_replays()
+        if not finished and replay.sent:
+            # replies of an abandoned request could still arrive and be mistaken for the next one's:
+            # a new socket (its first connection is not a reconnection when the old one was up)
+            was_up = src.up
             self._close_dealer(src)
+            self._open_dealer(src)
+            src.skip_up = was_up and src.dealer is not None
         elif (
             replay.bootstrap
             and replay.start == 0
@@ -872,6 +1131,7 @@ class EventSubscriber:
         src.last_ts = 0.0
 
     def _on_monitor(self, src: _Source, chunk: list[tuple[int, Batch | bytes | None]]) -> None:
+        """A source without a replay endpoint: its connection as its socket monitor reports it."""
         monitor = src.monitor
         assert monitor is not None
         while True:
@@ -882,8 +1142,5 @@ class EventSubscriber:
             event = _monitor_event(frames)
             if event in (self._z.EVENT_CONNECTED, self._z.EVENT_ACCEPTED):
                 src.peers += 1
-                if src.cfg.replay_endpoint is not None and src.replay is None:
-                    # bootstrap: fetch what the engine still buffers (duplicates are skipped by seq/ts)
-                    self._start_replay(src, 0, None, bootstrap=True)
             elif event == self._z.EVENT_DISCONNECTED:
                 src.peers = max(0, src.peers - 1)

@@ -9,8 +9,10 @@ found without importing pyzmq, else the system's ``libzmq.so.5``; when none bind
 otherwise), it returns the ``zmq`` module itself, whose names these mirror, and the subscriber runs
 on pyzmq as before (the log says so).
 
-Only what the subscriber uses: contexts, SUB/DEALER/PAIR sockets, options, bind/connect, socket
-monitors, whole-message receive and send, a poller over sockets and file descriptors. The C receive
+Only what the subscriber uses: contexts (their socket cap raised), SUB/DEALER/PAIR sockets, options,
+bind/connect, socket monitors, whole-message receive and send, a poller over sockets and file
+descriptors, and :class:`ReadyPoller`, which wakes on the sockets that have something and costs
+nothing per idle socket (it works on pyzmq's sockets too). The C receive
 loop (``recv_live``, index/_kvrecv.h) is bound in the same step and checked on a socket pair
 (:func:`native_receive`).
 """
@@ -21,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import os
+import select
 import sys
 import threading
 from types import ModuleType
@@ -32,9 +35,12 @@ log = logging.getLogger(__name__)
 
 # libzmq's numbers (zmq.h; stable since 4.0)
 PAIR, SUB, DEALER = 0, 2, 5
-SUBSCRIBE, LINGER, RCVHWM, LAST_ENDPOINT = 6, 17, 24, 32
+SUBSCRIBE, FD, EVENTS, LINGER, RCVHWM, LAST_ENDPOINT, IMMEDIATE = 6, 14, 15, 17, 24, 32, 39
+IO_THREADS, MAX_SOCKETS, SOCKET_LIMIT = 1, 2, 3
 NOBLOCK = DONTWAIT = 1
-POLLIN = 1
+POLLIN, POLLOUT = 1, 2
+DEFAULT_MAX_SOCKETS = 1023
+"""libzmq's cap of sockets per context unless raised (ZMQ_MAX_SOCKETS)."""
 EVENT_CONNECTED, EVENT_ACCEPTED, EVENT_CLOSED, EVENT_DISCONNECTED = 0x1, 0x20, 0x80, 0x200
 
 
@@ -63,13 +69,24 @@ class Context:
     never terminated here. Stop what uses this context before terminating the shadowed one: its
     ``destroy()`` closes pyzmq's sockets, not ours, and its ``term()`` waits for ours."""
 
-    def __init__(self, shadow: Any = None, io_threads: int = 1) -> None:
+    def __init__(self, shadow: Any = None, io_threads: int = 1, max_sockets: int | None = None) -> None:
+        """``max_sockets``: the context's socket cap (ZMQ_MAX_SOCKETS, libzmq's default 1,023), set
+        before its first socket (later it would not hold); not for a shadowed context."""
         if backend() is not sys.modules[__name__]:
             raise RuntimeError("libzmq could not be bound: use pyzmq's zmq.Context")
         self._shadowed = shadow
         self.underlying: int = _kvcore.z_ctx_new(io_threads) if shadow is None else shadow.underlying
         self._own = shadow is None
         self.closed = False
+        if max_sockets is not None and self._own:
+            self.set(MAX_SOCKETS, max_sockets)
+
+    def get(self, option: int) -> int:
+        """A context option (MAX_SOCKETS, SOCKET_LIMIT, IO_THREADS)."""
+        return _kvcore.z_ctx_option(self.underlying, option, -1)
+
+    def set(self, option: int, value: int) -> None:
+        _kvcore.z_ctx_option(self.underlying, option, value)
 
     def socket(self, kind: int) -> Socket:
         return Socket(self, kind)
@@ -91,6 +108,10 @@ class Socket:
 
     def setsockopt(self, option: int, value: int | bytes) -> None:
         _kvcore.z_setsockopt(self.underlying, option, value)
+
+    def getsockopt(self, option: int) -> int:
+        """An int option (FD, EVENTS)."""
+        return _kvcore.z_getsockopt_int(self.underlying, option)
 
     def getsockopt_string(self, option: int) -> str:
         return _kvcore.z_getsockopt_bytes(self.underlying, option).decode()
@@ -170,6 +191,100 @@ class Poller:
         return [(self._objs[i], POLLIN) for i in ready]
 
 
+class ReadyPoller:
+    """Waits on the sockets that have something to read, at a cost that does not grow with the
+    sockets that have nothing (``zmq_poll`` builds and scans every item at every wake-up: with
+    thousands of idle event streams, most of a wake-up's work).
+
+    How: every socket's ZMQ_FD (a descriptor libzmq signals when commands reach the socket: a
+    message arriving on an empty queue, a peer attached or gone) sits in one epoll set
+    (``select.poll`` where there is no epoll); a woken socket is reported with its token and the
+    caller then asks libzmq (ZMQ_EVENTS) what it can do. ZMQ_FD signals a change, not a state: after
+    a socket has been handled, anything left in it (a drain that stopped at its budget) signals
+    nothing more, so the caller hands such a socket back with :meth:`again` and the next
+    :meth:`poll` reports it without waiting. A socket is reported once after :meth:`register`, for
+    whatever arrived before it was registered. Plain file descriptors (a wake-up pipe) are
+    reported while readable."""
+
+    def __init__(self) -> None:
+        self._epoll: Any = select.epoll() if hasattr(select, "epoll") else None
+        self._poll: Any = None if self._epoll is not None else select.poll()
+        self._tokens: dict[int, Any] = {}
+        """descriptor -> token"""
+        self._fds: dict[int, tuple[Any, int]] = {}
+        """id(registered object) -> (it, its descriptor)"""
+        self._again: dict[int, Any] = {}
+        """descriptor -> token: reported by the next poll without waiting"""
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def register(self, obj: Any, token: Any) -> None:
+        """``obj``: a socket (ours or pyzmq's: anything with ``getsockopt(FD)``) or a descriptor."""
+        fd = obj if isinstance(obj, int) else int(obj.getsockopt(FD))
+        if self._epoll is not None:
+            self._epoll.register(fd, select.EPOLLIN)
+        else:
+            self._poll.register(fd, select.POLLIN)
+        self._tokens[fd] = token
+        self._fds[id(obj)] = (obj, fd)
+        if not isinstance(obj, int):
+            self._again[fd] = token
+
+    def unregister(self, obj: Any) -> None:
+        """Before the socket is closed (its descriptor goes with it)."""
+        entry = self._fds.pop(id(obj), None)
+        if entry is None:
+            return
+        fd = entry[1]
+        self._tokens.pop(fd, None)
+        self._again.pop(fd, None)
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            (self._epoll or self._poll).unregister(fd)
+
+    def again(self, obj: Any) -> None:
+        """Report ``obj`` at the next poll without waiting (it still has something)."""
+        entry = self._fds.get(id(obj))
+        if entry is not None:
+            self._again[entry[1]] = self._tokens[entry[1]]
+
+    def poll(self, timeout_ms: int) -> list[Any]:
+        """Tokens of the sockets woken (or handed back) and of the readable descriptors, each once;
+        waits up to ``timeout_ms`` when none is handed back."""
+        wait = 0 if self._again else timeout_ms
+        try:
+            if self._epoll is not None:
+                events = self._epoll.poll(wait / 1000, max(1, min(len(self._tokens), 4096)))
+            else:
+                events = self._poll.poll(wait)
+        except InterruptedError:  # pragma: no cover - (PEP 475 retries; kept for safety)
+            events = []
+        out, self._again = self._again, {}
+        tokens = self._tokens
+        for fd, _ in events:
+            token = tokens.get(fd)
+            if token is not None:
+                out[fd] = token
+        return list(out.values())
+
+    def close(self) -> None:
+        if self._epoll is not None:
+            self._epoll.close()
+
+
+def socket_limit(ctx: Any) -> int:
+    """A context's socket cap (ours or pyzmq's)."""
+    return int(ctx.get(MAX_SOCKETS))
+
+
+def set_socket_limit(ctx: Any, value: int) -> int:
+    """Raise a context's socket cap to ``value`` (at most libzmq's SOCKET_LIMIT) before its first
+    socket; returns the cap in force."""
+    top = int(ctx.get(SOCKET_LIMIT))
+    ctx.set(MAX_SOCKETS, max(1, min(value, top)))
+    return socket_limit(ctx)
+
+
 # ---- binding the library ---------------------------------------------------------------------------
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -231,14 +346,18 @@ def backend() -> ModuleType:
         return _state["backend"]  # type: ignore[no-any-return]
 
 
-def context_of(ctx: Any, io_threads: int = 1) -> Any:
+def context_of(ctx: Any, io_threads: int = 1, max_sockets: int | None = None) -> Any:
     """The context to make sockets in: ``ctx`` itself (ours, or pyzmq's when pyzmq is the backend),
-    a pyzmq context shadowed, or a new one (None) with ``io_threads`` I/O threads. A pyzmq context
+    a pyzmq context shadowed, or a new one (None) with ``io_threads`` I/O threads and a socket cap
+    of ``max_sockets`` (libzmq's SOCKET_LIMIT at most; a context passed in keeps its own). A pyzmq context
     made by another copy of libzmq than the one bound here cannot host our sockets: ValueError
     (libzmq itself tells: EFAULT)."""
     z = backend()
     if ctx is None:
-        return z.Context(io_threads=io_threads)
+        new = z.Context(io_threads=io_threads)
+        if max_sockets is not None:
+            set_socket_limit(new, max_sockets)  # (before its first socket: later it would not hold)
+        return new
     if z is sys.modules[__name__] and not isinstance(ctx, Context):
         try:
             _kvcore.z_close(_kvcore.z_socket(ctx.underlying, PAIR))
