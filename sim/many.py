@@ -46,8 +46,8 @@ def first_blocks(i: int, blocks: int = 2) -> list[int]:
     return [base + k for k in range(blocks * BLOCK_SIZE)]
 
 
-def _stored(i: int, first: int, count: int, tokens: list[int], parent: int | None) -> BlockStored:
-    hashes = [i * 1_000_003 + first + k + 1 for k in range(count)]
+def _stored(i: int, first: int, count: int, tokens: list[int], parent: int | bytes | None) -> BlockStored:
+    hashes: list[int | bytes] = [i * 1_000_003 + first + k + 1 for k in range(count)]
     return BlockStored(hashes, parent, tokens, BLOCK_SIZE, None, "GPU", None)
 
 
@@ -62,7 +62,7 @@ class _Source:
         self.buffer: list[tuple[int, bytes]] = []
         self.subscribed = False
         self.blocks = 0
-        self.last_hash: int | None = None
+        self.last_hash: int | bytes | None = None
 
     def batch(self, count: int, tokens: list[int] | None = None) -> bytes:
         if tokens is None:
@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             if cmd == "subscribed":
                 print(json.dumps({"subscribed": sum(s.subscribed for s in sources)}), flush=True)
             elif cmd.startswith("steady"):
-                _, rate, active, per, seconds = cmd.split()
-                steady = (float(rate), int(active), int(per), time.monotonic() + float(seconds))
+                words = cmd.split()
+                steady = (float(words[1]), int(words[2]), int(words[3]), time.monotonic() + float(words[4]))
                 sent = blocks_sent = 0
                 next_at = time.monotonic()
             timeout = 50

@@ -127,7 +127,7 @@ def test_a_source_that_cannot_open_is_reported_once_and_retried_with_backoff(
 ) -> None:
     """A source whose address is taken is logged once, counted at every try, retried after waits
     that double up to the cap, and the other sources stream meanwhile."""
-    holder = zmq.Context.instance().socket(zmq.PAIR)
+    holder: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PAIR)
     holder.setsockopt(zmq.LINGER, 0)
     port = holder.bind_to_random_port("tcp://127.0.0.1")
     pub = KVEventPublisher(replay_endpoint=None)
@@ -149,7 +149,7 @@ def test_a_source_that_cannot_open_is_reported_once_and_retried_with_backoff(
 
             wait_for(lambda: attempts(7), "seven failed tries")
             tokens = first_blocks(0)
-            hashes = [11, 12]
+            hashes: list[int | bytes] = [11, 12]
             deadline = time.monotonic() + 30
             while idx.match(tokens, [("good", 0)]).matches[("good", 0)].blocks < 2:
                 assert time.monotonic() < deadline, "the good source never indexed"
