@@ -684,6 +684,11 @@ class KVIndex:
                 self._unhold(sidx, list(self._predicted[sidx]))
                 self._predicted[sidx] = {}
 
+    def resources(self) -> dict[str, int | None]:
+        """The event streams' headroom: sockets and their cap, descriptors and their limit, failing
+        sources, open errors, replays in flight and waiting."""
+        return self.subscriber.resources()
+
     def status(self) -> list[SourceStatus]:
         """Per-source event stream health and block counts."""
         return self.subscriber.status()

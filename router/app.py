@@ -541,6 +541,7 @@ class KVRouter:
             "evictions": self.index.evictions,
             "predicted_blocks": self.index.predicted_blocks(),
             "sources": [msgspec.to_builtins(s) for s in self.index.status()],
+            "event_streams": self.index.resources(),
             "backends": [
                 {
                     **b.describe(self.loads.local_active(b.targets)),

@@ -376,6 +376,30 @@ class _StateCollector:
         evictions = CounterFamily("kvrouter_index_evictions", "Residencies evicted by the memory cap")
         evictions.add_metric([], self.index.evictions)
         yield evictions
+        res = self.index.resources()
+        for name, doc, key in (
+            ("kvrouter_event_sockets", "ZeroMQ sockets the event streams hold", "sockets"),
+            (
+                "kvrouter_event_socket_limit",
+                "The event streams' ZeroMQ socket cap (ZMQ_MAX_SOCKETS)",
+                "socket_limit",
+            ),
+            (
+                "kvrouter_event_sources_failing",
+                "Event sources whose sockets could not be opened (retried)",
+                "sources_failing",
+            ),
+        ):
+            value = res.get(key)
+            if value is not None:
+                gauge = GaugeFamily(name, doc)
+                gauge.add_metric([], value)
+                yield gauge
+        open_errors = CounterFamily(
+            "kvrouter_event_source_open_errors", "Failed tries to open an event source's sockets"
+        )
+        open_errors.add_metric([], res.get("open_errors") or 0)
+        yield open_errors
         inflight = GaugeFamily(
             "kvrouter_inflight_requests", "Requests in flight", labels=["backend", "dp_rank"]
         )
