@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo test test-vllm lint typecheck unit bench fuzz fuzz-http fuzz-kv soak clean
+.PHONY: demo test test-vllm lint typecheck unit bench bench-scale fuzz fuzz-http fuzz-kv soak clean
 
 # (the C core is built by the install: a changed source is rebuilt by the next make)
 INSTALL_DEPS := pyproject.toml sim/pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrecv.h \
@@ -55,6 +55,10 @@ unit: $(STAMP)
 ## bench: micro-benchmarks of the index, router overhead and routing quality (see docs/benchmarks/)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+## bench-scale: the service at 8 to 4,096 event sources (docs/benchmarks/scale.md); BENCH_SCALE_ARGS
+bench-scale: $(STAMP)
+	$(BIN)/python bench/scale.py $(BENCH_SCALE_ARGS)
 
 ## soak: the chaos soak, 10 minutes (SOAK_MINUTES); report and plot in bench/out/soak/
 SOAK_MINUTES ?= 10

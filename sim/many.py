@@ -16,8 +16,9 @@ stdin, one a line, answering each with a JSON line:
   publish at that rate, round-robin over the first ``active`` sources (the rest stay idle);
 - ``quit`` (or end of input): close everything and exit.
 
-Source ``i``'s first blocks are :func:`first_blocks` (the same function tells a test what to look
-up).
+``--pub-port P --replay-port R`` bind source n at consecutive ports (P + n, R + n), as the ranks of
+a data-parallel engine are (a router config names rank 0's port). Source ``i``'s first blocks are
+:func:`first_blocks` (the same function tells a test what to look up).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sources", type=int, required=True)
     ap.add_argument("--first", type=int, default=0, help="index of the first source (several helpers)")
     ap.add_argument("--replay-every", type=int, default=1, help="every k-th source has replay (0: none)")
+    ap.add_argument("--pub-port", type=int, default=0, help="bind source n's PUB at this port + n (0: any)")
+    ap.add_argument("--replay-port", type=int, default=0, help="and its replay ROUTER at this port + n")
     args = ap.parse_args(argv)
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY:
@@ -99,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
-        pub.bind("tcp://127.0.0.1:0")
+        pub.bind(f"tcp://127.0.0.1:{args.pub_port + n if args.pub_port else 0}")
         router = None
         if args.replay_every and i % args.replay_every == 0:
             router = ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            router.bind("tcp://127.0.0.1:0")
+            router.bind(f"tcp://127.0.0.1:{args.replay_port + n if args.replay_port else 0}")
         src = _Source(i, pub, router)
         tokens = first_blocks(i)
         if router is not None:  # the first block before anyone listens: only a bootstrap brings it
