@@ -706,6 +706,12 @@ class EventSubscriber:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
             self._drain_commands()
+        if not work and self._inflight:
+            # a quiet poll with replays in flight: their DEALERs are looked at once more (a cheap
+            # guard, O(replays in flight), against a reply whose wake-up was not seen)
+            for src in self._inflight.values():
+                if src.dealer is not None:
+                    self._poller.again(src.dealer)
         if not work and self._busy:
             # idle after a burst: the heap gives back what the messages took (glibc keeps it), once
             # the ingest thread has applied (and let go of) the chunks handed over before this; here

@@ -176,7 +176,7 @@ def test_a_replay_socket_that_cannot_open_is_reported_and_retried_not_left_pendi
     ctx.set(zmq.MAX_SOCKETS, 3)  # (before its first socket) one SUB + DEALER pair, then one SUB
     a = KVEventPublisher()
     b = KVEventPublisher()
-    cfg = SubscriberConfig(open_retry_s=0.02, open_retry_max_s=0.1)
+    cfg = SubscriberConfig(open_retry_s=0.02, open_retry_max_s=0.1, replay_timeout_s=20.0)
     idx = KVIndex(IndexConfig(block_size=BLOCK_SIZE, subscriber=cfg), ctx=ctx)
     try:
         tok_a, tok_b = first_blocks(0), first_blocks(1)
