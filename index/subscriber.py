@@ -1019,6 +1019,8 @@ class EventSubscriber:
             if dealer is None or src.closed:
                 return
             events = dealer.getsockopt(zsock.EVENTS)
+        if events & zsock.POLLIN:  # (arrived since it was read: no wake-up would come for it)
+            self._poller.again(dealer)
         up = bool(events & zsock.POLLOUT)
         if up == src.up:
             return
@@ -1052,7 +1054,10 @@ class EventSubscriber:
                 continue
             if seq == END_SEQ:
                 self._finish_replay(src, chunk, finished=True)
-                return
+                # on to Again all the same: a replay the held batches started just now may be
+                # answered already, and a socket not read to the end signals nothing more
+                dealer = src.dealer
+                continue
             src.replay.replies.append((seq, payload))
 
     def _finish_replay(
