@@ -1,7 +1,9 @@
 """What kvrouter's endpoint picker adds behind Envoy, side by side in one run (docs/benchmarks/epp.md).
 
 - TTFT (time to the first SSE chunk, at the client) through Envoy + kvrouter's picker minus Envoy
-  with its own round robin, same engines, same requests, at c=1 and c=32: p50 and p99.
+  with its own round robin, same engines, same requests, at c=1 and c=32: p50 and p99. Two picker
+  configurations: deploy/gateway's (request body BUFFERED, response body NONE) and llm-d's
+  (FULL_DUPLEX_STREAMED both ways: every SSE chunk passes through the picker).
 - Picker decisions per CPU-second of the router process vs its own proxy's requests per CPU-second
   on the same requests (the proxy also relays the bytes; the picker has Envoy do that).
 
@@ -96,6 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=300, help="requests per phase (c=32: 2x)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two sides")
+    ap.add_argument("--profile", default="", help="py-spy raw (collapsed) profile of the router to this file")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="epp-bench-"))
     procs: list[subprocess.Popen[bytes]] = []
@@ -120,9 +123,11 @@ def main() -> None:
         engines = [("127.0.0.1", p) for p in ports]
         with_epp = Envoy(bootstrap(("127.0.0.1", eport), engines), tmp, "envoy-epp")
         envoys.append(with_epp)
+        duplex = Envoy(bootstrap(("127.0.0.1", eport), engines, mode="FULL_DUPLEX_STREAMED"), tmp, "envoy-fd")
+        envoys.append(duplex)
         plain = Envoy(bootstrap(None, engines), tmp, "envoy-rr")
         envoys.append(plain)
-        sides = {"envoy+epp": with_epp.url, "envoy-rr": plain.url}
+        sides = {"envoy+epp": with_epp.url, "envoy+epp-duplex": duplex.url, "envoy-rr": plain.url}
         results: dict[tuple[str, int], list[float]] = {}
         for url in sides.values():  # warm-up
             asyncio.run(ttfts(url, 50, 8, 10_000))
@@ -131,23 +136,37 @@ def main() -> None:
                 for name, url in sides.items():
                     results.setdefault((name, conc), []).extend(asyncio.run(ttfts(url, n, conc, r * 100_000)))
         rows = []
-        for conc in (1, 32):
-            e, b = results[("envoy+epp", conc)], results[("envoy-rr", conc)]
-            rows.append({
-                "c": conc, "n": len(e),
-                "epp_p50_ms": pct(e, 0.5) * 1e3, "rr_p50_ms": pct(b, 0.5) * 1e3,
-                "added_p50_ms": (pct(e, 0.5) - pct(b, 0.5)) * 1e3,
-                "epp_p99_ms": pct(e, 0.99) * 1e3, "rr_p99_ms": pct(b, 0.99) * 1e3,
-                "added_p99_ms": (pct(e, 0.99) - pct(b, 0.99)) * 1e3,
-            })  # fmt: skip
+        for side in ("envoy+epp", "envoy+epp-duplex"):
+            for conc in (1, 32):
+                e, b = results[(side, conc)], results[("envoy-rr", conc)]
+                rows.append({
+                    "side": side, "c": conc, "n": len(e),
+                    "epp_p50_ms": pct(e, 0.5) * 1e3, "rr_p50_ms": pct(b, 0.5) * 1e3,
+                    "added_p50_ms": (pct(e, 0.5) - pct(b, 0.5)) * 1e3,
+                    "epp_p99_ms": pct(e, 0.99) * 1e3, "rr_p99_ms": pct(b, 0.99) * 1e3,
+                    "added_p99_ms": (pct(e, 0.99) - pct(b, 0.99)) * 1e3,
+                })  # fmt: skip
         # decisions per CPU-second of the router process: the picker's vs the proxy's, same requests
-        per: dict[str, list[float]] = {"epp": [], "proxy": []}
+        per: dict[str, list[float]] = {"epp": [], "epp-duplex": [], "proxy": []}
+        cpu_sides = (
+            ("epp", with_epp.url),
+            ("epp-duplex", duplex.url),
+            ("proxy", f"http://127.0.0.1:{rport}"),
+        )
         for r in range(args.rounds):
-            for name, url in (("epp", with_epp.url), ("proxy", f"http://127.0.0.1:{rport}")):
+            for name, url in cpu_sides:
                 c0 = cpu_seconds(router.pid)
                 n = 2 * args.requests
                 asyncio.run(ttfts(url, n, 32, 500_000 + r * 10_000))
                 per[name].append(n / (cpu_seconds(router.pid) - c0))
+        if args.profile:  # where the picker's CPU goes (py-spy, from PyPI), on the cheap configuration
+            spy_bin = str(Path(sys.executable).parent / "py-spy")
+            spy = subprocess.Popen([spy_bin, "record", "-p", str(router.pid), "-o", args.profile, "-f", "raw",
+                                    "-r", "200", "-n"])  # fmt: skip
+            time.sleep(1)
+            asyncio.run(ttfts(with_epp.url, 4 * args.requests, 32, 900_000))
+            spy.send_signal(2)
+            spy.wait(30)
         out = {
             "ttft": rows,
             "decisions_per_cpu_s": {k: statistics.median(v) for k, v in per.items()},

@@ -27,6 +27,7 @@ from index.keys import TokenBuffer
 from index.kvindex import KVIndex
 from router.cluster.replicas import Replicas
 from router.config import AUTO, RouterConfig
+from router.decision.classes import request_class
 from router.decision.pd import PDPlanner
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
@@ -495,7 +496,10 @@ class KVRouter:
         body = await self.service.read_json(raw, _route_body)
         try:
             endpoint, session = self._route_args(body, query, headers)
-            decided = await self.service.decide(endpoint, body, dry_run=True, session=session, size=len(raw))
+            classed = request_class(headers)
+            decided = await self.service.decide(
+                endpoint, body, dry_run=True, session=session, size=len(raw), request_class=classed
+            )
             if self.flow is not None:  # flow control: whether the proxy would hold it, and why
                 flow = self.flow.would_queue(self.flow.meta(headers, body, len(raw)))
                 return decided.explain_json()[:-1] + b',"flow":' + msgspec.json.encode(flow) + b"}"
@@ -514,10 +518,11 @@ class KVRouter:
         if body is None:
             return None
         endpoint, session = self._route_args(body, query, headers)
-        answer = self.service.explain_json_now(endpoint, body, session=session)
+        classed = request_class(headers)
+        answer = self.service.explain_json_now(endpoint, body, session=session, request_class=classed)
         if answer is not None:
             return answer
-        decided = self.service.explain_now(endpoint, body, session=session)
+        decided = self.service.explain_now(endpoint, body, session=session, request_class=classed)
         return decided.explain_json() if decided is not None else None
 
     def _route_args(self, body: Any, query: bytes, headers: Any) -> tuple[Endpoint, int | None]:

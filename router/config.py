@@ -279,6 +279,10 @@ class EppConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Longest wait for the next message of a request's stream while the picker still needs one
     (its body); past it the stream gets an ImmediateResponse 408, so a gateway that stalls cannot
     hold a slot of ``max_streams`` for ever."""
+    response_body_every: int = 8
+    """With the gateway's response body mode NONE (docs/gateway.md: no message per SSE chunk), ask
+    Envoy for the body of one in this many checkable responses (``mode_override``: the filter
+    needs ``allow_mode_override: true``) to read their usage for the prediction self-check; 0 never."""
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -716,6 +720,8 @@ def _validate_epp(e: EppConfig) -> None:
         raise ConfigError("epp.fallbacks: must be between 0 and 16")
     if e.max_streams < 1:
         raise ConfigError("epp.max_streams: must be at least 1")
+    if e.response_body_every < 0:
+        raise ConfigError("epp.response_body_every: must be 0 (never) or more")
     if not e.message_timeout_s > 0:
         raise ConfigError("epp.message_timeout_s: must be positive")
     for key in ("destination_namespace", "subset_namespace"):

@@ -73,16 +73,22 @@ def bootstrap(
     epp: tuple[str, int] | None,
     engines: list[tuple[str, int]],
     *,
-    mode: str = "FULL_DUPLEX_STREAMED",
+    mode: str = "BUFFERED",
     failure_mode_allow: bool = False,
     subset: list[str] | None = None,
     retries: int = 2,
     original_dst: bool = False,
+    response: str | None = None,
 ) -> dict[str, Any]:
     """An Envoy bootstrap: listener -> [set_metadata subset hint] -> ext_proc (the picker at ``epp``;
     None: no picker, Envoy's own round robin) -> router -> the pool of ``engines`` (override_host
     on the picker's endpoints, retried down its list; ``original_dst``: an ORIGINAL_DST cluster
-    on the header instead)."""
+    on the header instead). ``mode``: the request body mode; ``response``: the response body mode,
+    by default NONE with a BUFFERED request (the picker sees the response headers and the stream's
+    end, and asks for a sampled response's body itself with a ``mode_override``, which
+    ``allow_mode_override`` lets through) and the request's mode otherwise (llm-d's configs)."""
+    if response is None:
+        response = "NONE" if mode == "BUFFERED" else mode
     filters: list[dict[str, Any]] = []
     if subset is not None:
         filters.append(
@@ -112,10 +118,11 @@ def bootstrap(
                         "request_header_mode": "SEND",
                         "response_header_mode": "SEND",
                         "request_body_mode": mode,
-                        "response_body_mode": mode if mode == "FULL_DUPLEX_STREAMED" else "STREAMED",
+                        "response_body_mode": response,
                         "request_trailer_mode": "SEND" if mode == "FULL_DUPLEX_STREAMED" else "SKIP",
-                        "response_trailer_mode": "SEND" if mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+                        "response_trailer_mode": "SEND" if response == "FULL_DUPLEX_STREAMED" else "SKIP",
                     },
+                    "allow_mode_override": True,
                     "metadata_options": {
                         "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
                         "receiving_namespaces": {"untyped": ["envoy.lb"]},

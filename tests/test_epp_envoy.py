@@ -152,8 +152,11 @@ def warm(gw: Gateway, owner: str, seed: int = 1, n: int = 64) -> list[int]:
     return prompt
 
 
-def test_sse_streams_through_unbuffered_and_the_load_is_held_until_the_end(gateway: Make) -> None:
-    gw = gateway()
+@pytest.mark.parametrize("mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def test_sse_streams_through_unbuffered_and_the_load_is_held_until_the_end(gateway: Make, mode: str) -> None:
+    """Both the cheap configuration (response body NONE: the stream's end is the response's) and
+    llm-d's (every SSE chunk through the picker)."""
+    gw = gateway(mode=mode)
     prompt = warm(gw, "a")
     eng = gw.engines["a"]
     eng.mode = "held_stream"  # a word every 20 ms until released
@@ -251,8 +254,10 @@ def test_envoy_retries_down_the_fallback_list_and_the_served_endpoint_is_account
     assert got.split(",")[:2] == [gw.address("b"), gw.address("a")]
     em = gw.router.app.epp.picker.epp_metrics  # type: ignore[union-attr]
     assert em.served.values.get(("fallback",)) == 1
-    assert gw.load("a").total == 1 and gw.load("a").active == 0  # accounted where it was served
-    assert gw.load("b").active == 0
+    # accounted where it was served (it ends when Envoy closes the picker's stream, just after the
+    # client has its response)
+    assert gw.load("a").total == 1
+    wait_for(lambda: gw.load("a").active == 0 and gw.load("b").active == 0, "the request ended")
     retries = gw.envoy.stats("cluster.pool.upstream_rq_retry")
     assert retries.get("cluster.pool.upstream_rq_retry", 0) >= 1
 
@@ -323,3 +328,60 @@ def test_the_documented_envoy_bootstrap_is_the_tested_one_and_envoy_accepts_it()
         timeout=60,
     )
     assert out.returncode == 0 and "OK" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_the_objective_and_fairness_id_reach_the_decision_route_and_metrics(gateway: Make) -> None:
+    gw = gateway()
+    prompt = warm(gw, "a")
+    flow = {"x-gateway-inference-objective": "critical", "x-gateway-inference-fairness-id": "tenant-7"}
+    client = gw.client(default_headers=flow)
+    out = client.completions.create(model="toy", prompt=prompt, max_tokens=3)
+    assert out.choices[0].text == "hello from a"
+    gw.client().completions.create(model="toy", prompt=prompt, max_tokens=3)  # (no class)
+    counts = gw.router.app.metrics.objectives.values
+    assert counts.get(("critical",)) == 1 and counts.get(("",)) == 1
+    text = httpx.get(f"{gw.router.url}/metrics", timeout=10).text
+    assert 'kvrouter_decisions_by_objective_total{objective="critical"} 1' in text
+    # /route takes the same headers and shows them; without them the field is null
+    body = {"model": "toy", "prompt": prompt}
+    r = httpx.post(f"{gw.router.url}/route", json=body, headers=flow, timeout=10)
+    assert r.json()["request_class"] == {"objective": "critical", "fairness_id": "tenant-7"}
+    assert gw.route({"model": "toy", "prompt": prompt})["request_class"] is None
+    # a value past the bound is the client's error, through the gateway and at /route
+    bad = {"x-gateway-inference-objective": "x" * 300}
+    with pytest.raises(openai.BadRequestError):
+        gw.client(default_headers=bad).completions.create(model="toy", prompt=prompt, max_tokens=3)
+    r = httpx.post(f"{gw.router.url}/route", json={"model": "toy", "prompt": prompt}, headers=bad, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_header"
+
+
+def test_the_objective_label_is_bounded(gateway: Make) -> None:
+    from router.observe.metrics import MAX_OBJECTIVES
+
+    gw = gateway()
+    m = gw.router.app.metrics
+    for i in range(MAX_OBJECTIVES + 10):
+        m.classed(f"objective-{i}")
+    labels = {k[0] for k in m.objectives.values}
+    assert len(labels) == MAX_OBJECTIVES + 1 and "other" in labels
+    assert m.objectives.values[("other",)] == 10
+
+
+@pytest.mark.parametrize("every", [1, 0])
+def test_response_body_none_samples_bodies_for_the_self_check(gateway: Make, every: int) -> None:
+    """Response body mode NONE: the picker asks Envoy for the body (mode_override) of one in
+    epp.response_body_every responses to read its usage; 0: no body, no check."""
+    gw = gateway(epp=f"response_body_every = {every}")
+    prompt = warm(gw, "a")
+    client = gw.client()
+    for _ in range(2):
+        assert client.completions.create(model="toy", prompt=prompt, max_tokens=3).choices[0].text
+    checks = gw.router.app.checks
+    assert checks is not None
+    if every:
+        wait_for(lambda: sum(checks.counts.values()) == 2, "both responses checked")
+        # the usage was read from the body: the fake engine's prompt_tokens (5) is not the prompt's
+        assert checks.mismatched_prompts.get("a") == 2
+    else:
+        wait_for(lambda: gw.load("a").active == 0, "both finished")
+        assert sum(checks.counts.values()) == 0

@@ -76,6 +76,7 @@ def test_readiness_is_not_serving_until_the_router_has_started() -> None:
         ({"fallbacks": -1}, "epp.fallbacks"),
         ({"max_streams": 0}, "epp.max_streams"),
         ({"message_timeout_s": 0}, "epp.message_timeout_s"),
+        ({"response_body_every": -1}, "epp.response_body_every"),
         ({"tls_cert_file": "/nonexistent.pem"}, "epp.tls_cert_file"),
         ({"tls_client_ca_file": "ca.pem"}, "epp.tls_client_ca_file"),
         ({"destination_namespace": ""}, "epp.destination_namespace"),

@@ -19,6 +19,7 @@ from index.keys import TokenBuffer
 from index.kvindex import KVIndex, MatchReport, PlanMatch, SourcePlan
 from index.store import GroupMatch, SourceMatch
 from router.decision import _kernel
+from router.decision.classes import RequestClass
 from router.decision.pd import PDPlan, PDPlanner
 from router.decision.policy import Candidate, Policy
 from router.decision.record import TOP_K, CandidateScore, Decision, Inputs, Scored
@@ -75,6 +76,9 @@ class RouteView(msgspec.Struct):
     kv_groups: list[TargetGroups] | None = None
     """Candidates that serve a hybrid model (None when none does): per KV cache group, what it
     allows of the prefix and which groups limited the match."""
+    request_class: RequestClass | None = None
+    """The request's inference objective and fairness id (the gateway's headers), for flow
+    control; None without either header."""
 
 
 class KeptRoute(RouteView):
@@ -112,6 +116,7 @@ class Route:
         "prompt_blocks",
         "prompt_tokens",
         "report",
+        "request_class",
         "time",
         "timings_us",
         "tokenize_error",
@@ -164,6 +169,8 @@ class Route:
         """The candidates' members as they were when decided (the proxy sends to these, even if the
         membership changed meanwhile: a request decided before a drain still goes where it was sent)."""
         self._candidates: list[CandidateScore] | None = None
+        self.request_class: RequestClass | None = None
+        """The objective and fairness id the request came with (set by :meth:`RouterService.decide`)."""
 
     @property
     def candidates(self) -> list[CandidateScore]:
@@ -193,6 +200,7 @@ class Route:
             self.affinity,
             self.pd,
             self.kv_groups,
+            self.request_class,
         )
 
     def explain(self) -> dict[str, Any]:
@@ -504,6 +512,7 @@ class RouterService:
         session: int | None = None,
         size: int | None = None,
         subset: frozenset[str] | None = None,
+        request_class: RequestClass | None = None,
     ) -> Route:
         """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`, no
         pin); ``session``: the request's session id, when session affinity is on; ``size``: the
@@ -515,7 +524,8 @@ class RouterService:
         The candidates are taken after tokenizing (the last await): from there until the proxy takes
         its load ticket nothing yields to the event loop, so a backend that starts draining meanwhile
         is never chosen, and one chosen is never removed before its request counts as in flight.
-        ``subset``: the members (by name) the choice is limited to (:meth:`candidates_for`)."""
+        ``subset``: the members (by name) the choice is limited to (:meth:`candidates_for`).
+        ``request_class``: carried on the route (flow control's input; the choice does not read it)."""
         t0 = time.perf_counter()
         if size is not None and size > LARGE_BODY_BYTES:
             model = self._servable(await self.tokenizer.offload(validate_body, endpoint, body))
@@ -541,12 +551,19 @@ class RouterService:
                 held = time.perf_counter() - held_at
                 unseen.note_hold(held)
                 t0 += held  # (the timings are the work's; the hold is reported on its own)
-        return self._choose(
+        route = self._choose(
             endpoint, body, model, tokens, tok_error, t0, held, dry_run, session, subset=subset
         )
+        route.request_class = request_class
+        return route
 
     def explain_now(
-        self, endpoint: Endpoint, body: dict[str, Any], *, session: int | None = None
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        *,
+        session: int | None = None,
+        request_class: RequestClass | None = None,
     ) -> Route | None:
         """The dry-run decision of :meth:`decide` (``/route``) without an await, when none is
         needed: a completions prompt already in token ids (``TokenBuffer``). None otherwise (the
@@ -561,13 +578,20 @@ class RouterService:
             raise bad_request(str(exc)) from None
         if tokens is None:
             return None
-        return self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session, backends)
+        route = self._choose(endpoint, body, model, tokens, None, t0, 0.0, True, session, backends)
+        route.request_class = request_class
+        return route
 
     def explain_json_now(
-        self, endpoint: Endpoint, body: dict[str, Any], *, session: int | None = None
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        *,
+        session: int | None = None,
+        request_class: RequestClass | None = None,
     ) -> bytes | None:
         """:meth:`explain_now`'s answer as ``/route`` writes it (None when that is None)."""
-        route = self.explain_now(endpoint, body, session=session)
+        route = self.explain_now(endpoint, body, session=session, request_class=request_class)
         return route.explain_json() if route is not None else None
 
     def _servable_model(self, endpoint: Endpoint, body: dict[str, Any]) -> str:

@@ -13,7 +13,10 @@ trailers), then the response's. The picker:
 - on the response, takes the endpoint that served (``x-gateway-destination-endpoint-served`` in the
   metadata, else Envoy's ``upstream.address`` attribute) as the one the load and the prediction
   belong to, and reads usage from the body's tail for the prediction self-check;
-- ends the request's in-flight accounting when the response ends or the stream does (a reset);
+- ends the request's in-flight accounting when the response ends or the stream does (a reset;
+  with response body mode NONE the stream's end is the response's, and one in
+  ``epp.response_body_every`` bodies is asked for with a ``mode_override`` for the self-check);
+- carries ``x-gateway-inference-objective`` / ``-fairness-id`` to the decision (flow control's input);
 - answers every error with an ImmediateResponse carrying an OpenAI-shaped body: 400/404/413 for a
   bad request, 503 when no endpoint (or none of the gateway's subset) can take it, 429 when the
   picker sheds (``epp.max_streams`` requests held: its own overload, as a full proxy answers 503
@@ -36,6 +39,7 @@ import grpc
 import msgspec
 
 from router.config import EppConfig
+from router.decision.classes import request_class_of
 from router.decision.service import Endpoint, Route, RouterService
 from router.epp import protocol as p
 from router.fleet.load import LoadTracker, Ticket
@@ -138,6 +142,8 @@ class Picker:
         self.flow: FlowController | None = None
         """Flow control (``[flow]``): the proxy's queue, so the gateway's requests wait and are shed
         by the same rules as the proxy's; None when off."""
+        self.sampled = 0
+        """Checkable responses seen without their body (the sampling of ``_sample_body``)."""
 
     async def Process(
         self,
@@ -153,7 +159,9 @@ class Picker:
             while True:
                 try:
                     if stream.route is None:
-                        req = await asyncio.wait_for(it.__anext__(), self.config.message_timeout_s)
+                        # (asyncio.timeout, not wait_for: no task per message)
+                        async with asyncio.timeout(self.config.message_timeout_s):
+                            req = await it.__anext__()
                     else:
                         req = await it.__anext__()
                 except StopAsyncIteration:
@@ -222,6 +230,9 @@ class _Stream:
         self.tail = b""
         self.truncated = False
         self.first = True
+        self.response_seen = False
+        self.body_expected = False
+        """Whether Envoy sends the response body (its mode, or the picker's mode_override)."""
         self.finished = False
         self.outcome = "aborted"
 
@@ -332,7 +343,8 @@ class _Stream:
                 if answer is not None:
                     return [answer]
             t0 = time.perf_counter()
-            route = await service.decide(endpoint, parsed, size=size, subset=subset)
+            classed = request_class_of(headers)
+            route = await service.decide(endpoint, parsed, size=size, subset=subset, request_class=classed)
             decision_s = time.perf_counter() - t0 - route.timings_us.get("held", 0.0) / 1e6
             body = await service.write_json(parsed, size) if changed else None
         finally:
@@ -354,6 +366,7 @@ class _Stream:
             route.prompt_blocks,
             decision_s,
         )
+        picker.metrics.classed(classed.objective if classed is not None else None)
         self.outcome = "picked"
         value = ",".join(e[0] for e in self.endpoints)
         member = route.members[route.backend]
@@ -432,13 +445,49 @@ class _Stream:
         if served is None:
             served = p.attribute_value(req, p.UPSTREAM_ADDRESS)
         extra: list[tuple[str, str]] = []
+        self.response_seen = True
+        self.body_expected = self.response_mode != p.NONE
+        sample = False
         if self.route is not None:
             self._served(str(served) if served else None)
             if self.target is not None:
                 extra = [("x-kvrouter-backend", self.target[0]), ("x-kvrouter-dp-rank", str(self.target[1]))]
+                if not self.body_expected:
+                    self._first_byte()
+                    sample = self._sample_body()
         if req.response_headers.end_of_stream:
             self._response_end()
-        return p.continue_headers(request=False, set_headers=extra)
+            sample = False
+        out = p.continue_headers(request=False, set_headers=extra)
+        if sample:
+            out.mode_override.response_body_mode = p.STREAMED
+            self.body_expected = True
+            self.response_mode = p.STREAMED
+        return out
+
+    def _sample_body(self) -> bool:
+        """Response body mode NONE (the cheap one: no message per SSE chunk): on one in
+        ``epp.response_body_every`` checkable responses ask Envoy for the body after all
+        (``mode_override``, honoured when the filter has ``allow_mode_override``), to read its usage
+        for the prediction self-check. Where Envoy ignores the override the stream ends without a
+        body and the check counts ``no_usage``."""
+        picker = self.picker
+        every = picker.config.response_body_every
+        if picker.checks is None or every <= 0 or self.route is None:
+            return False
+        if not route_checkable(self.route, self.status):
+            return False
+        picker.sampled += 1
+        return picker.sampled % every == 0
+
+    def _first_byte(self) -> None:
+        """The engine answered: its prefill is over (the first body chunk; with response body mode
+        NONE the response headers, which a vLLM stream sends once the engine took the request, so
+        the pending prefill is released early by the prefill's duration)."""
+        if self.first and self.ticket is not None and self.target is not None:
+            self.first = False
+            self.picker.loads.first_byte(self.ticket)
+            self.picker.metrics.observe_ttft(self.target[0], time.perf_counter() - self.decided_at)
 
     def _served(self, served: str | None) -> None:
         """Move the request's load (and prediction) to the endpoint that served, when the gateway's
@@ -474,10 +523,7 @@ class _Stream:
     def _response_body(self, chunk: bytes, end: bool) -> p.Message:
         picker = self.picker
         if chunk:
-            if self.first and self.ticket is not None and self.target is not None:
-                self.first = False
-                picker.loads.first_byte(self.ticket)
-                picker.metrics.observe_ttft(self.target[0], time.perf_counter() - self.decided_at)
+            self._first_byte()
             if picker.checks is not None:
                 tail = self.tail + chunk if self.tail else chunk
                 if len(tail) > _TAIL:
@@ -507,7 +553,7 @@ class _Stream:
             breakers.failure(target[0])
         elif status:
             breakers.success(target[0])
-        if picker.checks is not None and route_checkable(route, status):
+        if picker.checks is not None and self.body_expected and route_checkable(route, status):
             tail = self.tail
             if self.truncated:  # (a cut event at the front is not one)
                 cut = tail.find(b"\n\n")
@@ -537,7 +583,12 @@ class _Stream:
 
     def close(self) -> None:
         """The stream is over (the response ended, or the request was reset): whatever happened,
-        the request no longer counts as in flight."""
+        the request no longer counts as in flight. With response body mode NONE the stream's end
+        *is* the response's (Envoy closes it when the HTTP stream is done): a response whose
+        headers came ends normally here, as a client that left mid-stream does (the picker cannot
+        tell the two apart without the body; the status already went to the breaker)."""
+        if self.response_seen and not self.body_expected and not self.finished:
+            self._response_end()
         if self.ticket is not None and self.target is not None and not self.finished:
             self.picker.metrics.error(self.target[0], "stream_reset")
         self._release_grant()  # (a decision that failed or was cancelled: its room back)

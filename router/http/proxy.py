@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from router.config import ServerConfig
+from router.decision.classes import request_class
 from router.decision.service import Endpoint, Route, RouterService
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
@@ -227,7 +228,10 @@ class ProxyHandler:
                 grant = admitted
             t0 = time.perf_counter()
             session = self.affinity.session_of(headers) if self.affinity is not None else None
-            route = await self.service.decide(endpoint, parsed, session=session, size=size)
+            classed = request_class(headers)
+            route = await self.service.decide(
+                endpoint, parsed, session=session, size=size, request_class=classed
+            )
             # the decision's own time: a staggered burst's hold (cluster.stagger_bursts) is counted
             # by kvrouter_cluster_held_decisions_total instead
             decision_s = time.perf_counter() - t0 - route.timings_us.get("held", 0.0) / 1e6
@@ -251,6 +255,7 @@ class ProxyHandler:
             route.prompt_blocks,
             decision_s,
         )
+        self.metrics.classed(classed.objective if classed is not None else None)
         sent = parsed
         if not self.server.forward_kv_report_mode:
             parsed = self._without_report_mode(parsed)

@@ -45,6 +45,10 @@ _STATUS_CLASS = {1: "1xx", 2: "2xx", 3: "3xx", 4: "4xx", 5: "5xx"}
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
+MAX_OBJECTIVES = 32
+"""Distinct objective names with their own label on kvrouter_decisions_by_objective_total."""
+
+
 class LeanCounter:
     """A labelled counter as a dict of floats (label values -> total), exported at scrape time."""
 
@@ -184,7 +188,15 @@ class RouterMetrics:
             "request before proxying (trusted_api_keys exempts a key)",
             ["field"],
         )
+        self.objectives = LeanCounter(
+            "kvrouter_decisions_by_objective",
+            'Decisions by the request\'s x-gateway-inference-objective ("": none; the first '
+            f'{MAX_OBJECTIVES} names seen keep their own label, later ones count as "other")',
+            ["objective"],
+        )
+        self._objective_names: set[str] = set()
         self._lean: list[LeanCounter | LeanHistogram] = [
+            self.objectives,
             self.report_mode_removed,
             self.client_fields_removed,
             self.requests,
@@ -230,6 +242,18 @@ class RouterMetrics:
         if c is None:
             c = self.per_backend[name] = BackendCounters()
         return c
+
+    def classed(self, objective: str | None) -> None:
+        """Count a decision under its objective; the label's values are bounded
+        (:data:`MAX_OBJECTIVES` names, then "other"): the header is the client's to set."""
+        name = objective or ""
+        names = self._objective_names
+        if name not in names:
+            if len(names) >= MAX_OBJECTIVES:
+                name = "other"
+            else:
+                names.add(name)
+        self.objectives.inc((name,))
 
     def routed(
         self,
