@@ -32,6 +32,7 @@ EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_requests_total": ("counter", frozenset({"backend", "model", "status"})),
     "kvrouter_kv_report_mode_removed_total": ("counter", frozenset()),
     "kvrouter_client_fields_removed_total": ("counter", frozenset({"field"})),
+    "kvrouter_decisions_by_objective_total": ("counter", frozenset({"objective"})),
     "kvrouter_request_errors_total": ("counter", frozenset({"backend", "kind"})),
     "kvrouter_route_decision_seconds": ("histogram", frozenset()),
     "kvrouter_route_decisions_total": ("counter", frozenset({"backend", "dp_rank", "outcome"})),
