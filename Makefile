@@ -80,7 +80,7 @@ fuzz: fuzz-kv fuzz-http
 fuzz-http: $(STAMP)
 	rm -f fuzz-report.jsonl
 	FUZZ_HTTP_CASES=$(FUZZ_HTTP_CASES) FUZZ_REPORT=$(CURDIR)/fuzz-report.jsonl \
-	  $(BIN)/python -m pytest -q -p no:cacheprovider -o timeout=7200 tests/test_fuzz_http.py
+	  $(BIN)/python -m pytest -q -p no:cacheprovider -o timeout=7200 tests/router/http/test_fuzz_http.py
 	$(BIN)/python -c "import json; rows = [json.loads(l) for l in open('fuzz-report.jsonl')]; \
 	  print('fuzz cases:', {r['fuzz'].split()[0]: sum(x['cases'] for x in rows if x['fuzz'].split()[0] == r['fuzz'].split()[0]) for r in rows})"
 

@@ -458,7 +458,7 @@ class Ingestor:
         operations in one call per run of payloads, without the GIL); a payload it does not take
         (LoRA, extra keys, a block size or medium not seen before, anything unusual or malformed)
         changes nothing there and is decoded and applied here instead, in order, so the result is
-        the Python path's (tests/test_index_cingest.py compares the two). Counters of the C path
+        the Python path's (tests/index/test_index_cingest.py compares the two). Counters of the C path
         are merged per chunk; the event-lag metric is then observed once per source and chunk,
         for its latest batch.
         """

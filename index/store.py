@@ -18,7 +18,7 @@ time by the package's own build, so nothing compiles at start-up); this class ke
   medium. The log (8 bytes per mapping) gives the eviction order.
 
 The semantics are the dict store's (:mod:`index.store_dict`), operation for operation
-(tests/test_index_compact.py compares the two on random interleavings).
+(tests/index/test_index_compact.py compares the two on random interleavings).
 
 Threads: one writer (the subscriber thread), lookups from any thread. Writes run with the GIL
 released and change the tables under the core's own lock one event at a time (a clear or a drop in

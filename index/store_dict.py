@@ -2,7 +2,7 @@
 
 :class:`DictPrefixStore` is the store kvrouter used before :mod:`index.store` (compiled open-addressing
 tables): the same public API and semantics, built on Python dicts (~190 bytes per residency). The
-differential tests (tests/test_index_compact.py) drive both with the same operations and compare
+differential tests (tests/index/test_index_compact.py) drive both with the same operations and compare
 every observable; ``bench/index_bench.py --store dict`` measures it.
 
 A *source* is one event stream: (instance, DP rank). A *residency* is (key, source, medium), with a

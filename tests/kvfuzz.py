@@ -28,7 +28,7 @@ and checks, after every chunk:
    residency; after a restart the source holds nothing.
 
 :func:`seed_inputs` builds inputs from the captured vLLM frames (tests/fixtures/vllm, both event
-shapes). Used by tests/test_fuzz_ingest.py (bounded, deterministic) and, coverage-guided, by
+shapes). Used by tests/index/test_fuzz_ingest.py (bounded, deterministic) and, coverage-guided, by
 ``make fuzz`` (``python tests/kvfuzz.py``, atheris; with an ASan/UBSan build of the C core).
 """
 

@@ -1,6 +1,6 @@
 """The routing policy written in plain Python, for the tests only: what router/decision/_kernel.c
-must compute (tests/test_explain_kernel.py compares the two over random fleets). The router itself
-never runs this."""
+must compute (tests/router/decision/test_explain_kernel.py compares the two over random
+fleets). The router itself never runs this."""
 
 from __future__ import annotations
 

@@ -96,3 +96,25 @@ class NaiveModel:
 
 def _as_int(h: int | bytes) -> int:
     return h if isinstance(h, int) else int.from_bytes(h[-8:], "big")
+
+
+def shape(event: dict[str, Any]) -> tuple[Any, ...]:
+    """What the router can tell of an event besides the hash values (each engine hashes its own way):
+    kind, group, spec kind and window, counts of hashes and tokens, parent or not, block size, extra
+    keys, medium (tests/vllm/test_mock_parity.py compares real engines' events with it too)."""
+    if event["type"] == "BlockStored":
+        return (
+            "stored",
+            event.get("group_idx"),
+            event.get("kv_cache_spec_kind"),
+            event.get("kv_cache_spec_sliding_window"),
+            len(event["block_hashes"]),
+            len(event["token_ids"]),
+            event["parent_block_hash"] is not None,
+            event["block_size"],
+            event.get("extra_keys"),
+            event.get("medium"),
+        )
+    if event["type"] == "BlockRemoved":
+        return ("removed", event.get("group_idx"), len(event["block_hashes"]), event.get("medium"))
+    return (event["type"],)

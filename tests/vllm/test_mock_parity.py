@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import pytest
 from harness import MockFleet, wait_for
-from test_sim_hybrid import shape
 from test_vllm_agreement import BLOCK, GROUPS
 from vllm_tier import EventWatch, Fleet, Tier, record_line, text
+from vllm_vectors import shape
 
 from sim.engine import EngineConfig
 from sim.vllm_engines import MODEL, TOPIC

@@ -1,5 +1,5 @@
-"""The picker's start-up, configuration and documentation (its traffic: tests/test_epp_envoy.py and
-tests/test_epp_conformance.py)."""
+"""The picker's start-up, configuration and documentation (its traffic: tests/router/epp/test_epp_envoy.py and
+tests/router/epp/test_epp_conformance.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.config import ConfigError, EppConfig, parse_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

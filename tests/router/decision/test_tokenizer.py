@@ -659,7 +659,7 @@ print("jinja2" in sys.modules, "tokenizers" in sys.modules, bool(router.tokenize
             capture_output=True,
             text=True,
             timeout=120,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[3],
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.split("\n")[-2] == want, proc.stdout

@@ -6,7 +6,7 @@ pointed at it:
 
     EPP_ADDRESS=10.0.0.5:9002 EPP_HEALTH_ADDRESS=10.0.0.5:9003 \\
     EPP_ENDPOINTS=10.0.1.1:8000,10.0.1.2:8000 EPP_MODEL=my-model \\
-    pytest tests/test_epp_conformance.py
+    pytest tests/router/epp/test_epp_conformance.py
 
 ``EPP_ENDPOINTS``: the pool's ready endpoints; ``EPP_MODEL``: a model they serve. Optional:
 ``EPP_UNREADY_ADDRESS`` (a picker whose pool has no ready endpoint: the 503 case),

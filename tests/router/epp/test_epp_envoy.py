@@ -316,7 +316,7 @@ def test_the_documented_envoy_bootstrap_is_the_tested_one_and_envoy_accepts_it()
 
     import yaml
 
-    path = Path(__file__).resolve().parent.parent / "deploy" / "gateway" / "envoy.yaml"
+    path = Path(__file__).resolve().parents[3] / "deploy" / "gateway" / "envoy.yaml"
     want = bootstrap(("127.0.0.1", 9002), [("127.0.0.1", 8001), ("127.0.0.1", 8002)])
     want["admin"]["address"]["socket_address"]["port_value"] = 9901
     want["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = 8080

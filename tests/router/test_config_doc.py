@@ -13,7 +13,7 @@ import pytest
 from router.config import RouterConfig
 from router.configdoc import default_text, main, one_line, render, tables
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
 
 

@@ -28,7 +28,7 @@ from index.store_dict import DictPrefixStore
 from index.subscriber import SourceConfig, SubscriberConfig
 from sim.publisher import KVEventPublisher
 
-REAL = Path(__file__).parent / "fixtures" / "vllm_real"
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_real"
 SRC = ("e", 0)
 
 

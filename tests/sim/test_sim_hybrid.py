@@ -20,6 +20,7 @@ import pytest
 import zmq.asyncio
 from harness import TIMEOUT, MockFleet, RouterRunner, wait_for
 from test_sim_engine import Sub, run
+from vllm_vectors import shape
 
 from index.kvindex import IndexConfig, KVIndex
 from sim import cli, demo
@@ -37,7 +38,7 @@ from sim.kvgroups import (
 )
 from sim.publisher import BlockRemoved, BlockStored, Event, encode_batch
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vllm_real"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_real"
 CAPTURES = {
     "llama-full-attention": "llama",
     "gemma2-sliding64": "gemma3",
@@ -48,28 +49,6 @@ CAPTURES = {
 """Each capture and the preset of its model (Gemma 2's groups are Gemma 3's)."""
 CAPTURE_MAX_TOKENS = 40
 """Every request of these captures asked for 40 tokens (usage.completion_tokens in the originals)."""
-
-
-def shape(event: dict[str, Any]) -> tuple[Any, ...]:
-    """What the router can tell of an event besides the hash values (each engine hashes its own way):
-    kind, group, spec kind and window, counts of hashes and tokens, parent or not, block size, extra
-    keys, medium (tests/vllm/test_mock_parity.py compares real engines' events with it too)."""
-    if event["type"] == "BlockStored":
-        return (
-            "stored",
-            event.get("group_idx"),
-            event.get("kv_cache_spec_kind"),
-            event.get("kv_cache_spec_sliding_window"),
-            len(event["block_hashes"]),
-            len(event["token_ids"]),
-            event["parent_block_hash"] is not None,
-            event["block_size"],
-            event.get("extra_keys"),
-            event.get("medium"),
-        )
-    if event["type"] == "BlockRemoved":
-        return ("removed", event.get("group_idx"), len(event["block_hashes"]), event.get("medium"))
-    return (event["type"],)
 
 
 def shapes(events: Sequence[Event]) -> list[tuple[Any, ...]]:

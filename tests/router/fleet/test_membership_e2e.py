@@ -29,7 +29,7 @@ from harness import TIMEOUT, FakeEngine, RouterRunner, wait_for
 BS = 4
 ADMIN = "admin-secret"
 CLIENT = "client-secret"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def ids(seed: int, n: int) -> list[int]:

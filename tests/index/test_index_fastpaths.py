@@ -105,7 +105,7 @@ def test_remapped_engine_hashes_settle_in_order() -> None:
     s = store.add_source(("e", 0))
     store.store(s, 0, [1, 1, 1], [10, 20, 30])  # the last listing wins, the others add nothing
     assert store.key_of(s, 1) == 30
-    # (10 and 20 used to stay held with no engine hash leading to them: tests/test_fuzz_ingest.py)
+    # (10 and 20 used to stay held with no engine hash leading to them: tests/index/test_fuzz_ingest.py)
     assert store._media[0] == {30: 1} and store.total == 1
     store.store(s, 0, [2, 3], [40, 50])
     store.store(s, 0, [4, 2], [60, 41])  # 2 now resolves to 41: 40's reference moves there

@@ -88,7 +88,7 @@ def _fresh(script: str, env: dict[str, str] | None = None) -> str:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -296,7 +296,7 @@ def test_a_taken_port_fails_before_any_backend_is_probed(tmp_path: Path) -> None
             capture_output=True,
             text=True,
             timeout=120,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[2],
         )
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert f"cannot serve: [Errno {errno.EADDRINUSE}] cannot listen on 127.0.0.1:{port}" in proc.stderr, (

@@ -1,5 +1,5 @@
 """The dashboard history's windows and bounds, on snapshots built by hand (the served JSON and the
-page are tested against a running router in tests/test_dashboard.py)."""
+page are tested against a running router in tests/router/observe/test_dashboard.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from sim.publisher import (
     encode_batch,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "sim_vllm_frames.json"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sim_vllm_frames.json"
 TIMEOUT_MS = 10_000
 
 

@@ -5,7 +5,7 @@
   Random multi-source streams (several media and block sizes per chunk, clears, restarts,
   duplicates, remaps, unknown removes, the memory cap, runs longer than one kernel call) must leave
   identical stores and counters.
-(The C ingest of raw payloads against this Python path: tests/test_index_cingest.py.)
+(The C ingest of raw payloads against this Python path: tests/index/test_index_cingest.py.)
 """
 
 from __future__ import annotations

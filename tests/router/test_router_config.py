@@ -35,7 +35,7 @@ from router.fleet.runtime import sources_of
 from router.observe.checks import ChecksConfig
 from router.pd.config import PDConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BACKEND = {"name": "a", "url": "http://127.0.0.1:8000", "kv_events": "tcp://127.0.0.1:5557"}
 
 
@@ -213,7 +213,7 @@ STRUCTS: list[tuple[str, type[msgspec.Struct]]] = [
 
 def test_readme_configuration_table_mirrors_the_defaults() -> None:
     """Every config field has a row in docs/configuration.md with its default, so the table cannot
-    drift (the page is generated: tests/test_config_doc.py; this reads it as a reader would)."""
+    drift (the page is generated: tests/router/test_config_doc.py; this reads it as a reader would)."""
     readme = (ROOT / "docs" / "configuration.md").read_text()
     rows = dict(re.findall(r"^\| `([\w.\[\]]+)` \| [^|]* \| `?([^|`]*)`? \|", readme, re.MULTILINE))
     for prefix, struct in STRUCTS:

@@ -23,7 +23,7 @@ import zmq
 
 from index import zsock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from router.workers.stats import (
     render_merged,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 BS = 16
 
 
