@@ -1,6 +1,6 @@
 """Assembles the router: index, backends, policy, tokenizer, proxy, metrics and the HTTP endpoints.
 
-The ASGI entry point sends the two proxied POST paths to the lean :class:`router.http.proxy.ProxyHandler`
+The ASGI entry point sends the two proxied POST paths to the lean :class:`router.proxy.ProxyHandler`
 and everything else to a FastAPI app: ``/health``, ``/ready``, ``/v1/models``, ``/route``,
 ``/debug/index``, ``/metrics``, ``/dashboard`` and ``/dashboard/data``. All objects are created here
 and passed in explicitly; nothing is module-global, so tests can run several routers in one process.
@@ -32,18 +32,17 @@ from router.decision.pd import PDPlanner
 from router.decision.policy import Policy
 from router.decision.service import Endpoint, RouterService
 from router.decision.tokenizer import RequestTokenizer, RequestTokenizerConfig
+from router.errors import ApiError, json_body, unauthorized, unavailable
 from router.fleet.load import BoardView, LoadTracker
 from router.fleet.membership import Member
 from router.fleet.runtime import FleetRuntime
 from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, bearer_token, compare_digest
 from router.fleet.sources.configfile import ConfigWatcher, Stamp
 from router.flow.controller import FlowController
-from router.http.asgi import Receive, Scope, Send
-from router.http.body import LARGE_BODY_BYTES, decode_json
-from router.http.errors import ApiError, json_body, unauthorized, unavailable
 from router.http.openapi import openapi_spec
-from router.http.proxy import PATHS, ProxyHandler
-from router.http.upstream import UpstreamPool
+from router.net.asgi import Receive, Scope, Send
+from router.net.body import LARGE_BODY_BYTES, decode_json
+from router.net.upstream import UpstreamPool
 from router.observe.checks import PredictionChecks, StreamStats
 from router.observe.history import DashboardHistory, sample_forever
 from router.observe.metrics import (
@@ -56,6 +55,7 @@ from router.observe.metrics import (
 )
 from router.pd.exchange import PDExchange
 from router.pd.metrics import PDMetrics, merge_dashboards
+from router.proxy import PATHS, ProxyHandler
 
 if TYPE_CHECKING:  # (imported where used: only with Kubernetes discovery / several workers / [epp])
     from router.epp.server import EppServer

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
-    from router.http.fds import raise_fd_limit
+    from router.net.fds import raise_fd_limit
 
     raise_fd_limit()  # (before the workers start: they inherit it)
     if cfg.server.workers > 1:

@@ -24,11 +24,11 @@ from router.decision.pd import PDPlan, PDPlanner
 from router.decision.policy import Candidate, Policy
 from router.decision.record import TOP_K, CandidateScore, Decision, Inputs, Scored
 from router.decision.tokenizer import PrefixTokens, RequestTokenizer, TokenizerError, TokenizerUnavailable
+from router.errors import ApiError, bad_request, json_body, not_found_model, unavailable
 from router.fleet.breaker import Breakers
 from router.fleet.load import LoadTracker, PeerLoads, TargetLoad
 from router.fleet.membership import Member, Membership
-from router.http.body import LARGE_BODY_BYTES, release
-from router.http.errors import ApiError, bad_request, json_body, not_found_model, unavailable
+from router.net.body import LARGE_BODY_BYTES, release
 
 if TYPE_CHECKING:
     from router.cluster.affinity import SessionAffinity
@@ -438,7 +438,7 @@ class RouterService:
 
     async def read_json(self, raw: bytes, parse: Callable[[bytes], Any] = json_body) -> Any:
         """``parse(raw)`` (the body decoded, or a 400): on the event loop up to
-        :data:`router.http.body.LARGE_BODY_BYTES`, else in the worker threads, in pieces; give
+        :data:`router.net.body.LARGE_BODY_BYTES`, else in the worker threads, in pieces; give
         it back to :meth:`release` when done with it."""
         if len(raw) <= LARGE_BODY_BYTES:
             return parse(raw)
@@ -446,7 +446,7 @@ class RouterService:
 
     async def write_json(self, body: Any, size: int) -> bytes:
         """``body`` encoded: on the event loop when it was decoded from at most
-        :data:`router.http.body.LARGE_BODY_BYTES` (``size``), else in the worker threads (a
+        :data:`router.net.body.LARGE_BODY_BYTES` (``size``), else in the worker threads (a
         rewritten 16 MiB body held the loop for up to 0.1 s)."""
         if size <= LARGE_BODY_BYTES:
             return msgspec.json.encode(body)
@@ -517,7 +517,7 @@ class RouterService:
         """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`, no
         pin); ``session``: the request's session id, when session affinity is on; ``size``: the
         request body's bytes, when known: a body larger than
-        :data:`router.http.body.LARGE_BODY_BYTES` is validated in the worker threads (its
+        :data:`router.net.body.LARGE_BODY_BYTES` is validated in the worker threads (its
         messages are walked one by one: 1.3M tiny ones held the loop for 75 ms), and a chat request
         is tokenized inline or in them by it.
 

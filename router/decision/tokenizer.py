@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import msgspec
 
 from index.keys import TokenBuffer, check_token_ids
-from router.http.body import LARGE_BODY_BYTES, decode_json
-from router.http.upstream import UpstreamError, UpstreamPool
+from router.net.body import LARGE_BODY_BYTES, decode_json
+from router.net.upstream import UpstreamError, UpstreamPool
 
 if TYPE_CHECKING:
     from router.decision.chat import ChatTokenizer

@@ -42,11 +42,11 @@ from router.config import EppConfig
 from router.decision.classes import request_class_of
 from router.decision.service import Endpoint, Route, RouterService
 from router.epp import protocol as p
+from router.errors import ApiError, bad_request, too_large
 from router.fleet.load import LoadTracker, Ticket
 from router.flow.controller import FlowController, Rejection
 from router.flow.controller import Ticket as FlowTicket
-from router.http.body import BodyBuffer
-from router.http.errors import ApiError, bad_request, too_large
+from router.net.body import BodyBuffer
 from router.observe.checks import PredictionChecks, observe_route, route_checkable, sse_usage, usage_in_json
 from router.observe.metrics import LeanCounter, RouterMetrics
 from router.pd.connector import ENGINE_FIELDS

@@ -29,7 +29,7 @@ import msgspec
 from router.config import AUTO, BackendConfig, HealthConfig
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
-from router.http.upstream import RouterResourceError, UpstreamError, UpstreamPool
+from router.net.upstream import RouterResourceError, UpstreamError, UpstreamPool
 
 log = logging.getLogger("kvrouter.backends")
 

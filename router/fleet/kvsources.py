@@ -41,7 +41,7 @@ import msgspec
 from index.subscriber import SourceConfig
 from router.config import rank_endpoint
 from router.fleet.membership import Member
-from router.http.upstream import UpstreamError, UpstreamPool
+from router.net.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger("kvrouter.membership")
 

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from router.config import AUTO, BackendConfig, MembershipConfig
-from router.http.upstream import UpstreamPool
+from router.net.upstream import UpstreamPool
 
 log = logging.getLogger("kvrouter.membership")
 

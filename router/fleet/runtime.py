@@ -28,7 +28,7 @@ from router.fleet.health import HealthChecker
 from router.fleet.kvsources import KVSourceDiscovery
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
-from router.http.upstream import UpstreamPool
+from router.net.upstream import UpstreamPool
 
 log = logging.getLogger("kvrouter.membership")
 

@@ -1,1 +1,1 @@
-"""The HTTP path: kvrouter's own server, the proxy hot path, the upstream client, errors."""
+"""The front ends: kvrouter's own HTTP server, its native endpoints, the FastAPI app, the OpenAPI spec."""

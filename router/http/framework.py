@@ -1,6 +1,6 @@
 """The FastAPI app over :class:`router.app.KVRouter`: every HTTP endpoint, for ASGI servers.
 
-``kvrouter serve`` answers the proxied and the usual endpoints natively (:mod:`router.http.proxy`,
+``kvrouter serve`` answers the proxied and the usual endpoints natively (:mod:`router.proxy`,
 :mod:`router.http.native`) and hands only odd requests (unknown paths, other methods, HEAD) to this
 app, which it builds and imports on first use. Under uvicorn or any ASGI server this app serves
 everything but the two proxied paths. The answers come from the same ``KVRouter`` methods as the
@@ -20,8 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.http.errors import ApiError, bad_request
-from router.http.proxy import read_body
+from router.errors import ApiError, bad_request
+from router.proxy import read_body
 
 if TYPE_CHECKING:
     from router.app import KVRouter

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from router.http.asgi import Headers, ResponseWriter, write_json
-from router.http.errors import ApiError
-from router.http.proxy import send_error
+from router.errors import ApiError
+from router.net.asgi import Headers, ResponseWriter, write_json
+from router.proxy import send_error
 
 if TYPE_CHECKING:
     from router.app import KVRouter

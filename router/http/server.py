@@ -50,9 +50,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from router.http.asgi import Headers, Message
-from router.http.body import BodyBuffer
-from router.http.errors import (
+from router.errors import (
     ApiError,
     bad_request,
     head_too_large,
@@ -61,12 +59,14 @@ from router.http.errors import (
     too_large,
     too_many_connections,
 )
-from router.http.fds import client_connection_cap, fd_limit, open_fds
-from router.http.listen import server_socket
 from router.http.native import NativeEndpoints
-from router.http.proxy import PATHS, send_error
+from router.net.asgi import Headers, Message
+from router.net.body import BodyBuffer
+from router.net.fds import client_connection_cap, fd_limit, open_fds
+from router.net.listen import server_socket
 from router.observe.exposition import Family, GaugeFamily
 from router.observe.metrics import LeanCounter
+from router.proxy import PATHS, send_error
 
 if TYPE_CHECKING:
     from router.app import KVRouter

@@ -486,7 +486,7 @@ class BreakerCollector:
 
 class UpstreamCollector:
     """Engine answers that broke the upstream client's framing rules or limits, read at scrape time
-    (router/http/upstream.py counts them by reason)."""
+    (router/net/upstream.py counts them by reason)."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool

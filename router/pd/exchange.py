@@ -10,7 +10,7 @@ Rules, in the order they apply:
 - The decode target carries the request (one more in flight) from the decision on, so requests
   decided while this one's prefill leg runs see it; the prefill target carries the prompt's
   uncached tokens until its answer arrives. The decode leg then takes a ticket of its own for its
-  whole life (:meth:`router.http.proxy.ProxyHandler._exchange`), in the same step as the
+  whole life (:meth:`router.proxy.ProxyHandler._exchange`), in the same step as the
   reservation is released, so no decision in between sees the decode target idle.
 - The prefill leg is never retried elsewhere. An answer with status 400-451 goes to the client as it
   is (the request itself is wrong: the decode leg would fail the same way). Anything else that
@@ -44,8 +44,8 @@ from router.decision.service import Route
 from router.fleet.breaker import Breakers
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
-from router.http.asgi import Headers, ResponseWriter
-from router.http.upstream import (
+from router.net.asgi import Headers, ResponseWriter
+from router.net.upstream import (
     RouterResourceError,
     UpstreamConnectError,
     UpstreamError,

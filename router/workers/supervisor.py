@@ -52,7 +52,7 @@ import msgspec
 
 from router.config import RouterConfig
 from router.fleet.load import LoadBoard
-from router.http.listen import bound_socket
+from router.net.listen import bound_socket
 
 if TYPE_CHECKING:
     from router.fleet.sources.configfile import Stamp

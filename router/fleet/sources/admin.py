@@ -40,9 +40,9 @@ from typing import Any
 import msgspec
 
 from router.config import BackendConfig, ConfigError, decode_backend
+from router.errors import ApiError, bad_request, forbidden, not_found, unauthorized
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Member, Membership
-from router.http.errors import ApiError, bad_request, forbidden, not_found, unauthorized
 
 log = logging.getLogger("kvrouter.admin")
 

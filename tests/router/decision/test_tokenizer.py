@@ -33,7 +33,7 @@ from router.decision.tokenizer import (
     TokenizerError,
     TokenizerUnavailable,
 )
-from router.http.upstream import UpstreamPool
+from router.net.upstream import UpstreamPool
 from sim.toy_tokenizer import SPECIAL_TOKENS, build_toy_tokenizer, toy_corpus
 
 BOS, EOS, USER, ASSISTANT, SYSTEM = range(5)

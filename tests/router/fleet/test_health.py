@@ -15,7 +15,7 @@ from router.config import BackendConfig, HealthConfig, MembershipConfig
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadTracker
 from router.fleet.membership import Membership
-from router.http.upstream import UpstreamPool
+from router.net.upstream import UpstreamPool
 
 MODELS = b'{"object": "list", "data": [{"id": "m"}, {"id": "lora-a", "parent": "m"}]}'
 NO_MODELS = b'{"object": "list", "data": []}'

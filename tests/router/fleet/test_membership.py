@@ -291,7 +291,7 @@ def test_a_rejoin_for_new_event_endpoints_keeps_the_engines_running_requests() -
     from router.config import HealthConfig
     from router.fleet.load import LoadTracker
     from router.fleet.runtime import FleetRuntime
-    from router.http.upstream import UpstreamPool
+    from router.net.upstream import UpstreamPool
 
     async def scenario() -> None:
         index, loads = KVIndex(), LoadTracker()

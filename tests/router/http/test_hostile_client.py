@@ -671,7 +671,7 @@ def _mutated(rng: random.Random, raw: bytes) -> bytes:
 def test_large_bodies_decode_in_pieces_to_what_msgspec_decodes() -> None:
     """The piecewise decoder gives msgspec's very result for bodies larger than a piece, and fails
     exactly where msgspec fails (mutated bodies: cut, a byte added or removed)."""
-    from router.http.body import LARGE_BODY_BYTES, decode_json, release
+    from router.net.body import LARGE_BODY_BYTES, decode_json, release
 
     rng = random.Random(30)
     for raw in _documents(rng):

@@ -25,7 +25,7 @@ from hostile import RawClient, RouterProcess, Watch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http.sse import EventBuffer, EventTooLarge
+from router.net.sse import EventBuffer, EventTooLarge
 from sim.hostile import (
     ATTACK_BYTES,
     HostileEngine,

@@ -22,8 +22,8 @@ import pytest
 import zmq
 from harness import TIMEOUT, FakeEngine, NativeServer, RouterRunner, wait_for
 
-from router.http.listen import server_socket
 from router.http.server import _REASONS, _Connection, http_date
+from router.net.listen import server_socket
 
 
 @pytest.fixture

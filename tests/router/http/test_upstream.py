@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.http.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
+from router.net.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -3,7 +3,7 @@
 It bypasses the web framework (FastAPI serves everything else) because this path runs for every
 request: read the body with a size cap, decide (:class:`router.decision.service.RouterService`), send the
 original bytes upstream, and stream the backend's response through chunk
-by chunk over the proxy's own keep-alive HTTP/1.1 client (:mod:`router.http.upstream`), unchanged (SSE or
+by chunk over the proxy's own keep-alive HTTP/1.1 client (:mod:`router.net.upstream`), unchanged (SSE or
 not, status codes and bodies included).
 
 - A connection error or a 5xx **before the first response byte** is retried once on the next-best
@@ -28,12 +28,7 @@ import msgspec
 from router.config import ServerConfig
 from router.decision.classes import request_class
 from router.decision.service import Endpoint, Route, RouterService
-from router.fleet.health import HealthChecker
-from router.fleet.load import LoadTracker
-from router.flow.controller import FlowController, Rejection, Ticket
-from router.http.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
-from router.http.body import BodyBuffer
-from router.http.errors import (
+from router.errors import (
     ApiError,
     bad_gateway,
     bad_request,
@@ -41,8 +36,13 @@ from router.http.errors import (
     too_large,
     unavailable,
 )
-from router.http.sse import EventBuffer, EventTooLarge
-from router.http.upstream import (
+from router.fleet.health import HealthChecker
+from router.fleet.load import LoadTracker
+from router.flow.controller import FlowController, Rejection, Ticket
+from router.net.asgi import AsgiWriter, Headers, Receive, ResponseWriter, Scope, Send, write_json
+from router.net.body import BodyBuffer
+from router.net.sse import EventBuffer, EventTooLarge
+from router.net.upstream import (
     RouterResourceError,
     UpstreamConnectError,
     UpstreamError,

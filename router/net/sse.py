@@ -11,7 +11,7 @@ when the event ends.
 
 from __future__ import annotations
 
-from router.http.upstream import UpstreamViolation
+from router.net.upstream import UpstreamViolation
 
 
 class EventTooLarge(UpstreamViolation):

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from router.http.body import decode_json
+from router.net.body import decode_json
 
 
 class ApiError(Exception):
@@ -33,7 +33,7 @@ def json_body(raw: bytes) -> Any:
     """A request body decoded, or a 400: msgspec raises UnicodeDecodeError for invalid UTF-8 and
     RecursionError for ~1,000 nested arrays, not DecodeError (they were 500s, and a /route answered
     in the read callback lost its connection). A large body is decoded in pieces
-    (:func:`router.http.body.decode_json`): call it off the event loop."""
+    (:func:`router.net.body.decode_json`): call it off the event loop."""
     try:
         return decode_json(raw)
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:
@@ -109,7 +109,7 @@ def internal_error() -> ApiError:
 
 def unavailable(message: str, code: str = "no_healthy_backend") -> ApiError:
     """503: no healthy backend for the model (``no_backend_yet``: none reached yet that may serve
-    it). Sent with ``Retry-After`` (:func:`router.http.asgi.write_json`)."""
+    it). Sent with ``Retry-After`` (:func:`router.net.asgi.write_json`)."""
     return ApiError(503, message, "service_unavailable", code)
 
 
