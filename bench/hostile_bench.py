@@ -60,9 +60,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sim.chaos import judge, tag_of  # noqa: E402
-from sim.demo import free_port  # noqa: E402
 from sim.hostile import ENGINE_ATTACKS, STORE_ATTACKS, store_command  # noqa: E402
 from sim.procs import EngineProc, reset_peak, status_kb, stop_group  # noqa: E402
+from sim.routerproc import free_port  # noqa: E402
 from sim.toy_tokenizer import build_toy_tokenizer  # noqa: E402
 
 MODEL = "mock-model"

@@ -53,12 +53,12 @@ from typing import Any
 import httpx
 import msgspec
 
-from sim.demo import RouterProcess, free_port, router_config
 from sim.driver import DriverConfig, RequestResult, run, scrape_engines
 from sim.engine import EngineConfig
 from sim.fleet import Fleet
 from sim.replay import scaled_engine, trace_window
 from sim.report import Row, from_live
+from sim.routerproc import RouterProcess, free_port, router_config
 from sim.traces import load_trace
 from sim.workload import Request
 

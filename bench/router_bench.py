@@ -155,7 +155,8 @@ def stop(p: subprocess.Popen[bytes]) -> None:
 
 UVICORN = (
     "import sys, uvicorn; from router.app import KVRouter; from router.config import load_config; "
-    "uvicorn.run(KVRouter(load_config(sys.argv[1])), host='127.0.0.1', port=int(sys.argv[2]), "
+    "from router.http.framework import AsgiApp; "
+    "uvicorn.run(AsgiApp(KVRouter(load_config(sys.argv[1]))), host='127.0.0.1', port=int(sys.argv[2]), "
     "log_level='warning', loop='uvloop', http='httptools', lifespan='on')"
 )
 

@@ -389,6 +389,7 @@ class PrefixStore:
     @property
     def _media(self) -> list[dict[int, int]]:
         """Per medium, key -> mask of the sources holding it there."""
+        # optional: numpy only on the Python (reference) ingest path
         import numpy as np
 
         pairs = np.frombuffer(self._core.kt_view(), dtype=np.uint64).reshape(-1, 2).tolist()
@@ -401,6 +402,7 @@ class PrefixStore:
     @property
     def _emaps(self) -> list[dict[int, int]]:
         """Per source slot, engine hash -> key, in insertion order (the eviction order)."""
+        # optional: numpy only on the Python (reference) ingest path
         import numpy as np
 
         out: list[dict[int, int]] = []
@@ -420,6 +422,7 @@ class PrefixStore:
     @property
     def _refs(self) -> dict[tuple[int, int, int], int]:
         """(key, source, medium) -> references above one."""
+        # optional: numpy only on the Python (reference) ingest path
         import numpy as np
 
         rt = np.frombuffer(self._core.rt_view(), dtype=np.uint64).reshape(-1, 3)

@@ -333,12 +333,14 @@ def backend() -> ModuleType:
             loaded = "zmq" in sys.modules
             ok = _bind(_mapped()) if loaded else _bind(_shipped()) or _bind(["libzmq.so.5"])
             if not ok:
+                # optional: pyzmq's Python layer only when it is loaded already (~10 ms of a start)
                 import zmq  # (its loading maps its libzmq: bind that one)
 
                 ok = _bind(_mapped())
             if ok:
                 _state["backend"] = sys.modules[__name__]
             else:
+                # optional: pyzmq's Python layer only when libzmq cannot be bound directly
                 import zmq
 
                 log.warning("libzmq could not be bound; the subscriber runs on pyzmq (slower to start)")

@@ -1,8 +1,10 @@
-"""Assembles the router: index, backends, policy, tokenizer, proxy, metrics and the HTTP endpoints.
+"""Assembles the router: index, backends, policy, tokenizer, proxy, metrics and the answers of the
+non-proxied endpoints (``/health``, ``/ready``, ``/v1/models``, ``/route``, ``/debug/index``,
+``/metrics``, ``/dashboard`` and ``/dashboard/data``).
 
-The ASGI entry point sends the two proxied POST paths to the lean :class:`router.proxy.ProxyHandler`
-and everything else to a FastAPI app: ``/health``, ``/ready``, ``/v1/models``, ``/route``,
-``/debug/index``, ``/metrics``, ``/dashboard`` and ``/dashboard/data``. All objects are created here
+``KVRouter`` is what the front ends serve (:class:`router.frontend.Endpoints`); it imports none of
+them: kvrouter's own server is :mod:`router.http.server`, and ``router.http.framework.AsgiApp``
+makes it a complete ASGI application for any ASGI server. All objects are created here
 and passed in explicitly; nothing is module-global, so tests can run several routers in one process.
 """
 
@@ -39,8 +41,7 @@ from router.fleet.runtime import FleetRuntime
 from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, bearer_token, compare_digest
 from router.fleet.sources.configfile import ConfigWatcher, Stamp
 from router.flow.controller import FlowController
-from router.http.openapi import openapi_spec
-from router.net.asgi import Receive, Scope, Send
+from router.net.asgi import Scope
 from router.net.body import LARGE_BODY_BYTES, decode_json
 from router.net.upstream import UpstreamPool
 from router.observe.checks import PredictionChecks, StreamStats
@@ -55,7 +56,7 @@ from router.observe.metrics import (
 )
 from router.pd.exchange import PDExchange
 from router.pd.metrics import PDMetrics, merge_dashboards
-from router.proxy import PATHS, ProxyHandler
+from router.proxy import ProxyHandler
 
 if TYPE_CHECKING:  # (imported where used: only with Kubernetes discovery / several workers / [epp])
     from router.epp.server import EppServer
@@ -108,6 +109,7 @@ class KVRouter:
         paths = [*config.tokenizers.values(), *([config.tokenizer] if config.tokenizer else [])]
         loaded = {}
         if paths:
+            # optional: jinja2 and HF tokenizers only when a tokenizer is configured
             from router.decision.chat import ChatTokenizer
 
             loaded = {p: ChatTokenizer.from_path(p, cache_bytes=cache) for p in paths}
@@ -197,6 +199,7 @@ class KVRouter:
             )
         self.pods: PodWatcher | None = None
         if config.membership.kubernetes.enabled:
+            # optional: lightkube only with Kubernetes discovery
             from router.fleet.sources.kubernetes import PodWatcher
 
             self.pods = PodWatcher(config.membership.kubernetes, self.membership, config.kv_topic)
@@ -238,13 +241,6 @@ class KVRouter:
         self.metrics.add_series(picker.epp_metrics.series)
         picker.flow = self.flow  # (the same queue and rules as the proxy's)
         return EppServer(self.config.epp, picker, srv.max_body_bytes + (1 << 16))
-
-    # --- ASGI ----------------------------------------------------------------------------------
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PATHS:
-            await self.proxy(scope, receive, send)
-        else:
-            await self.api(scope, receive, send)
 
     def authorize(self, scope: Scope) -> None:
         """Raise 401 unless the request carries an accepted bearer key (when keys are configured);
@@ -413,6 +409,7 @@ class KVRouter:
     async def _publish_stats(self, worker: WorkerContext) -> None:
         """Publish this worker's figures for the merged /metrics and dashboard
         (:mod:`router.workers.stats`)."""
+        # optional: the workers' figures only with several workers
         from router.workers.stats import SnapshotWriter, families_of
 
         writer = SnapshotWriter(worker.run_dir, worker.index)
@@ -446,17 +443,6 @@ class KVRouter:
                 self._forget.sweep(every=30.0)
             except Exception:  # (logged; the next turn runs: a dead task would stop both for good)
                 log.exception("housekeeping failed; going on")
-
-    # --- the FastAPI part ----------------------------------------------------------------------
-    @functools.cached_property
-    def api(self) -> Any:
-        """The FastAPI app (:mod:`router.http.framework`), built on first use: ``kvrouter serve``
-        answers every usual endpoint natively and needs it only for odd requests (unknown paths,
-        other methods, HEAD), so it is not even imported unless one comes (~30 MB and ~0.4 s of
-        start-up); ASGI servers use it for everything."""
-        from router.http.framework import build_api
-
-        return build_api(self)
 
     # --- answers shared by the FastAPI routes and the native ones (router/http/native.py) ----------
     def health_body(self) -> dict[str, Any]:
@@ -560,14 +546,10 @@ class KVRouter:
             "cluster": self.replicas.describe(),
         }
 
-    @functools.cached_property
-    def openapi_body(self) -> bytes:
-        """``GET /openapi.json``: the HTTP surface (router/http/openapi.py)."""
-        return msgspec.json.encode(openapi_spec())
-
     def metrics_text(self) -> bytes:
         """``GET /metrics``: Prometheus text (every worker's figures merged when there are several)."""
         if self.worker is not None:
+            # optional: the workers' figures only with several workers
             from router.workers.stats import read_snapshots, render_merged
 
             return render_merged(read_snapshots(self.worker.run_dir))
@@ -587,6 +569,7 @@ class KVRouter:
         """The live figures, every worker's merged when there are several."""
         data = self._dashboard_live()
         if self.worker is not None:
+            # optional: the workers' figures only with several workers
             from router.workers.stats import merge_dashboard, read_snapshots
 
             snaps = read_snapshots(self.worker.run_dir)
@@ -725,7 +708,7 @@ after a drain that timed out, leaves its last counts until the name joins and le
 
 
 def _dashboard_page() -> str:
-    import importlib.resources  # (at the first /dashboard, not at start-up)
+    import importlib.resources  # optional: at the first /dashboard, not at start-up
 
     try:
         return (importlib.resources.files("router") / "static" / "dashboard.html").read_text()
@@ -733,9 +716,4 @@ def _dashboard_page() -> str:
         return "<!doctype html><title>kvrouter</title><p>dashboard page missing from the package</p>"
 
 
-def create_app(config: RouterConfig) -> KVRouter:
-    """The ASGI application for a configuration."""
-    return KVRouter(config)
-
-
-__all__ = ["KVRouter", "create_app"]
+__all__ = ["KVRouter"]

@@ -83,6 +83,7 @@ class _TopParser(_Parser):
 def installed_commands() -> dict[str, EntryPoint]:
     """Name -> entry point of every command installed distributions add (the first of a name;
     none may replace `serve`)."""
+    # optional: installed commands only when the parser lists them
     from importlib.metadata import entry_points
 
     found: dict[str, EntryPoint] = {}
@@ -100,6 +101,7 @@ def build_parser(serve_only: bool = False, sim: bool = True) -> argparse.Argumen
     command line with no or an unknown command) shows: ~1 s sooner."""
     parser = _TopParser(prog="kvrouter", description="KV-aware request router for vLLM fleets.")
     sub: argparse._SubParsersAction[Any] = parser.add_subparsers(dest="command", required=True)
+    # optional: `serve`'s modules only once the parser is built
     from router import serve
 
     serve.register(sub)

@@ -16,7 +16,9 @@ from router.decision.policy import POLICIES
 from router.fleet.sources.configfile import read_config_file
 
 if TYPE_CHECKING:
+    from router.fleet.sources.configfile import Stamp
     from router.http.server import HttpServer
+    from router.workers.supervisor import WorkerContext
 
 log = logging.getLogger("kvrouter")
 
@@ -73,12 +75,13 @@ def run(args: argparse.Namespace) -> int:
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
-    from router.net.fds import raise_fd_limit
+    from router.net.fds import raise_fd_limit  # optional: only a serving process raises it
 
     raise_fd_limit()  # (before the workers start: they inherit it)
     if cfg.server.workers > 1:
+        # optional: jinja2 and HF tokenizers, and the supervisor, only with several workers
         from router.decision.chat import ChatTokenizer
-        from router.workers.supervisor import Supervisor
+        from router.workers.supervisor import Supervisor  # optional: only with several workers
 
         try:  # what a worker would fail on at start, reported once here instead of by every worker
             for path in config_tokenizers(cfg):
@@ -86,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"kvrouter: cannot start: {exc}", file=sys.stderr)
             return 2
-        return Supervisor(cfg, config_path=args.config).run()
+        return Supervisor(cfg, config_path=args.config, serve=serve_worker).run()
+    # optional: the router itself (~0.4 s of imports) only where one runs, not for the parser
     from router.app import KVRouter
-    from router.http.server import HttpServer, loop_factory
+    from router.http.server import HttpServer, loop_factory  # optional: as KVRouter
 
     try:
         app = KVRouter(cfg, config_path=args.config, config_file=loaded)
@@ -103,6 +107,27 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvrouter: cannot serve: {exc}", file=sys.stderr)
             return 1
     return 0
+
+
+def serve_worker(
+    config: RouterConfig,
+    ctx: WorkerContext,
+    config_path: str | None,
+    loaded: tuple[RouterConfig, Stamp] | None,
+) -> None:
+    """One worker process's router (:data:`router.workers.supervisor.WorkerServe`): the whole router
+    on a SO_REUSEPORT socket, until SIGTERM."""
+    # optional: the router itself (~0.4 s of imports) only where one runs, not for the parser
+    from router.app import KVRouter
+    from router.http.server import HttpServer, loop_factory  # optional: as KVRouter
+    from router.net.listen import bound_socket  # optional: as KVRouter
+
+    app = KVRouter(config, worker=ctx, config_path=config_path, config_file=loaded)
+    # not listening yet: the server listens once the router has started, so the kernel sends this
+    # worker no connection before it can answer
+    sock = bound_socket(config.server.host, config.server.port)
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(serve_until_stopped(HttpServer(app, sock=sock)))
 
 
 async def serve_until_stopped(server: HttpServer) -> None:

@@ -45,8 +45,8 @@ from typing import IO, Any
 import httpx
 import msgspec
 
-from sim.demo import MODEL, ProgressLine, RouterProcess, free_port, router_available
 from sim.driver import DriverConfig, EngineCounters, RequestResult, run, scrape_engines
+from sim.routerproc import MODEL, ProgressLine, RouterProcess, free_port, router_available
 from sim.workload import Request, WorkloadConfig, demo_config, generate, summary
 
 
@@ -189,6 +189,7 @@ def trace_scenario(
     which the full-length Mooncake prompts overload; the replicas benchmark runs 4 aggregated
     engines at 2, and 4 here gives a pool of 2 prefill engines the prefill capacity those 4 had).
     The conditional arms skip the prefill leg below ``PD_THRESHOLD_TOKENS`` real tokens."""
+    # optional: the trace replay's modules only with a trace
     from sim.engine import EngineConfig
     from sim.replay import scaled_engine, trace_window
     from sim.traces import load_trace
@@ -527,6 +528,7 @@ async def run_scenario(
     """Every arm of a scenario on the same workload (``requests``, else the scenario's generated
     one); prints and returns the rows."""
     out = out or sys.stdout
+    # optional: HF tokenizers only for the toy tokenizer's build
     from sim.toy_tokenizer import build_toy_tokenizer
 
     if requests is None:

@@ -170,7 +170,8 @@ def trace_window(
 
 async def run_live(args: argparse.Namespace, trace: Trace, policies: list[PolicyConfig]) -> list[Row]:
     """Every policy through a fresh mock fleet and a fresh router subprocess."""
-    from sim.demo import ProgressLine, RouterProcess, free_port, router_config
+    # optional: the live router's helpers only for a live replay
+    from sim.routerproc import ProgressLine, RouterProcess, free_port, router_config
 
     speedup = args.speedup or 10.0
     base = EngineConfig(model="toy-model", time_scale=1.0 / speedup)
@@ -238,7 +239,8 @@ def run_command(args: argparse.Namespace) -> int:
     if args.offline:
         rows = run_offline(args, trace, policies)
     else:
-        from sim.demo import router_available
+        # optional: the live router's helpers only for a live replay
+        from sim.routerproc import router_available
 
         why = router_available()
         if why:

@@ -26,14 +26,40 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
 from sim.kvcache import KVCache
 
-if TYPE_CHECKING:
-    from sim.engine import EngineConfig
+
+class EngineConfig(Protocol):
+    """The figures of an engine's config the step model reads (``sim.engine.EngineConfig``, which
+    builds on this module)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+
+    @property
+    def step_overhead_s(self) -> float: ...
+
+    @property
+    def prefill_s_per_token(self) -> float: ...
+
+    @property
+    def decode_step_s(self) -> float: ...
+
+    @property
+    def decode_s_per_seq(self) -> float: ...
+
+    @property
+    def cpu_load_s_per_block(self) -> float: ...
 
 
 class SchedRequest(Protocol):

@@ -27,8 +27,8 @@ from typing import IO, Any
 import httptools
 from harness import TIMEOUT, wait_for
 
-from sim.demo import free_port
 from sim.procs import reset_peak, status_kb
+from sim.routerproc import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -47,6 +47,7 @@ class Replicas:
         self.unseen: UnseenPeers | None = None
         """Peer decisions assumed but not seen yet (``assume_concurrent_decisions``, with a store)."""
         if config.redis_url:
+            # optional: the Redis client only with cluster.redis_url
             from router.cluster.node import Cluster
 
             host = config.replica_name or os.environ.get("HOSTNAME") or socket.gethostname()
@@ -63,6 +64,7 @@ class Replicas:
         """Export the cluster and affinity metrics from ``registry``."""
         if self.affinity is None and self.cluster is None:
             return
+        # optional: the cluster's figures only with cluster.redis_url
         from router.cluster.metrics import ClusterCollector
 
         registry.register(ClusterCollector(self.cluster, self.affinity, self.unseen))

@@ -4,7 +4,8 @@ engine tokenizes), passed through when the prompt is token ids, or asked of one 
 ``/tokenize``; the errors a decision distinguishes (the client's fault: 400; not computable: route
 on load only).
 
-``ChatTokenizer`` lives in :mod:`router.decision.chat` and is imported only where a tokenizer is
+``ChatTokenizer`` lives in :mod:`router.decision.chat`, which builds on this module: here it is
+only a :class:`ChatTokenizer` protocol, and chat.py is imported only where a tokenizer is
 loaded: Jinja2 and HF tokenizers cost ~5 MB of RSS and ~25-60 ms of start-up that a router serving
 token-id prompts only does not pay.
 """
@@ -16,16 +17,14 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
 from index.keys import TokenBuffer, check_token_ids
+from router.decision.segments import SegmentCache
 from router.net.body import LARGE_BODY_BYTES, decode_json
 from router.net.upstream import UpstreamError, UpstreamPool
-
-if TYPE_CHECKING:
-    from router.decision.chat import ChatTokenizer
 
 __all__ = [
     "ContentFormat",
@@ -40,6 +39,32 @@ ContentFormat = Literal["auto", "string", "openai"]
 Endpoint = Literal["completions", "chat"]
 T = TypeVar("T")
 log = logging.getLogger("kvrouter.tokenizer")
+
+
+class ChatTokenizer(Protocol):
+    """What a request's tokenization asks of a local tokenizer
+    (:class:`router.decision.chat.ChatTokenizer`)."""
+
+    @property
+    def max_token_id(self) -> int: ...
+
+    segments: SegmentCache
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        add_special_tokens: bool = False,
+        large: bool = False,
+        max_chars: int | None = None,
+    ) -> list[int]: ...
 
 
 class TokenizerError(ValueError):

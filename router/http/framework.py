@@ -1,4 +1,5 @@
-"""The FastAPI app over :class:`router.app.KVRouter`: every HTTP endpoint, for ASGI servers.
+"""The FastAPI app over :class:`router.frontend.Endpoints` (a ``KVRouter``): every HTTP endpoint,
+for ASGI servers (:class:`AsgiApp`).
 
 ``kvrouter serve`` answers the proxied and the usual endpoints natively (:mod:`router.proxy`,
 :mod:`router.http.native`) and hands only odd requests (unknown paths, other methods, HEAD) to this
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -21,15 +23,15 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.errors import ApiError, bad_request
-from router.proxy import read_body
-
-if TYPE_CHECKING:
-    from router.app import KVRouter
+from router.frontend import Endpoints
+from router.http.openapi import openapi_body
+from router.net.asgi import Receive, Scope, Send
+from router.proxy import PATHS, read_body
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_api(router: KVRouter) -> FastAPI:
+def build_api(router: Endpoints) -> FastAPI:
     """The FastAPI app for a router (lifespan: the router's startup and shutdown)."""
 
     @contextlib.asynccontextmanager
@@ -106,7 +108,7 @@ def build_api(router: KVRouter) -> FastAPI:
 
     @api.get("/openapi.json")
     async def openapi() -> Response:
-        return Response(router.openapi_body, media_type="application/json")
+        return Response(openapi_body(), media_type="application/json")
 
     # the admin API (router/fleet/sources/admin.py; the middleware checks the admin keys)
     @api.get("/admin/backends")
@@ -129,4 +131,24 @@ def build_api(router: KVRouter) -> FastAPI:
     return api
 
 
-__all__ = ["METRICS_TYPE", "build_api"]
+class AsgiApp:
+    """A router as a complete ASGI application, for uvicorn or any ASGI server: the two proxied
+    POST paths go to the lean proxy hot path, everything else to the FastAPI app (built on first
+    use)."""
+
+    def __init__(self, router: Endpoints) -> None:
+        self.router = router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PATHS:
+            await self.router.proxy(scope, receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+    @functools.cached_property
+    def api(self) -> FastAPI:
+        """The FastAPI app over the router."""
+        return build_api(self.router)
+
+
+__all__ = ["METRICS_TYPE", "AsgiApp", "build_api"]

@@ -6,7 +6,7 @@ through FastAPI each paid ~0.4 ms of framework work (routing, middleware, reques
 objects) on top of the answer itself (measured in the running service), and the framework cost ~30 MB
 and ~0.4 s of start-up. Here each is one dictionary lookup away from the request; the GETs are
 answered in one write without a task. The answers are the very same bytes: both paths build them
-with the same :class:`router.app.KVRouter` methods, errors are the same OpenAI-shaped bodies with
+with the same :class:`router.frontend.Endpoints` methods, errors are the same OpenAI-shaped bodies with
 the same statuses, and a test compares the two. HEAD on those GETs is answered like the GET without
 its body (load balancers probe with it). A ``/route`` whose prompt is token ids is answered like
 the GETs, in the callback that read it, without a task (~50 us less per lookup). Anything else
@@ -17,16 +17,14 @@ first use, which also keeps every route so the router runs complete under any AS
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from router.errors import ApiError
+from router.frontend import Endpoints
+from router.http.openapi import openapi_body
 from router.net.asgi import Headers, ResponseWriter, write_json
 from router.proxy import send_error
-
-if TYPE_CHECKING:
-    from router.app import KVRouter
 
 Handler = Callable[[Headers, bytes, bytes, ResponseWriter], Awaitable[None]]
 JSON = b"application/json"
@@ -37,7 +35,7 @@ HTML = b"text/html; charset=utf-8"
 class NativeEndpoints:
     """(method, path) -> handler for the endpoints :mod:`router.http.server` serves itself."""
 
-    def __init__(self, app: KVRouter) -> None:
+    def __init__(self, app: Endpoints) -> None:
         self.app = app
         self.routes: dict[tuple[str, str], Handler] = {("POST", "/route"): self._route}
         self.sync: dict[tuple[str, str], Callable[[], tuple[bytes, bytes]]] = {
@@ -48,7 +46,7 @@ class NativeEndpoints:
             ("GET", "/dashboard/data"): lambda: (JSON, msgspec.json.encode(app.dashboard_body())),
             ("GET", "/metrics"): lambda: (METRICS, app.metrics_text()),
             ("GET", "/dashboard"): lambda: (HTML, app.dashboard_page.encode()),
-            ("GET", "/openapi.json"): lambda: (JSON, app.openapi_body),
+            ("GET", "/openapi.json"): lambda: (JSON, openapi_body()),
         }
         for path in self.sync:  # (what the server does not answer at once, e.g. with access logs on)
             self.routes[path] = lambda h, q, r, w, p=path[1]: self._get(p, h, q, w)  # type: ignore[misc]

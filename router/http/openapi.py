@@ -10,7 +10,10 @@ and check every answer against it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import msgspec
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -244,4 +247,10 @@ def openapi_spec() -> dict[str, Any]:
     }
 
 
-__all__ = ["openapi_spec"]
+@functools.cache
+def openapi_body() -> bytes:
+    """``GET /openapi.json``: the spec's JSON, encoded once."""
+    return msgspec.json.encode(openapi_spec())
+
+
+__all__ = ["openapi_body", "openapi_spec"]

@@ -10,8 +10,8 @@ a disconnect cancel the request's task directly. Behind engines with real latenc
 ms, a token every 20 ms, streamed) that saves only ~10% of the router's CPU per request and of the
 tail latency it adds, against uvicorn running the same app; what keeps this server is that it bounds
 a request's whole head and whole body in time (``head_timeout_s``, ``body_timeout_s``), which
-uvicorn does not. The ASGI app stays complete (``KVRouter`` is still an ASGI application, tested
-under uvicorn), so any ASGI server can run kvrouter too.
+uvicorn does not. The ASGI app stays complete (``AsgiApp(KVRouter)``, :mod:`router.http.framework`,
+tested under uvicorn), so any ASGI server can run kvrouter too.
 
 What it implements, and no more:
 
@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import signal
 import socket
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 from urllib.parse import unquote
 
 import httptools
@@ -59,6 +60,7 @@ from router.errors import (
     too_large,
     too_many_connections,
 )
+from router.frontend import Endpoints
 from router.http.native import NativeEndpoints
 from router.net.asgi import Headers, Message
 from router.net.body import BodyBuffer
@@ -67,9 +69,6 @@ from router.net.listen import server_socket
 from router.observe.exposition import Family, GaugeFamily
 from router.observe.metrics import LeanCounter
 from router.proxy import PATHS, send_error
-
-if TYPE_CHECKING:
-    from router.app import KVRouter
 
 log = logging.getLogger("kvrouter.server")
 access = logging.getLogger("kvrouter.access")
@@ -932,9 +931,10 @@ class _ClientCollector:
 
 
 class HttpServer:
-    """Serves a :class:`router.app.KVRouter` on one listening socket; ``start`` / ``stop`` or ``run``."""
+    """Serves a router (:class:`router.frontend.Endpoints`, a ``KVRouter``) on one listening socket;
+    ``start`` / ``stop`` or ``run``."""
 
-    def __init__(self, app: KVRouter, sock: socket.socket | None = None) -> None:
+    def __init__(self, app: Endpoints, sock: socket.socket | None = None) -> None:
         srv = app.config.server
         self.app = app
         self.host = srv.host
@@ -1032,7 +1032,17 @@ class HttpServer:
                 else:
                     await writer.end(message.get("body", b""))
 
-        await self.app.api(scope, receive, send)
+        await self.api(scope, receive, send)
+
+    @functools.cached_property
+    def api(self) -> Any:
+        """The FastAPI app, built on first use: kvrouter answers every usual endpoint natively and
+        needs it only for odd requests (unknown paths, other methods, HEAD), so it is not even
+        imported unless one comes (~30 MB and ~0.4 s of start-up)."""
+        # optional: FastAPI only for odd requests (start-up cost)
+        from router.http.framework import build_api
+
+        return build_api(self.app)
 
     async def start(self) -> None:
         """Bind, start the router's background work, then listen and serve. A numeric address is
@@ -1120,6 +1130,7 @@ class HttpServer:
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     """uvloop's event loop when installed (measured faster for this server), else asyncio's."""
     try:
+        # optional: uvloop when installed
         import uvloop
     except ImportError:
         return asyncio.new_event_loop

@@ -28,11 +28,13 @@ How:
 - The port is checked with a plain bind first: SO_REUSEPORT alone would let a second router on the
   same port start and silently split the traffic. Workers ask the kernel for SIGTERM when the
   supervisor dies (Linux), so a killed supervisor leaves no orphan serving the port.
+- What a worker runs is handed in (``Supervisor(..., serve=)``, :data:`WorkerServe`: `kvrouter
+  serve` passes :func:`router.serve.serve_worker`): the workers stand below the router they run,
+  which they never build themselves.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import ctypes.util
 import logging
@@ -43,15 +45,17 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import msgspec
 
-from router.config import RouterConfig
+from router.config import ConfigError, RouterConfig
 from router.fleet.load import LoadBoard
+from router.fleet.sources.configfile import LIVE_FIELDS, read_config_file
 from router.net.listen import bound_socket
 
 if TYPE_CHECKING:
@@ -102,9 +106,6 @@ def _with_current_file(
     workers keep theirs."""
     if config_path is None:
         return config, None
-    from router.config import ConfigError
-    from router.fleet.sources.configfile import LIVE_FIELDS, read_config_file
-
     try:
         loaded = read_config_file(config_path)
     except ConfigError:
@@ -112,9 +113,20 @@ def _with_current_file(
     return msgspec.structs.replace(config, **{f: getattr(loaded[0], f) for f in LIVE_FIELDS}), loaded
 
 
-def worker_main(config: RouterConfig, ctx: WorkerContext, config_path: str | None = None) -> None:
-    """Entry point of one worker process: the whole router on a SO_REUSEPORT socket. Started with
-    SIGHUP blocked (:meth:`Supervisor._spawn`): ignored until the server's reload handler is set."""
+WorkerServe: TypeAlias = (
+    "Callable[[RouterConfig, WorkerContext, str | None, tuple[RouterConfig, Stamp] | None], None]"
+)
+"""What a worker process runs once set up: ``serve(config, ctx, config_path, loaded)`` builds the
+router and serves it on a SO_REUSEPORT socket until SIGTERM. A module-level function: the spawned
+interpreter imports it by name."""
+
+
+def worker_main(
+    config: RouterConfig, ctx: WorkerContext, config_path: str | None = None, serve: WorkerServe | None = None
+) -> None:
+    """Entry point of one worker process: the whole router on a SO_REUSEPORT socket (``serve``).
+    Started with SIGHUP blocked (:meth:`Supervisor._spawn`): ignored until the server's reload
+    handler is set."""
     _die_with_parent()  # (first: a supervisor killed while this one starts must not leave it behind)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the server's handler (reload) is installed
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
@@ -127,25 +139,21 @@ def worker_main(config: RouterConfig, ctx: WorkerContext, config_path: str | Non
     logging.getLogger("kvrouter.access").setLevel(
         logging.INFO if config.server.access_log else logging.WARNING
     )
-    from router.app import KVRouter
-    from router.http.server import HttpServer, loop_factory
-
-    app = KVRouter(config, worker=ctx, config_path=config_path, config_file=loaded)
-    # not listening yet: the server listens once the router has started, so the kernel sends this
-    # worker no connection before it can answer
-    sock = bound_socket(config.server.host, config.server.port)
-    from router.serve import serve_until_stopped
-
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(serve_until_stopped(HttpServer(app, sock=sock)))
+    if serve is None:
+        raise ValueError("a worker needs what to serve: Supervisor(..., serve=)")
+    serve(config, ctx, config_path, loaded)
 
 
 class Supervisor:
     """Starts, watches, restarts and stops the worker processes."""
 
-    def __init__(self, config: RouterConfig, config_path: str | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig, config_path: str | None = None, serve: WorkerServe | None = None
+    ) -> None:
         self.config = config
         self.config_path = config_path
+        self.serve = serve
+        """What each worker runs (:data:`WorkerServe`)."""
         self.workers = config.server.workers
         self.stopping = False
         self.signal = ""
@@ -159,7 +167,7 @@ class Supervisor:
         ctx = WorkerContext(index, self.workers, run_dir)
         proc = self._mp.Process(
             target=worker_main,
-            args=(self.config, ctx, self.config_path),
+            args=(self.config, ctx, self.config_path, self.serve),
             name=f"kvrouter-worker-{index}",
             daemon=False,
         )

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from router.decision.policy import POLICIES
-from sim.demo import router_available
+from sim.routerproc import router_available
 
 WHY = router_available()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.demo import router_available
+from sim.routerproc import router_available
 
 WHY = router_available()
 
@@ -71,8 +71,8 @@ def test_the_arm_names_fit_a_progress_line_whole() -> None:
     comma split it in the header's comma-separated list of arms."""
     import io
 
-    from sim.demo import ProgressLine
     from sim.pd_demo import ARMS
+    from sim.routerproc import ProgressLine
 
     for arm in ARMS:
         assert re.fullmatch(r"[a-z][a-z-]*", arm.label), arm.label

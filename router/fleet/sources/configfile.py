@@ -50,8 +50,10 @@ def _file_config(path: str | Path) -> RouterConfig:
 
 def _digest(cfg: RouterConfig) -> str:
     """A stable digest (the same in every process, unlike ``hash``) of what a reload applies."""
+    # optional: only when a config file is read
     import zlib
 
+    # optional: only when a config file is read
     import msgspec
 
     live = msgspec.json.encode([getattr(cfg, f) for f in LIVE_FIELDS])

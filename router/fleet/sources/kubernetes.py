@@ -72,6 +72,7 @@ class SkipPod(Exception):
 def parse_selector(selector: str) -> list[tuple[str, Any]]:
     """A label selector string (``a=b,c!=d,e in (f,g),h,!i``) as lightkube's (key, operator) list."""
     try:
+        # optional: lightkube only with Kubernetes discovery
         from lightkube import operators
     except ImportError:
         raise ConfigError(
@@ -265,6 +266,7 @@ class PodWatcher:
         self._task: asyncio.Task[None] | None = None
 
     def _make_client(self) -> Any:
+        # optional: lightkube only with Kubernetes discovery
         from lightkube import AsyncClient, KubeConfig
 
         if self.cfg.kubeconfig:
@@ -357,6 +359,7 @@ class PodWatcher:
 
     # --- the list/watch loop ---------------------------------------------------------------------
     async def _list(self, client: Any) -> str:
+        # optional: lightkube only with Kubernetes discovery
         from lightkube.resources.core_v1 import Pod
 
         items = []
@@ -370,6 +373,7 @@ class PodWatcher:
         return self.resource_version
 
     async def _watch(self, client: Any, version: str) -> None:
+        # optional: lightkube only with Kubernetes discovery
         from lightkube.resources.core_v1 import Pod
         from lightkube.types import on_error_raise
 
@@ -407,6 +411,7 @@ class PodWatcher:
 
     async def run(self) -> None:
         """List, then watch, forever (cancel to stop)."""
+        # optional: httpx and lightkube only with Kubernetes discovery
         import httpx
         from lightkube import ApiError
 

@@ -476,7 +476,7 @@ class ServeProcess:
 def test_a_dead_replicas_load_expires(
     redis: RedisServer, engines: list[FakeEngine], tmp_path: Path, cluster_of: Callable[[str, int], Replicas]
 ) -> None:
-    from sim.demo import free_port
+    from sim.routerproc import free_port
 
     toml = config(engines, redis.url, peer_timeout_s=1.5, heartbeat_s=0.25)
     dead = ServeProcess(toml, tmp_path, free_port())
@@ -576,7 +576,7 @@ def test_workers_are_replicas_without_double_counting(
 ) -> None:
     """``server.workers = 2`` with [cluster]: each worker is a replica for the store (predictions and pins
     reach its sibling), while in-flight load between the two goes through the local board only."""
-    from sim.demo import free_port
+    from sim.routerproc import free_port
 
     toml = config(engines, redis.url).replace("[cluster]", "[server]\nworkers = 2\n\n[cluster]", 1)
     two = ServeProcess(toml, tmp_path, free_port())

@@ -39,7 +39,7 @@ import zmq
 from harness import TIMEOUT, FakeEngine, wait_for
 
 from router.config import ConfigError, parse_config
-from sim.demo import free_port
+from sim.routerproc import free_port
 
 KEY = "sk-test"
 AUTH = f"authorization: Bearer {KEY}\r\n"
