@@ -360,11 +360,13 @@ class NativeServer:
 
 class RouterRunner:
     """The real router (KVRouter on kvrouter's own HTTP server, as `kvrouter serve` runs it) for a
-    TOML config written by the test; ``asgi=True`` runs the same app under uvicorn instead."""
+    TOML config written by the test; ``asgi=True`` runs the same router under uvicorn instead
+    (``AsgiApp(KVRouter)``)."""
 
     def __init__(self, toml: str, tmp: Path, asgi: bool = False, config_file: bool = False) -> None:
         from router.app import KVRouter
         from router.config import load_config
+        from router.http.framework import AsgiApp
 
         path = tmp / f"fleet-{uuid.uuid4().hex[:6]}.toml"
         path.write_text(toml)
@@ -372,7 +374,7 @@ class RouterRunner:
         """The config file (reloaded on change when ``config_file``)."""
         self.app = KVRouter(load_config(path), config_path=path if config_file else None)
         self.server: NativeServer | ThreadedServer = (
-            ThreadedServer(self.app).start() if asgi else NativeServer(self.app).start()
+            ThreadedServer(AsgiApp(self.app)).start() if asgi else NativeServer(self.app).start()
         )
 
     @property

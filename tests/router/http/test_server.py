@@ -513,7 +513,8 @@ def test_asgi_requests_after_one_that_waited_for_a_disconnect(setup: tuple[Route
     async def stream() -> StreamingResponse:
         return StreamingResponse(parts(), media_type="text/plain")
 
-    router.app.api.add_api_route("/test/stream", stream, methods=["GET"])
+    assert isinstance(router.server, NativeServer)  # (the FastAPI app of kvrouter's own server)
+    router.server.server.api.add_api_route("/test/stream", stream, methods=["GET"])
     with _connect(router) as s:
         buf = bytearray()
         for _ in range(3):
