@@ -27,7 +27,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("router.net",),  # transport with no knowledge of routing
     ("router.errors",),  # the API's OpenAI-shaped errors
     # the parts config.py and every room share: loads, breakers, metric families, checks, the
-    # policy's scoring, the text-segment cache, the cluster's and P/D's own configs
+    # policy's scoring (a decision's record, the compiled kernel), the text-segment cache, the
+    # cluster's and P/D's own configs
     (
         "router.parts",
         "router.fleet.load",
@@ -35,6 +36,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "router.observe.exposition",
         "router.observe.checks",
         "router.decision.segments",
+        "router.decision._kernel",
+        "router.decision.record",
         "router.decision.policy",
         "router.cluster.config",
         "router.pd.config",
@@ -83,6 +86,8 @@ def modules(root: Path, packages: Sequence[str]) -> dict[str, Path]:
         for path in sorted((root / package).rglob("*.py")):
             if "__pycache__" not in path.parts:
                 found[module_name(root, path)] = path
+        for stub in sorted((root / package).rglob("*.pyi")):  # (a compiled module: its stub)
+            found.setdefault(module_name(root, stub), stub)
     return found
 
 
@@ -267,7 +272,7 @@ def _drawn(room: str) -> str:
     if name in ("app", "config", "errors", "proxy", "frontend", "serve", "cli"):
         return f"{name}.py"
     if "." in name:
-        return name.replace(".", "/") + ".py"
+        return name.replace(".", "/") + ("" if name.rpartition(".")[2].startswith("_") else ".py")
     return f"{name}/"
 
 
