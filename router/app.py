@@ -219,6 +219,7 @@ class KVRouter:
 
     def _make_epp(self) -> EppServer:
         try:
+            # optional: grpc and the ext_proc protocol only with [epp] (the 'epp' extra)
             from router.epp.picker import Picker
             from router.epp.server import EppServer
         except ImportError as exc:  # (the extra is not installed)

@@ -41,6 +41,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "router.decision.policy",
         "router.cluster.config",
         "router.pd.config",
+        "router.flow.config",
     ),
     ("router.config",),  # the typed config
     ("router.fleet",),  # members, health, load, their sources
@@ -48,11 +49,12 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("router.cluster",),  # router replicas: session pins, shared load
     ("router.decision",),  # one decision for the proxy and /route
     ("router.pd",),  # prefill/decode exchange
-    ("router.proxy",),  # the proxy hot path
+    ("router.flow",),  # flow control: saturation, fair admission queues
+    ("router.proxy", "router.epp"),  # a decision served: proxied, or told to a gateway (ext_proc)
     ("router.workers",),  # several router processes on one port
     ("router.frontend",),  # Endpoints: what a front end may ask of the router
     ("router.app",),  # KVRouter composes everything below
-    ("router.http", "router.epp"),  # the front ends, over router.frontend.Endpoints
+    ("router.http",),  # the front ends, over router.frontend.Endpoints
     ("router.serve",),  # `kvrouter serve`: builds a router and its server, or the workers
     ("router.cli", "router.__main__", "router"),  # the `kvrouter` command
     ("sim",),  # the simulated fleet and its commands (found through an entry point)

@@ -36,12 +36,33 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
-if TYPE_CHECKING:  # (the type only: decisions are made one floor up)
-    from router.decision.service import Route
+
+class _Transfer(Protocol):
+    @property
+    def prefill_status(self) -> str: ...
+
+
+class Route(Protocol):
+    """What a check reads of a decision (:class:`router.decision.service.Route`, made floors above)."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def tokenize_error(self) -> str | None: ...
+
+    @property
+    def pd(self) -> _Transfer | None: ...
+
+    def media_of(self, target: tuple[str, int]) -> dict[str, int]: ...
+
 
 log = logging.getLogger("kvrouter.checks")
 
