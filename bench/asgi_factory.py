@@ -7,8 +7,9 @@ import os
 
 from router.app import KVRouter
 from router.config import load_config
+from router.http.framework import AsgiApp
 
 
-def app() -> KVRouter:
-    """A router for the config file ``KVROUTER_BENCH_CONFIG`` names."""
-    return KVRouter(load_config(os.environ["KVROUTER_BENCH_CONFIG"]))
+def app() -> AsgiApp:
+    """A router for the config file ``KVROUTER_BENCH_CONFIG`` names, as an ASGI app."""
+    return AsgiApp(KVRouter(load_config(os.environ["KVROUTER_BENCH_CONFIG"])))
