@@ -171,6 +171,7 @@ typedef struct {
      * block size and GPU medium */
     signed char grule[MAX_GROUPS];
     i64 gwin[MAX_GROUPS];
+    i64 gneed[MAX_GROUPS]; /* a sliding window's blocks before a hit (0: another kind), see drop_of */
     i64 gbs;
     int gmedium[MAX_GROUPS];
     char gkind[MAX_GROUPS][MAX_KIND];
@@ -1758,13 +1759,14 @@ static int Store_set_max(Store *s, PyObject *v, void *c) {
     return 0;
 }
 
-/* set_group(sidx, group, keep, window (-1: none), block_size, gpu medium, kind bytes): a KV cache
- * group the Python path learned, so the C ingest applies its events; group -1 forgets them all */
+/* set_group(sidx, group, keep, window (-1: none), block_size, gpu medium, kind bytes, need=0): a KV
+ * cache group the Python path learned, so the C ingest applies its events (need: a sliding window's
+ * blocks before a hit, 0 for another kind); group -1 forgets them all */
 static PyObject *Store_set_group(Store *s, PyObject *args) {
-    long long sidx, g, keep, win, bs, m;
+    long long sidx, g, keep, win, bs, m, need = 0;
     const char *kind;
     Py_ssize_t klen;
-    if (!PyArg_ParseTuple(args, "LLLLLLy#", &sidx, &g, &keep, &win, &bs, &m, &kind, &klen)) return NULL;
+    if (!PyArg_ParseTuple(args, "LLLLLLy#|L", &sidx, &g, &keep, &win, &bs, &m, &kind, &klen, &need)) return NULL;
     if (check_sidx(s, sidx)) return NULL;
     Src *src = s->src[sidx];
     if (g < 0) {
@@ -1772,12 +1774,13 @@ static PyObject *Store_set_group(Store *s, PyObject *args) {
         src->gbs = 0;
         Py_RETURN_NONE;
     }
-    if (g >= MAX_GROUPS || klen > MAX_KIND || bs <= 0 || check_medium(s, m)) {
+    if (g >= MAX_GROUPS || klen > MAX_KIND || bs <= 0 || need < 0 || check_medium(s, m)) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad group");
         return NULL;
     }
     src->grule[g] = keep ? 2 : 1;
     src->gwin[g] = win;
+    src->gneed[g] = need;
     src->gbs = bs;
     src->gmedium[g] = (int)m;
     memcpy(src->gkind[g], kind, (size_t)klen);
@@ -1949,7 +1952,7 @@ static PyMethodDef Store_methods[] = {
     {"rt_view", (PyCFunction)Store_rt_view, METH_NOARGS, "raw refs table"},
     {"nbytes", (PyCFunction)Store_nbytes, METH_NOARGS, "bytes held by the tables"},
     {"set_block_size", (PyCFunction)Store_set_block_size, METH_VARARGS, "set_block_size(sidx, size)"},
-    {"set_group", (PyCFunction)Store_set_group, METH_VARARGS, "set_group(sidx, g, keep, win, bs, m, kind)"},
+    {"set_group", (PyCFunction)Store_set_group, METH_VARARGS, "set_group(sidx, g, keep, win, bs, m, kind, need=0)"},
     {"take_stats", (PyCFunction)Store_take_stats, METH_NOARGS, "ingest counters since the last call"},
     {"ingest", (PyCFunction)Store_ingest, METH_VARARGS, "ingest(items, start) -> (next item, status)"},
     {NULL, NULL, 0, NULL},

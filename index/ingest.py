@@ -28,9 +28,10 @@ Decisions (each counted per source, see :class:`SourceStats`):
   group's residencies are kept under a medium of its own (:func:`index.store.group_medium`), and
   the group's kind, window and block size are learned per source (:class:`GroupSpec`), for the
   lookup's hybrid rule. A sliding-window group announces only the blocks it keeps, over the whole
-  newly cached token range (fewer hashes than blocks: the hashes are the range's last blocks; 0
-  hashes when it keeps none), a Mamba group one hash, the block where its state was saved: every
-  block's key is chained over the whole range and the hashes take the last ones. Such a group's
+  newly cached token range (fewer hashes than blocks: the hashes are the range's last blocks, or
+  its first ones for a window cut by the range's start, :func:`_window_drop`; 0 hashes when it
+  keeps none), a Mamba group one hash, the block where its state was saved: every block's key is
+  chained over the whole range and the hashes take the last ones. Such a group's
   chain may start after a block it dropped (no parent then), so a hash already mapped (by the
   full-attention group, whose events carry the same hashes) keeps its key
   (:data:`index.store.OP_STORE_KEEP`). Malformed group metadata (a group index out of range, a
@@ -211,6 +212,37 @@ def _block_extras(ev: BlockStored, n: int) -> list[tuple[int, list[Any]]]:
     return out
 
 
+def _window_drop(need: int, n: int, k: int) -> int:
+    """Blocks at the end of a sliding-window group's BlockStored of ``k`` blocks and ``n`` hashes
+    that none of its hashes is (the hashes are the ``n`` blocks before them), for a window that
+    needs ``need`` blocks before a hit (:meth:`GroupSpec.need`).
+
+    vLLM keeps the ``need`` blocks ending at the request's replay boundary, its ``prompt - 1``
+    tokens floored to a block (the longest hit a resend can take), while the event covers every
+    newly full block: the prefill's range ends at the prompt's last full block, so the window kept
+    ends at the range's end when the prompt has a partial last block, one block before it when the
+    prompt is whole blocks (a resend computes that block again); a decode-filled block keeps
+    nothing (0 hashes). So:
+
+    * fewer hashes than both ``need`` and ``k``: the window was cut by the range's start, and the
+      hashes are the range's first blocks wherever it ends (prompt 8 tokens, 4-token blocks,
+      window 9: 2 blocks, 1 hash, block 0);
+    * ``need`` hashes or more over more blocks: ambiguous. A prompt of ``k`` whole blocks and one
+      with a partial block after the same ``k`` send the same shape, and the router cannot
+      recompute vLLM's hash values. They stay the range's last blocks: right for every prompt
+      length but a multiple of the block size. Neither placement is safe both ways (the other
+      one over-credits a prompt that leaves the first one's chain in its last block, and roots the
+      children of every partial-block prompt one block off); for a whole-block prompt the index
+      credits an extending prompt one block too many, and its resends and their chains too little.
+
+    Beside a full-attention group (Gemma) the same placement applies, and that group's event,
+    which carries every hash of the range, settles each hash on its block either way.
+    """
+    if n == 0 or n >= k or n >= need:
+        return 0
+    return k - n
+
+
 _Step = tuple["_Group", int, int, str, bool]
 """A BlockStored's place in pass 2: group, first block, blocks, medium name, keep (OP_STORE_KEEP)."""
 
@@ -228,6 +260,7 @@ class _Group:
     __slots__ = (
         "block_size",
         "blocks",
+        "drops",
         "ehs",
         "events",
         "extras",
@@ -256,6 +289,8 @@ class _Group:
         self.starts: list[int] = []
         self.sizes: list[int] = []
         self.events: list[BlockStored] = []
+        self.drops: dict[int, int] = {}
+        """Blocks after an event's hashes that none of them is (:func:`_window_drop`), by event number."""
         self.extras: list[int] = []
         """Numbers of the events that carry extra keys."""
         self.roots: list[int] = []
@@ -319,7 +354,7 @@ class _Group:
         for e in self.extras:
             ev = self.events[e]
             # (extra keys are per hash: the event's last blocks when it has fewer hashes than blocks)
-            start = self.starts[e] + self.sizes[e] - len(ev.block_hashes)
+            start = self.starts[e] + self.sizes[e] - len(ev.block_hashes) - self.drops.get(e, 0)
             for i, items in _block_extras(ev, len(ev.block_hashes)):
                 m[start + i] ^= np.uint64(extra_hash(items))
         n = len(m)
@@ -715,6 +750,7 @@ class Ingestor:
                     plan.append(None)
                     continue
                 op = _OP_STORE
+                need = 0  # (a sliding window's: where its hashes sit, see _window_drop)
                 if grouped:
                     learned = self._learn_group(sidx, st, stored)
                     if learned is None:
@@ -722,6 +758,8 @@ class Ingestor:
                         continue
                     if learned.rule != FULL:
                         op = _OP_KEEP
+                        if learned.rule == SLIDING:
+                            need = learned.need()
                 elif st.groups and any(g.block_size != bs for g in st.groups.values()):
                     self._group_fault(sidx, st, f"KV cache group 0 with block size {bs}")
                     plan.append(None)
@@ -735,9 +773,10 @@ class Ingestor:
                 if not n:  # a group that keeps none of the blocks it computed (sliding window)
                     plan.append(None)
                     continue
-                k = ntokens // bs  # blocks of tokens: the hashes are the last n of them
-                skip = k - n
-                if skip:
+                k = ntokens // bs  # blocks of tokens: the hashes are n of them, ``drop`` before the end
+                drop = _window_drop(need, n, k) if need else 0
+                skip = k - n - drop
+                if skip or drop:
                     op = _OP_KEEP
                 g = groups.get(bs)
                 if g is None:
@@ -767,6 +806,9 @@ class Ingestor:
                     batched = False
                 else:
                     plan.append((g, start + skip, n, medium, op == _OP_KEEP))
+                if drop:
+                    g.hashes.fromlist([0] * drop)
+                    g.drops[e] = drop
                 mi = media.get(medium)
                 if mi is None:
                     mi = media[medium] = len(media)
@@ -798,7 +840,7 @@ class Ingestor:
                 g.roots.append(root)
                 seen.pending.append((hashes, start + skip))  # _Seen.add, inlined
                 seen.last_hash = hashes[-1]
-                seen.last_b = start + k - 1
+                seen.last_b = start + k - 1 - drop
                 seen.last_e = e
             ends.append(len(ops) // _ROW)
             counts.append((se, sb, re, rb))
@@ -964,6 +1006,7 @@ class Ingestor:
                     spec.block_size,
                     self.store.medium_index(group_medium("GPU", group)),
                     spec.kind.encode(),
+                    spec.need() if spec.rule == SLIDING else 0,
                 )
             log.info(
                 "source %s: KV cache group %d is %s%s, %d-token blocks",

@@ -418,6 +418,24 @@ def test_a_sliding_window_group_chained_after_a_dropped_block_keeps_full_attenti
     assert _blocks(idx, [*b, 1]) == 0
 
 
+@pytest.mark.parametrize("store_type", [PrefixStore, DictPrefixStore])
+def test_a_window_only_models_hashes_are_put_on_the_blocks_it_keeps(store_type: type) -> None:
+    """One sliding-window group (Mistral-shaped), window 9 over 4-token blocks: 2 blocks before a
+    hit. Fewer hashes than that over more blocks is a window cut by the range's start (a prompt of
+    2 whole blocks keeps block 0): its first blocks; the window's full count, the range's last
+    blocks; on the C ingest (PrefixStore) as on the Python one (DictPrefixStore)."""
+    store = store_type()
+    ing = Ingestor(store, BS)
+    sidx = ing.add_source(SRC)
+    a, b, c = _tokens(2), _tokens(4, 3000), _tokens(1, 6000)
+    for tokens, hashes in ((a, [1]), (b, [21, 22]), (c, [31])):
+        ing.apply_chunk([(sidx, _payload(_stored(hashes, tokens, group=0, kind="sliding_window", window=9)))])
+    got = [store.key_of(sidx, h) for h in (1, 21, 22, 31)]
+    ka, kb, kc = (prompt_keys(t, BS) for t in (a, b, c))
+    assert got == [ka[0], kb[2], kb[3], kc[0]]
+    assert ing.stats[sidx].bad_events == 0
+
+
 # ---- re-stores keep their references ---------------------------------------------------------------
 
 

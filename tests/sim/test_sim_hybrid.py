@@ -272,11 +272,12 @@ def test_a_hit_leaves_at_least_one_token_to_compute(preset: str) -> None:
 
 # ---- the router's index on the engine's events --------------------------------------------------
 
-INDEX_BUG = (
-    "index bug: a source with sliding-window groups only (Mistral) and a prompt of whole blocks: the "
-    "group keeps the window ending one block before its event's token range ends (the replay "
-    "boundary is prompt - 1), and with no full-attention group to key those hashes the index keys "
-    "them as the range's last blocks"
+INDEX_LIMIT = (
+    "index limit: a source with sliding-window groups only (Mistral) and a prompt of whole blocks "
+    "longer than the window: the window kept ends one block before its event's token range (the "
+    "replay boundary is prompt - 1), an event a prompt with a partial block after the same blocks "
+    "also sends; the index places the hashes at the range's end (index/ingest.py _window_drop), so "
+    "such a prompt's extensions are predicted a block long and its resends and their chains short"
 )
 
 
@@ -308,7 +309,7 @@ def indexed(cache: KVCache) -> tuple[Callable[[], list[Event]], Callable[[list[i
         "llama",
         "gemma3",
         "qwen3_next",
-        pytest.param("mistral", marks=pytest.mark.xfail(strict=True, reason=INDEX_BUG)),
+        pytest.param("mistral", marks=pytest.mark.xfail(strict=True, reason=INDEX_LIMIT)),
     ],
 )
 @pytest.mark.parametrize("blocks", [48, 200])
@@ -358,7 +359,6 @@ def test_the_index_predicts_every_hit_of_a_random_workload(preset: str, blocks: 
     assert not wrong, wrong
 
 
-@pytest.mark.xfail(strict=True, reason=INDEX_BUG)
 def test_a_window_only_model_is_predicted_on_a_prompt_of_whole_blocks() -> None:
     cache = HybridPrefixCache((KVGroup(SLIDING_WINDOW, 9),), 64, 4)  # a hit needs 2 blocks
     push, predicted = indexed(cache)
@@ -370,7 +370,28 @@ def test_a_window_only_model_is_predicted_on_a_prompt_of_whole_blocks() -> None:
     assert event.block_hashes == cache.block_hashes(prompt)[:1] and len(event.token_ids) == 8
     resend = [*prompt[:5], 12]
     assert cache.probe(resend) == (4, 0)  # block 0 alone: every block of a shorter prefix
-    assert predicted(resend) == 4  # (the index holds block 1 instead, and predicts 0)
+    assert predicted(resend) == 4  # (the window, cut by the range's start, holds block 0)
+    assert predicted([*prompt, 12]) == 4  # and no window ends at block 2
+
+
+def test_a_whole_block_prompt_longer_than_the_window_sends_a_partial_block_prompts_event() -> None:
+    """The ambiguity the index cannot resolve (index/ingest.py _window_drop): a prompt of 3 whole
+    blocks keeps the window of blocks 0-1, one of 3 blocks and a token blocks 1-2, and both send 2
+    hashes over the same 12 token ids. The index places them at the range's end: exact for the
+    second, one block too many for the first's extension."""
+    base = list(range(60, 72))
+    hits = []
+    for prompt in (base, [*base, 99]):
+        cache = HybridPrefixCache((KVGroup(SLIDING_WINDOW, 9),), 64, 4)  # a hit needs 2 blocks
+        push, predicted = indexed(cache)
+        assert cache.admit("a", prompt) is not None
+        (event,) = push()
+        cache.free("a")
+        assert isinstance(event, BlockStored)
+        assert (len(event.block_hashes), event.token_ids, event.parent_block_hash) == (2, base, None)
+        longer = [*base, *range(200, 209)]
+        hits.append((cache.probe(longer)[0], predicted(longer)))
+    assert hits == [(8, 12), (12, 12)]
 
 
 # ---- the engine ----------------------------------------------------------------------------------
