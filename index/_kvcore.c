@@ -54,6 +54,7 @@ typedef int64_t i64;
 #define FIB 0x9E3779B97F4A7C15ULL
 #define TAGMUL 0xC2B2AE3D27D4EB4FULL
 #define CHAIN_MUL 0x9E3779B97F4A7C15ULL
+#define WIN_SLOTS 64 /* ingest.py WIN_SLOTS */
 #define MIN_CAP 64
 #define MAX_MEDIA 32 /* GPU, CPU, STORAGE and each KV cache group's ("GPU#1"...) */
 #define TOUCH_CAP 65536 /* keys a watched source records between two take_touched calls */
@@ -171,7 +172,12 @@ typedef struct {
      * block size and GPU medium */
     signed char grule[MAX_GROUPS];
     i64 gwin[MAX_GROUPS];
-    i64 gneed[MAX_GROUPS]; /* a sliding window's blocks before a hit (0: another kind), see drop_of */
+    i64 gneed[MAX_GROUPS]; /* a sliding window's blocks before a hit (0: another kind) */
+    /* a window-only model (sliding-window groups, no full attention): the last hash of each recent
+     * event whose window's place was ambiguous, with the keys of its range's last two blocks, by
+     * slot (WIN_SLOTS, see ingest.py SourceStats.wends and Group.rechain) */
+    int wonly;
+    u64 wend[WIN_SLOTS * 3];
     i64 gbs;
     int gmedium[MAX_GROUPS];
     char gkind[MAX_GROUPS][MAX_KIND];
@@ -1034,6 +1040,8 @@ static i64 do_drop(Store *s, i64 sidx) {
     src->touched_over = 0;
     memset(src->grule, 0, sizeof(src->grule)); /* (a restarted engine announces its groups again) */
     src->gbs = 0;
+    src->wonly = 0;
+    memset(src->wend, 0, sizeof(src->wend));
     unlock(s);
     if (src_reset_map(s, src)) return -1;
     if (maybe_shrink(s)) return -1;
@@ -1772,6 +1780,8 @@ static PyObject *Store_set_group(Store *s, PyObject *args) {
     if (g < 0) {
         memset(src->grule, 0, sizeof(src->grule));
         src->gbs = 0;
+        src->wonly = 0;
+        memset(src->wend, 0, sizeof(src->wend));
         Py_RETURN_NONE;
     }
     if (g >= MAX_GROUPS || klen > MAX_KIND || bs <= 0 || need < 0 || check_medium(s, m)) {
@@ -1785,6 +1795,9 @@ static PyObject *Store_set_group(Store *s, PyObject *args) {
     src->gmedium[g] = (int)m;
     memcpy(src->gkind[g], kind, (size_t)klen);
     src->gkind_len[g] = (int)klen;
+    src->wonly = src->grule[0] == 2 && src->gneed[0] > 0;
+    for (int i = 0; i < MAX_GROUPS; i++)
+        if (src->grule[i] == 1) src->wonly = 0;
     Py_RETURN_NONE;
 }
 

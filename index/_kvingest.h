@@ -610,6 +610,9 @@ static int needs_python(Store *s, i64 sidx, Parse *ps) {
     return 0;
 }
 
+/* the slot of an ambiguous window's last hash (ingest.py _win_slot) */
+static inline size_t win_slot(u64 h) { return (size_t)((h * CHAIN_MUL) >> 56) % WIN_SLOTS; }
+
 /* pass 2: apply one parsed payload; 0 ok, -1 out of memory */
 static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf, size_t *keycap) {
     Src *src = s->src[sidx];
@@ -629,18 +632,24 @@ static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf,
                 *keycap = cap;
             }
             u64 root;
+            const u64 *tok = ps->buf + ev->t0;
+            size_t bs = (size_t)ev->bs;
             if (!ev->has_parent) root = s->base_root;
             else {
                 i64 i = em_find(src, ev->parent);
-                if (i >= 0) root = src->em[i * 3 + 1];
-                else {
+                if (i >= 0) {
+                    root = src->em[i * 3 + 1];
+                    if (src->wonly) { /* the parent ends a window placed at its range's end */
+                        const u64 *w = src->wend + win_slot(ev->parent) * 3;
+                        if (w[0] == ev->parent && w[2] == root && w[1] * CHAIN_MUL + block_content(tok, bs) == root)
+                            root = w[1]; /* this range starts with that block again: it was one block earlier */
+                    }
+                } else {
                     src->st[T_UNKNOWN_PARENTS]++;
                     root = unknown_root(sidx, ev->parent);
                 }
             }
             u64 *keys = *keybuf;
-            const u64 *tok = ps->buf + ev->t0;
-            size_t bs = (size_t)ev->bs;
             u64 sm = root;
             size_t kmask = s->kcap - 1;
             for (size_t b = 0; b < nblocks; b++) {
@@ -658,6 +667,12 @@ static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf,
                 /* a sliding window cut by the range's start: its hashes are the range's first blocks
                  * (ingest.py _window_drop says why, and what stays ambiguous) */
                 if ((u64)src->gneed[ev->group] > ev->nh) first = 0;
+                else if (src->gneed[ev->group] && src->wonly && first) { /* placed at the range's end */
+                    u64 last = ps->buf[ev->h0 + ev->nh - 1], *w = src->wend + win_slot(last) * 3;
+                    w[0] = last;
+                    w[1] = keys[nblocks - 2];
+                    w[2] = keys[nblocks - 1];
+                }
             }
             if (do_store(s, sidx, medium, ps->buf + ev->h0, keys + first, (i64)ev->nh, keep)) return -1;
             se++;

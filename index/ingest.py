@@ -138,6 +138,7 @@ class SourceStats:
         "removed_events",
         "stored_events",
         "unknown_parents",
+        "wends",
     )
 
     def __init__(self) -> None:
@@ -161,6 +162,9 @@ class SourceStats:
         self.group_faults = 0
         self.groups_bad = False
         """Malformed group metadata seen since the source's last restart: its matches are 0."""
+        self.wends: list[tuple[int, int, int] | None] | None = None
+        """A window-only model's windows placed at their range's end (:func:`_window_drop`), by
+        :func:`_win_slot` of the last hash: (that hash, keys of the range's last two blocks)."""
 
 
 def _ints(hashes: list[int | bytes]) -> list[int]:
@@ -233,7 +237,11 @@ def _window_drop(need: int, n: int, k: int) -> int:
       length but a multiple of the block size. Neither placement is safe both ways (the other
       one over-credits a prompt that leaves the first one's chain in its last block, and roots the
       children of every partial-block prompt one block off); for a whole-block prompt the index
-      credits an extending prompt one block too many, and its resends and their chains too little.
+      credits an extending prompt one block too many and an exact resend too little, and the
+      hashes keep their keys one block off until evicted. A resend extending it settles its own
+      chain: it names the window's last hash as parent and computes the block after the window
+      again, so a child whose first block is the range's last one again is rooted one block
+      earlier (:meth:`_Group.rechain`; the C core alike), and the conversation's later turns match.
 
     Beside a full-attention group (Gemma) the same placement applies, and that group's event,
     which carries every hash of the range, settles each hash on its block either way.
@@ -241,6 +249,22 @@ def _window_drop(need: int, n: int, k: int) -> int:
     if n == 0 or n >= k or n >= need:
         return 0
     return k - n
+
+
+WIN_SLOTS = 64
+"""Windows placed at their range's end a window-only source remembers, by slot of their last hash
+(the C core's WIN_SLOTS): a child of a window overwritten since keeps the root as placed."""
+
+
+def _win_slot(engine_hash: int) -> int:
+    return (((engine_hash * CHAIN_MUL) & M64) >> 56) % WIN_SLOTS
+
+
+def _window_only(st: SourceStats) -> bool:
+    """Sliding-window groups and no full attention (Mistral): nothing puts a window's hashes on their
+    blocks but the event's shape (:func:`_window_drop`)."""
+    groups = st.groups
+    return 0 in groups and groups[0].rule == SLIDING and all(x.rule != FULL for x in groups.values())
 
 
 _Step = tuple["_Group", int, int, str, bool]
@@ -258,12 +282,14 @@ class _Group:
     """
 
     __slots__ = (
+        "alts",
         "block_size",
         "blocks",
         "drops",
         "ehs",
         "events",
         "extras",
+        "fixes",
         "hashes",
         "keys",
         "later",
@@ -275,9 +301,17 @@ class _Group:
         "sizes",
         "starts",
         "tokens",
+        "wend_events",
     )
 
     def __init__(self, block_size: int, number: int) -> None:
+        self.fixes: list[tuple[int, int, int, int]] = []
+        """(event, source, key, key) of the events chained on a window remembered at its range's end
+        (:attr:`SourceStats.wends`): the keys of that range's last two blocks."""
+        self.wend_events: dict[int, tuple[int, int]] = {}
+        """Events placing a window at their range's end: (source, last hash), by event number."""
+        self.alts: dict[int, int] = {}
+        """Events chained on the last block of such an event of this chunk: their source."""
         self.block_size = block_size
         self.number = number
         """Groups of a chunk are numbered in creation order."""
@@ -362,6 +396,23 @@ class _Group:
         self.m = m
         self.prefix = np.cumsum(m * powers.inv[:n], dtype=np.uint64)
         self.ehs = np.frombuffer(self.hashes, dtype=np.uint64) if self.hashes else self.ehs
+
+    def rechain(self, window_only: Callable[[int], bool]) -> None:
+        """Root one block earlier each event chained on the last hash of a window placed at its
+        range's end whose first block is that range's last block again (``window_only`` of its
+        source): the window was a whole-block prompt's, which keeps it one block earlier, and a
+        resend extending it computes that last block again (:func:`_window_drop`)."""
+        m = self.m
+        for e, sidx, k0, k1 in self.fixes:
+            if window_only(sidx) and (k0 * CHAIN_MUL + int(m[self.starts[e]])) & M64 == k1:
+                self.roots[e] = k0
+        if self.alts:
+            self.later = [
+                (e, b - 1, pe)
+                if e in self.alts and window_only(self.alts[e]) and m[self.starts[e]] == m[b]
+                else (e, b, pe)
+                for e, b, pe in self.later
+            ]
 
     def solve(self) -> None:
         """All keys at once, from the prefix sums and one root per event.
@@ -809,6 +860,8 @@ class Ingestor:
                 if drop:
                     g.hashes.fromlist([0] * drop)
                     g.drops[e] = drop
+                elif need and skip:  # (ambiguous: remembered for its children, if window-only)
+                    g.wend_events[e] = (sidx, hashes[-1])
                 mi = media.get(medium)
                 if mi is None:
                     mi = media[medium] = len(media)
@@ -824,11 +877,16 @@ class Ingestor:
                     root = lora_root(_lora_of(stored)) if lora else BASE_ROOT
                 elif seen.last_e >= 0 and parent == seen.last_hash:  # (_Seen.find's first test)
                     g.later.append((e, seen.last_b, seen.last_e))
+                    if seen.last_e in g.wend_events:
+                        g.alts[e] = sidx
                     root = 0
                 else:
                     found = seen.find(parent)
                     if found is not None:
                         g.later.append((e, found[0], found[1]))
+                        pe = found[1]
+                        if pe in g.wend_events and found[0] == g.starts[pe] + g.sizes[pe] - 1:
+                            g.alts[e] = sidx
                         root = 0
                     else:
                         known = store.key_of(sidx, parent)
@@ -837,6 +895,10 @@ class Ingestor:
                             root = unknown_root(sidx, parent)
                         else:
                             root = known
+                            if st.wends is not None:
+                                w = st.wends[_win_slot(parent)]
+                                if w is not None and w[0] == parent and w[2] == known:
+                                    g.fixes.append((e, sidx, w[1], w[2]))
                 g.roots.append(root)
                 seen.pending.append((hashes, start + skip))  # _Seen.add, inlined
                 seen.last_hash = hashes[-1]
@@ -846,7 +908,16 @@ class Ingestor:
             counts.append((se, sb, re, rb))
         for g in groups.values():
             g.prepare()
+            if g.fixes or g.alts:
+                g.rechain(lambda sidx: _window_only(stats[sidx]))
             g.solve()
+            for e, (sidx, last) in g.wend_events.items():
+                st = stats[sidx]
+                if _window_only(st):
+                    if st.wends is None:
+                        st.wends = [None] * WIN_SLOTS
+                    end = g.starts[e] + g.sizes[e]
+                    st.wends[_win_slot(last)] = (last, int(g.keys[end - 2]), int(g.keys[end - 1]))
         if not batched:
             self._apply_events(items, plan)
             return
@@ -1037,6 +1108,7 @@ class Ingestor:
         """An engine restart: the new process announces its groups again (another model may run)."""
         st.groups = {}
         st.groups_bad = False
+        st.wends = None
 
     def _bad_event(self, sidx: int, st: SourceStats, what: str) -> None:
         st.bad_events += 1

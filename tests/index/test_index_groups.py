@@ -436,6 +436,36 @@ def test_a_window_only_models_hashes_are_put_on_the_blocks_it_keeps(store_type: 
     assert ing.stats[sidx].bad_events == 0
 
 
+@pytest.mark.parametrize("one_chunk", [False, True])
+@pytest.mark.parametrize("store_type", [PrefixStore, DictPrefixStore])
+def test_a_resend_extending_a_whole_block_prompt_is_chained_where_its_window_ends(
+    store_type: type, one_chunk: bool
+) -> None:
+    """Window 9 over 4-token blocks, no full attention. A prompt of 3 whole blocks keeps blocks 0-1,
+    announced as 2 hashes over its 12 tokens: placed at blocks 1-2 (ambiguous). A resend extending
+    it hits those 2 blocks, computes block 2 again and names hash 2 as its parent: a range starting
+    with the block after that hash's window. Rooting it one block earlier puts its own window on its
+    blocks; else every later turn of the conversation would chain one block off (and never match)."""
+    store = store_type()
+    ing = Ingestor(store, BS)
+    sidx = ing.add_source(SRC)
+    x = _tokens(3)
+    y = x + _tokens(2, 5000) + [7]  # 5 blocks and a token: its window is blocks 3-4
+    win: dict[str, Any] = {"group": 0, "kind": "sliding_window", "window": 9}
+    events = [_stored([1, 2], x, **win), _stored([4, 5], y[2 * BS : 5 * BS], parent=2, **win)]
+    chunks = [events] if one_chunk else [[ev] for ev in events]
+    for chunk in chunks:
+        ing.apply_chunk([(sidx, _payload(*chunk))])
+    ky = prompt_keys(y, BS)
+    assert [store.key_of(sidx, h) for h in (4, 5)] == [ky[3], ky[4]]
+    assert ing.stats[sidx].unknown_parents == 0
+    # a child whose first block is not the window's last one again: chained after it, as placed
+    z = x + _tokens(3, 7000)
+    ing.apply_chunk([(sidx, _payload(_stored([6, 7], z[3 * BS :], parent=2, **win)))])
+    kz = prompt_keys(x[: 3 * BS] + z[3 * BS :], BS)
+    assert [store.key_of(sidx, h) for h in (6, 7)] == [kz[4], kz[5]]
+
+
 # ---- re-stores keep their references ---------------------------------------------------------------
 
 

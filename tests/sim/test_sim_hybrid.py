@@ -277,7 +277,8 @@ INDEX_LIMIT = (
     "longer than the window: the window kept ends one block before its event's token range (the "
     "replay boundary is prompt - 1), an event a prompt with a partial block after the same blocks "
     "also sends; the index places the hashes at the range's end (index/ingest.py _window_drop), so "
-    "such a prompt's extensions are predicted a block long and its resends and their chains short"
+    "such a prompt's extensions are predicted a block long, its exact resend short, and its hashes "
+    "keep keys one block off until evicted"
 )
 
 
