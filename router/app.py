@@ -238,6 +238,8 @@ class KVRouter:
             trusted=lambda h: self.trusted(
                 [(k.encode("latin-1"), v.encode("latin-1")) for k, v in h.items()]
             ),
+            pd=self.proxy.pd,  # (the proxy's prefill legs, their metrics and breakers)
+            upstream_headers=self.proxy.upstream_headers,
         )
         self.metrics.add_series(picker.epp_metrics.series)
         picker.flow = self.flow  # (the same queue and rules as the proxy's)

@@ -269,7 +269,14 @@ class ProxyHandler:
             if route.pd is not None and self.pd is not None:  # P/D hook (router/pd/exchange.py)
                 try:
                     await self.pd.run(
-                        path, list(headers), body, parsed, route, writer, self._exchange, self._headers
+                        path,
+                        list(headers),
+                        body,
+                        parsed,
+                        route,
+                        writer,
+                        self._exchange,
+                        self.upstream_headers,
                     )
                 finally:
                     self.service.release(parsed, size)
@@ -361,9 +368,11 @@ class ProxyHandler:
         if self.checks is not None:
             observe_route(self.checks, route, target, self.service.index.block_size_of(target), usage)
 
-    def _headers(
+    def upstream_headers(
         self, headers: Iterable[tuple[bytes, bytes]], backend_auth: dict[str, str], dp_size: int, rank: int
     ) -> list[tuple[str, str]]:
+        """An engine request's headers (the client's forwarded ones, the engine's auth, its DP
+        rank): every leg the router sends itself, the endpoint picker's prefill legs too."""
         out = [("content-type", "application/json"), *backend_auth.items()]
         if dp_size > 1:
             out.append(("x-data-parallel-rank", str(rank)))
@@ -403,7 +412,7 @@ class ProxyHandler:
                         backend.upstream_key,
                         "POST",
                         backend.base_path + path,
-                        self._headers(headers, backend.auth_headers, backend.cfg.dp_size, target[1]),
+                        self.upstream_headers(headers, backend.auth_headers, backend.cfg.dp_size, target[1]),
                         body,
                     )
                 except UpstreamTimeout:

@@ -53,10 +53,13 @@ from router.pd.connector import ENGINE_FIELDS
 
 if TYPE_CHECKING:
     from router.fleet.membership import Member
+    from router.pd.exchange import HeaderBuilder, PDExchange, Prepared
 
 log = logging.getLogger("kvrouter.epp")
 
 PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_PATH_OF: dict[str, str] = {e: path for path, e in PATHS.items()}
+"""The engine's path of a prefill leg whose request came on another (a gateway's route rewrites it)."""
 _TAIL = 16384
 """Bytes of a response's end kept for its usage (vLLM's final usage event or JSON field is ~200)."""
 _CHUNK = 1 << 20
@@ -128,6 +131,8 @@ class Picker:
         max_body_bytes: int,
         checks: PredictionChecks | None = None,
         trusted: Callable[[dict[str, str]], bool] = lambda headers: False,
+        pd: PDExchange | None = None,
+        upstream_headers: HeaderBuilder | None = None,
     ) -> None:
         self.config = config
         self.service = service
@@ -137,6 +142,11 @@ class Picker:
         self.max_body_bytes = max_body_bytes
         self.trusted = trusted
         """Whether a request's headers let it pass :data:`ENGINE_FIELDS` (``trusted_api_keys``)."""
+        self.pd = pd if upstream_headers is not None else None
+        """Prefill/decode disaggregation: the proxy's own prefill leg (router/pd), run by the picker
+        before it answers the decode endpoint; None: decode endpoint only."""
+        self.upstream_headers = upstream_headers
+        """The proxy's upstream headers for the prefill leg (its forwarded ones and the engine's auth)."""
         self.epp_metrics = EppMetrics()
         self.addresses = Addresses(service)
         self.flow: FlowController | None = None
@@ -235,6 +245,10 @@ class _Stream:
         """Whether Envoy sends the response body (its mode, or the picker's mode_override)."""
         self.finished = False
         self.outcome = "aborted"
+        self.pd_leg = False
+        """A disaggregated model's request whose decode leg the gateway sends (its end is counted
+        in the P/D leg metrics, as the proxy's decode legs are)."""
+        self.first_byte_s: float | None = None
 
     # --- messages ------------------------------------------------------------------------------
     async def on(self, req: p.Message) -> list[p.Message]:
@@ -347,26 +361,45 @@ class _Stream:
             route = await service.decide(endpoint, parsed, size=size, subset=subset, request_class=classed)
             decision_s = time.perf_counter() - t0 - route.timings_us.get("held", 0.0) / 1e6
             body = await service.write_json(parsed, size) if changed else None
+            self.route = route  # (a reset during a prefill leg: close() sees the route)
+            picker.metrics.routed(
+                route.backend,
+                route.dp_rank,
+                route.outcome,
+                route.prompt_tokens,
+                route.chosen_media(),
+                route.block_size,
+                route.prompt_blocks,
+                decision_s,
+            )
+            picker.metrics.classed(classed.objective if classed is not None else None)
+            prepared: Prepared | None = None
+            if route.pd is not None and picker.pd is not None and isinstance(parsed, dict):
+                leg_path = path if path in PATHS else _PATH_OF[endpoint]
+                # flow control's room goes back in the step the prefill leg reserves the decode target
+                self._release_grant()
+                prepared = await self._prepare(picker.pd, leg_path, body if body is not None else raw, parsed)
         finally:
             service.release(parsed, size)
-        self.route = route
+        if prepared is not None and prepared.answer is not None:
+            self.pd_leg = False  # (no decode leg: the prefill leg's 4xx is the whole answer)
+            self.outcome = "rejected"
+            status, answer, prefill_backend = prepared.answer
+            return [
+                self.reject(
+                    status,
+                    answer,
+                    "kvrouter_prefill_error",
+                    headers=[("x-kvrouter-prefill-backend", prefill_backend)],
+                )
+            ]
         self.endpoints = self._endpoints(route)
         target = (route.backend, route.dp_rank)
         self.target = target
+        # (no await since the prefill leg's reservation ended: its ticket follows in the same step)
         self.ticket = picker.loads.start(target, service.uncached_tokens(route, target))
         self._release_grant()  # (the load is counted now: the queue may let the next one go)
         self.decided_at = time.perf_counter()
-        picker.metrics.routed(
-            route.backend,
-            route.dp_rank,
-            route.outcome,
-            route.prompt_tokens,
-            route.chosen_media(),
-            route.block_size,
-            route.prompt_blocks,
-            decision_s,
-        )
-        picker.metrics.classed(classed.objective if classed is not None else None)
         self.outcome = "picked"
         value = ",".join(e[0] for e in self.endpoints)
         member = route.members[route.backend]
@@ -376,6 +409,10 @@ class _Stream:
             set_headers.append((p.DP_RANK, str(route.dp_rank)))
         else:
             remove.append(p.DP_RANK)  # (a client's own would pick a rank the router did not)
+        if prepared is not None:
+            set_headers.append(("x-request-id", prepared.request_id))  # (the prefill leg's)
+            if prepared.body is not (body if body is not None else raw):
+                body = prepared.body  # with the prefill leg's kv_transfer_params
         sent = body if body is not None else raw
         if body is not None:
             set_headers.append(("content-length", str(len(body))))
@@ -388,6 +425,23 @@ class _Stream:
         for at in pieces:
             out.append(p.streamed_body(bytes(view[at : at + _CHUNK]), at + _CHUNK >= len(sent)))
         return out
+
+    async def _prepare(self, pd: PDExchange, path: str, body: bytes, parsed: dict[str, Any]) -> Prepared:
+        """A disaggregated model's request (``route.pd``): the proxy's prefill leg (router/pd), run
+        here while Envoy waits for the body's answer, which then names the decode endpoint and
+        carries the decode leg's body. Its rules are the proxy's: skipped per the plan, a 400-451
+        answered as it is, any other failure falls back to the decode engine computing the prompt
+        (counted in ``kvrouter_pd_fallbacks_total``). A stream reset while it runs cancels this
+        task, which closes the prefill leg's connection (vLLM's abort)."""
+        route = self.route
+        assert route is not None and self.picker.upstream_headers is not None
+        headers = [
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in (self.headers or {}).items()
+            if not k.startswith(":")
+        ]
+        self.pd_leg = True
+        return await pd.prepare(path, headers, body, parsed, route, self.picker.upstream_headers)
 
     async def _admit(
         self, flow: FlowController, headers: dict[str, str], parsed: Any, size: int
@@ -487,7 +541,8 @@ class _Stream:
         if self.first and self.ticket is not None and self.target is not None:
             self.first = False
             self.picker.loads.first_byte(self.ticket)
-            self.picker.metrics.observe_ttft(self.target[0], time.perf_counter() - self.decided_at)
+            self.first_byte_s = time.perf_counter() - self.decided_at
+            self.picker.metrics.observe_ttft(self.target[0], self.first_byte_s)
 
     def _served(self, served: str | None) -> None:
         """Move the request's load (and prediction) to the endpoint that served, when the gateway's
@@ -547,6 +602,7 @@ class _Stream:
         self.finished = True
         self._release()
         status = self.status
+        self._decode_leg_end(target[0], status)
         picker.metrics.finished(target[0], route.model, status, time.perf_counter() - self.decided_at)
         breakers = picker.service.breakers
         if status >= 500:
@@ -565,6 +621,12 @@ class _Stream:
             )
         route.report = None
 
+    def _decode_leg_end(self, backend: str, status: int) -> None:
+        """A P/D request's decode leg ended (status 0: reset before its answer)."""
+        if self.pd_leg and self.picker.pd is not None:
+            self.pd_leg = False
+            self.picker.pd.metrics.leg("decode", backend, status, self.first_byte_s)
+
     def _release(self) -> None:
         if self.ticket is not None:
             self.picker.loads.finish(self.ticket)
@@ -576,10 +638,17 @@ class _Stream:
             self.outcome = "rejected"
         return self.reject(err.status, err.body(), f"kvrouter_{err.code}", retry_after=err.status == 503)
 
-    def reject(self, status: int, body: bytes, details: str, retry_after: bool | int = False) -> p.Message:
+    def reject(
+        self,
+        status: int,
+        body: bytes,
+        details: str,
+        retry_after: bool | int = False,
+        headers: list[tuple[str, str]] | None = None,
+    ) -> p.Message:
         self.finished = True
         self.picker.epp_metrics.immediate.inc((str(status),))
-        return p.immediate(status, body, details, retry_after)
+        return p.immediate(status, body, details, retry_after, headers or [])
 
     def close(self) -> None:
         """The stream is over (the response ended, or the request was reset): whatever happened,
@@ -591,6 +660,7 @@ class _Stream:
             self._response_end()
         if self.ticket is not None and self.target is not None and not self.finished:
             self.picker.metrics.error(self.target[0], "stream_reset")
+            self._decode_leg_end(self.target[0], 0)
         self._release_grant()  # (a decision that failed or was cancelled: its room back)
         self._release()
         if self.route is not None:

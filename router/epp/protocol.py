@@ -158,10 +158,17 @@ def picked_buffered_body(
     return ProcessingResponse(request_body=ext_proc.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
-def immediate(status: int, body: bytes, details: str, retry_after: bool | int = False) -> Message:
+def immediate(
+    status: int,
+    body: bytes,
+    details: str,
+    retry_after: bool | int = False,
+    extra: Sequence[tuple[str, str]] = (),
+) -> Message:
     """An HTTP answer from the picker itself (Envoy sends it to the client, nothing goes upstream):
-    ``body`` is an OpenAI-shaped error; ``retry_after``: True for 1 s, or the seconds."""
-    headers = [("content-type", "application/json")]
+    ``body`` is an OpenAI-shaped error; ``retry_after``: True for 1 s, or the seconds; ``extra``:
+    more headers."""
+    headers = [("content-type", "application/json"), *extra]
     if retry_after:
         headers.append(("retry-after", str(int(retry_after))))
     return ProcessingResponse(

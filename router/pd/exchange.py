@@ -113,6 +113,19 @@ class LegWriter:
         await self.inner.end(chunk)
 
 
+class Prepared(msgspec.Struct, frozen=True):
+    """What the decode leg is sent with, once the prefill leg (if any) is over."""
+
+    headers: RequestHeaders
+    """The client's headers with exactly one ``x-request-id`` (both legs carry it)."""
+    request_id: str
+    body: bytes
+    """The decode leg's body: with the prefill's transfer parameters, or the client's own bytes
+    (skipped leg, fallback)."""
+    answer: tuple[int, bytes, str] | None = None
+    """The prefill leg's 400-451 (status, body, prefill backend): the client's answer, no decode leg."""
+
+
 _ENGINE_FAULTS = frozenset({"connect", "timeout", "protocol", "upstream_5xx"})
 """Fallback reasons that are the prefill engine's failure (the breaker counts them)."""
 
@@ -171,6 +184,39 @@ class PDExchange:
     ) -> None:
         """The whole disaggregated request: prefill leg (if the plan has one), then the decode leg
         (``exchange``: the proxy's own, with its failover; ``build_headers``: its upstream headers)."""
+        prepared = await self.prepare(path, headers, body, parsed, route, build_headers)
+        if prepared.answer is not None:  # the prefill leg's 4xx is the answer
+            status, raw, prefill_backend = prepared.answer
+            await writer.start(
+                status,
+                [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(raw)).encode()),
+                    (b"x-kvrouter-prefill-backend", prefill_backend.encode()),
+                ],
+            )
+            await writer.end(raw)
+            return
+        lw = LegWriter(writer, route.backend)
+        try:
+            await exchange(path, prepared.headers, lw, prepared.body, route)
+        finally:
+            self.metrics.leg("decode", lw.backend, lw.status, lw.first_byte_s)
+
+    async def prepare(
+        self,
+        path: str,
+        headers: RequestHeaders,
+        body: bytes,
+        parsed: dict[str, Any],
+        route: Route,
+        build_headers: HeaderBuilder,
+    ) -> Prepared:
+        """Everything before the decode leg, shared by the proxy (:meth:`run`) and the endpoint
+        picker (router/epp, which hands the decode leg to the gateway): counts the request, gives
+        it one request id and runs the prefill leg when the plan has one. The decode target is
+        reserved from the first step of this call (no await before it) until it returns, so the
+        caller takes the decode leg's own load ticket right after, with no await in between."""
         plan = route.pd
         assert plan is not None
         m = self.metrics
@@ -178,18 +224,9 @@ class PDExchange:
         chosen = next((c for c in route.candidates if c.chosen), None)
         m.tokens("decode", route.prompt_tokens, _confirmed(chosen) * route.block_size)
         headers, rid = with_request_id(headers)
-        if plan.two_legs:
-            prepared = await self._prefill(
-                path, headers, body, parsed, route, plan, rid, writer, build_headers
-            )
-            if prepared is None:
-                return  # the prefill leg's 4xx was the answer
-            body = prepared
-        lw = LegWriter(writer, route.backend)
-        try:
-            await exchange(path, headers, lw, body, route)
-        finally:
-            m.leg("decode", lw.backend, lw.status, lw.first_byte_s)
+        if not plan.two_legs:
+            return Prepared(headers, rid, body)
+        return await self._prefill(path, headers, body, parsed, route, plan, rid, build_headers)
 
     async def _prefill(
         self,
@@ -200,11 +237,10 @@ class PDExchange:
         route: Route,
         plan: PDPlan,
         rid: str,
-        writer: ResponseWriter,
         build_headers: HeaderBuilder,
-    ) -> bytes | None:
+    ) -> Prepared:
         """The prefill leg: the decode leg's body (with the transfer parameters, or the client's own
-        bytes on a fallback), or None when the client was answered with the prefill leg's 4xx."""
+        bytes on a fallback), or the prefill leg's 4xx as the answer."""
         target = plan.prefill_target
         assert target is not None
         member = route.members[target[0]]
@@ -245,16 +281,7 @@ class PDExchange:
                 raise _Fallback("protocol", str(exc)) from None
             if 400 <= status <= 451:
                 plan.prefill_status = f"error {status}"
-                await writer.start(
-                    status,
-                    [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(raw)).encode()),
-                        (b"x-kvrouter-prefill-backend", member.name.encode()),
-                    ],
-                )
-                await writer.end(raw)
-                return None
+                return Prepared(headers, rid, body, (status, raw, member.name))
             if status != 200:
                 raise _Fallback("upstream_5xx" if status >= 500 else "status", f"status {status}")
             try:
@@ -277,7 +304,7 @@ class PDExchange:
                 fb,
                 route.backend,
             )
-            return body
+            return Prepared(headers, rid, body)
         finally:
             self.loads.finish(ticket)
             # released in the same step as the decode leg takes its own ticket (no await in between)
@@ -285,7 +312,7 @@ class PDExchange:
             self.metrics.leg("prefill", member.name, status, first_byte)
         plan.prefill_status = "ok"
         self.breakers.success(member.name)
-        return msgspec.json.encode(self.connector.decode_body(parsed, params, leg))
+        return Prepared(headers, rid, msgspec.json.encode(self.connector.decode_body(parsed, params, leg)))
 
     @staticmethod
     async def _read(chunks: Any) -> bytes:
@@ -300,4 +327,4 @@ class PDExchange:
         return b"".join(parts)
 
 
-__all__ = ["MAX_ANSWER_BYTES", "LegWriter", "PDExchange", "with_request_id"]
+__all__ = ["MAX_ANSWER_BYTES", "LegWriter", "PDExchange", "Prepared", "with_request_id"]
