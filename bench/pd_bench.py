@@ -14,6 +14,12 @@ for comparison). Rounds alternate, one request each, sequentially, on keep-alive
 
 Added by the P/D path = median(pd) - (median(prefill) + median(decode)); by the ordinary path =
 median(aggregated) - median(direct). Everything in one run on the same cores.
+
+``--gateway``: both routers also run their endpoint picker, each behind an Envoy (request body
+BUFFERED, response body NONE, as deploy/gateway; Envoy from tests/envoy/install.sh), and two more
+kinds join the rounds: ``gateway_pd`` (the picker runs the prefill leg, Envoy the decode leg) and
+``gateway_aggregated`` (the same Envoy hop for an ordinary model). Added by the gateway's P/D path
+= median(gateway_pd) - (median(prefill) + median(decode)).
 """
 
 from __future__ import annotations
@@ -36,11 +42,15 @@ from router.pd.connector import NixlConnector
 PROMPT = "Tell me about the old harbour and the ships that come in with the morning tide"
 
 
-def router_toml(tmp: Path, tok: Path, port: int, backends: list[tuple[str, int, str]]) -> Path:
-    """A config with these (name, port, role) backends."""
+def router_toml(
+    tmp: Path, tok: Path, port: int, backends: list[tuple[str, int, str]], epp_port: int = 0
+) -> Path:
+    """A config with these (name, port, role) backends (and the endpoint picker on ``epp_port``)."""
     path = tmp / f"router-{port}.toml"
     text = f'block_size = 16\ntokenizer = "{tok}"\n[server]\nport = {port}\nlog_level = "warning"\n'
     text += "[pd]\nmin_uncached_tokens = 0\n"
+    if epp_port:
+        text += f"[epp]\nenabled = true\nport = {epp_port}\nhealth_port = {free_port()}\n"
     for name, bport, role in backends:
         text += f'[[backends]]\nname = "{name}"\nurl = "http://127.0.0.1:{bport}"\nrole = "{role}"\n'
         text += 'models = ["toy"]\n'
@@ -71,6 +81,7 @@ def whole(c: httpx.Client, url: str, body: dict[str, Any]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--requests", type=int, default=300, help="rounds (one request of each kind per round)")
+    ap.add_argument("--gateway", action="store_true", help="also through Envoy + each router's picker")
     args = ap.parse_args()
     from sim.toy_tokenizer import build_toy_tokenizer
 
@@ -78,6 +89,8 @@ def main() -> int:
         tmp = Path(d)
         tok = build_toy_tokenizer(tmp / "tok")
         pport, dport, rport, aport = free_port(), free_port(), free_port(), free_port()
+        epp = (free_port(), free_port()) if args.gateway else (0, 0)
+        envoys: list[Any] = []
         procs = [
             start([PY, "bench/zero_mock.py", str(pport), "--chunks", "5"], tmp / "p.log"),
             start([PY, "bench/zero_mock.py", str(dport), "--chunks", "5"], tmp / "d.log"),
@@ -85,14 +98,21 @@ def main() -> int:
         try:
             wait_ready(f"http://127.0.0.1:{pport}/health")
             wait_ready(f"http://127.0.0.1:{dport}/health")
-            pd_cfg = router_toml(tmp, tok, rport, [("P", pport, "prefill"), ("D", dport, "decode")])
-            agg_cfg = router_toml(tmp, tok, aport, [("D", dport, "both")])
+            pd_cfg = router_toml(tmp, tok, rport, [("P", pport, "prefill"), ("D", dport, "decode")], epp[0])
+            agg_cfg = router_toml(tmp, tok, aport, [("D", dport, "both")], epp[1])
             for cfg in (pd_cfg, agg_cfg):
                 procs.append(
                     start([PY, "-m", "router.cli", "serve", "--config", str(cfg)], tmp / f"{cfg.stem}.log")
                 )
             wait_ready(f"http://127.0.0.1:{rport}/ready")
             wait_ready(f"http://127.0.0.1:{aport}/ready")
+            if args.gateway:
+                sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+                from envoy_harness import Envoy, bootstrap
+
+                engines = [("127.0.0.1", pport), ("127.0.0.1", dport)]
+                for i, port in enumerate(epp):
+                    envoys.append(Envoy(bootstrap(("127.0.0.1", port), engines), tmp, name=f"envoy{i}"))
             client = {"model": "toy", "prompt": PROMPT, "max_tokens": 16, "stream": True}
             prefill_body = {
                 **client,
@@ -110,6 +130,10 @@ def main() -> int:
                     "direct": lambda: first_chunk(c, f"http://127.0.0.1:{dport}/v1/completions", client),
                     "aggregated": lambda: first_chunk(c, f"http://127.0.0.1:{aport}/v1/completions", client),
                 }
+                if envoys:
+                    pd_gw, agg_gw = (f"{e.url}/v1/completions" for e in envoys)
+                    kinds["gateway_pd"] = lambda: first_chunk(c, pd_gw, client)
+                    kinds["gateway_aggregated"] = lambda: first_chunk(c, agg_gw, client)
                 for fn in kinds.values():  # warm-up: connections, the router's caches
                     for _ in range(20):
                         fn()
@@ -119,6 +143,8 @@ def main() -> int:
                         times[k].append(fn())
                 metrics = c.get(f"http://127.0.0.1:{rport}/metrics").text
         finally:
+            for e in envoys:
+                e.stop()
             for p in reversed(procs):
                 stop(p)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -128,6 +154,14 @@ def main() -> int:
         "p90_ms": {k: round(sorted(v)[int(0.9 * len(v))] * 1e3, 3) for k, v in times.items()},
         "pd_added_ms": round(med["pd"] - med["prefill"] - med["decode"], 3),
         "aggregated_added_ms": round(med["aggregated"] - med["direct"], 3),
+        **(
+            {
+                "gateway_pd_added_ms": round(med["gateway_pd"] - med["prefill"] - med["decode"], 3),
+                "gateway_aggregated_added_ms": round(med["gateway_aggregated"] - med["direct"], 3),
+            }
+            if "gateway_pd" in med
+            else {}
+        ),
         "rounds": args.requests,
         "router_legs": legs,
     }

@@ -660,7 +660,8 @@ class _Stream:
             self._response_end()
         if self.ticket is not None and self.target is not None and not self.finished:
             self.picker.metrics.error(self.target[0], "stream_reset")
-            self._decode_leg_end(self.target[0], 0)
+            # (a reset after the response's headers: the decode leg answered with that status)
+            self._decode_leg_end(self.target[0], self.status if self.response_seen else 0)
         self._release_grant()  # (a decision that failed or was cancelled: its room back)
         self._release()
         if self.route is not None:
