@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import socket
 import threading
 import time
@@ -25,6 +27,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from index.keys import prompt_keys
 from sim.publisher import BlockStored, KVEventPublisher
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+"""The headless browser the dashboard tests drive (CI installs Debian's chromium)."""
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+"""Under CI, what a test needs must be there: a missing tool fails instead of skipping."""
 
 TIMEOUT = 30.0
 

@@ -21,7 +21,16 @@ import openai
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from harness import TIMEOUT, MockFleet, OneEngineRouters, RouterRunner, ThreadedServer, wait_for
+from harness import (
+    CHROMIUM,
+    IN_CI,
+    TIMEOUT,
+    MockFleet,
+    OneEngineRouters,
+    RouterRunner,
+    ThreadedServer,
+    wait_for,
+)
 
 from router.observe.checks import ChecksConfig, PredictionChecks, StreamStats, strip_usage, usage_in_json
 from sim.engine import EngineConfig
@@ -306,7 +315,6 @@ def test_streams_get_usage_only_when_they_asked(fleet_router: Any, tokdir: Path)
 
 
 def test_the_dashboard_names_the_misconfiguration(fleet_router: Any, tokdir: Path) -> None:
-    from test_dashboard import CHROMIUM, IN_CI
 
     if CHROMIUM is None and not IN_CI:
         pytest.skip("chromium is not installed (CI installs it)")

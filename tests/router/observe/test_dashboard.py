@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,13 +12,10 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from harness import FakeEngine, RouterRunner, wait_for
+from harness import CHROMIUM, IN_CI, FakeEngine, RouterRunner, wait_for
 from test_deploy import EXPORTED_METRICS
 
 from sim.toy_tokenizer import build_toy_tokenizer
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.fixture(scope="module")

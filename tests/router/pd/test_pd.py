@@ -19,7 +19,7 @@ import msgspec
 import openai
 import pytest
 import zmq
-from harness import TIMEOUT, FakeEngine, RouterRunner, wait_for
+from harness import CHROMIUM, IN_CI, TIMEOUT, FakeEngine, RouterRunner, wait_for
 
 from router.decision.pd import PDPlanner
 from router.decision.policy import Candidate, Policy, PolicyConfig
@@ -643,7 +643,6 @@ def test_nixl_connector_shapes() -> None:
 
 
 def test_dashboard_shows_both_pools(fakes: Fleet) -> None:
-    from test_dashboard import CHROMIUM, IN_CI
 
     if not IN_CI and CHROMIUM is None:
         pytest.skip("chromium is not installed (CI installs it)")
