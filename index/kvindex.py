@@ -37,10 +37,13 @@ from index.subscriber import EventSubscriber, SourceConfig, SourceStatus, Subscr
 
 PREDICTED = "PREDICTED"
 LARGE_PREDICTION_KEYS = 4096
-"""A prediction of more block keys than this is recorded in slices of this many through the
+"""A prediction of more block keys than this is recorded in slices (:data:`_PREDICTION_SLICE`) by the
 ``defer`` given to :meth:`KVIndex.predict` (the router's worker threads): recorded inline, the 62k
 keys of a million-token prompt held the event loop ~75 ms. The slices already recorded count at
 once, a prefix of the prediction: a match extended by it is never longer than the whole one."""
+_PREDICTION_SLICE = 1024
+"""Keys per slice of a deferred prediction (~1 ms of the interpreter); the thread hands the
+interpreter over after each, so the event loop never waits behind it for long."""
 
 PredictionListener = Callable[[SourceId, int, Sequence[int], float], None]
 """Called with (source, block size, keys not yet confirmed by events, ttl seconds) after a prediction."""
@@ -575,14 +578,14 @@ class KVIndex:
         return self._add_predictions(sidx, keys, expiry, now)
 
     def _add_in_slices(self, sidx: int, keys: Sequence[int], expiry: float) -> None:
-        """:meth:`_add_predictions` of ``keys`` in slices of :data:`LARGE_PREDICTION_KEYS` (each a
+        """:meth:`_add_predictions` of ``keys`` in slices of :data:`_PREDICTION_SLICE` (each a
         short hold of the lock and of the interpreter), up to the first the cap refuses."""
-        for at in range(0, len(keys), LARGE_PREDICTION_KEYS):
+        for at in range(0, len(keys), _PREDICTION_SLICE):
             now = time.monotonic()
-            if expiry <= now or not self._add_predictions(
-                sidx, keys[at : at + LARGE_PREDICTION_KEYS], expiry, now
-            ):
+            part = keys[at : at + _PREDICTION_SLICE]
+            if expiry <= now or not self._add_predictions(sidx, part, expiry, now):
                 return
+            time.sleep(0)  # (the event loop's turn at the interpreter between slices)
 
     def _add_predictions(self, sidx: int, keys: Sequence[int], expiry: float, now: float) -> bool:
         """Keys predicted on a source until ``expiry`` (a later one of a key already predicted wins);

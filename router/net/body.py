@@ -51,6 +51,10 @@ _MAX_SPLIT_DEPTH = 32
 """Levels of containers too large for one piece that are split further; below that, a member is
 decoded whole (a body nested deeper than this is pathological, and msgspec refuses ~1,000 levels)."""
 _WS = b" \t\r\n"
+_YIELD_MASK = 2047
+"""A worker thread freeing a large body hands the interpreter over every 2,048 objects
+(``time.sleep(0)``): its steps are short, but with two or three such threads busy the event loop
+waited for its turn at the GIL for 40-65 ms at a time; handing over lets it run at once."""
 _MAX_DEFER_S = 30.0
 """The longest the full collections wait in a row while large bodies come one after another."""
 
@@ -175,6 +179,7 @@ def _decode(raw: bytes, view: memoryview, start: int, stop: int, depth: int) -> 
             members.update(_piece(b"{" + view[s:e] + b"}", s, e))
         else:
             items.extend(_piece(b"[" + view[s:e] + b"]", s, e))
+        time.sleep(0)  # (the event loop's turn between pieces: see _YIELD_MASK)
     return members if is_object else items
 
 
@@ -194,6 +199,7 @@ def release(obj: Any) -> None:
     _passes.bodies.discard(id(obj))
     stack = [obj]
     del obj
+    n = 0
     while stack:
         o = stack.pop()
         if type(o) is dict:
@@ -202,12 +208,18 @@ def release(obj: Any) -> None:
                 if type(v) in (dict, list) and v:
                     stack.append(v)
                 del v
+                n += 1
+                if not n & _YIELD_MASK:
+                    time.sleep(0)
         elif type(o) is list:
             while o:
                 v = o.pop()
                 if type(v) in (dict, list) and v:
                     stack.append(v)
                 del v
+                n += 1
+                if not n & _YIELD_MASK:
+                    time.sleep(0)
         del o
     if held:
         _passes.let_go()
