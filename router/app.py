@@ -599,7 +599,19 @@ class KVRouter:
             if pods is None
             else {
                 "namespace": pods.namespace,
-                "label_selector": pods.cfg.label_selector,
+                "label_selector": pods.selector_text,
+                "inference_pool": None
+                if pods.pool is None
+                else {
+                    "name": pods.pool.name,
+                    "exists": pods.pool.exists,
+                    "connected": pods.pool.connected,
+                    "target_port": pods.http_port,
+                    "resource_version": pods.pool.resource_version,
+                    "events": pods.pool.events,
+                    "changes": pods.pool.changes,
+                    "relists": pods.pool.relists,
+                },
                 "connected": pods.connected,
                 "resource_version": pods.resource_version,
                 "pods": len(pods.pods),

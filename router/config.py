@@ -193,7 +193,15 @@ class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     namespace: str = ""
     """Namespace to watch; "" = the router's own namespace when in a cluster, else "default"."""
     label_selector: str = ""
-    """Label selector of the engine pods, e.g. ``app=vllm`` (required when enabled)."""
+    """Label selector of the engine pods, e.g. ``app=vllm`` (this or ``inference_pool`` is required
+    when enabled)."""
+    inference_pool: str = ""
+    """Name of a Gateway API InferencePool (``inference.networking.k8s.io/v1``) in ``namespace`` whose
+    pods are the fleet, instead of ``label_selector`` (set one of the two): its
+    ``spec.selector.matchLabels`` select the pods and its first ``spec.targetPorts`` number is their
+    HTTP port, overriding ``http_port`` and the ``kvrouter.io/http-port`` annotation (the gateway
+    sends there). Changes to the pool are followed; the pool deleted, its pods leave. Needs get, list
+    and watch on ``inferencepools``."""
     kubeconfig: str = ""
     """Path of a kubeconfig for running outside the cluster; "" = the in-cluster service account,
     else $KUBECONFIG or ~/.kube/config."""
@@ -596,6 +604,10 @@ def decode_backend(raw: bytes, name: str, workers: int = 1) -> BackendConfig:
     return _checked_backend(BackendConfig(**{**fields, "name": name}), workers)
 
 
+_K8S_NAME_RE = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+"""A DNS-subdomain object name, as the API server requires of an InferencePool's."""
+
+
 def validate(cfg: RouterConfig) -> None:
     """Checks msgspec's types cannot express."""
     k8s = cfg.membership.kubernetes
@@ -617,8 +629,20 @@ def validate(cfg: RouterConfig) -> None:
             "membership.kubernetes.api_key: must be printable ASCII without spaces (it is sent in the "
             "Authorization header)"
         )
-    if k8s.enabled and not k8s.label_selector:
-        raise ConfigError("membership.kubernetes.label_selector: required when discovery is enabled")
+    if k8s.enabled and not k8s.label_selector and not k8s.inference_pool:
+        raise ConfigError(
+            "membership.kubernetes.label_selector: required when discovery is enabled (or inference_pool)"
+        )
+    if k8s.label_selector and k8s.inference_pool:
+        raise ConfigError(
+            "membership.kubernetes.inference_pool: the pool's selector chooses the pods; "
+            "leave label_selector unset"
+        )
+    if k8s.inference_pool and not _K8S_NAME_RE.fullmatch(k8s.inference_pool):
+        raise ConfigError(
+            "membership.kubernetes.inference_pool: not a Kubernetes object name "
+            "(lowercase letters, digits, '-' and '.', at most 253)"
+        )
     if k8s.dp_size < 1:
         raise ConfigError("membership.kubernetes.dp_size: must be >= 1")
     if k8s.backoff_s <= 0 or k8s.max_backoff_s < k8s.backoff_s or k8s.watch_timeout_s <= 0:

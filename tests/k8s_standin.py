@@ -1,4 +1,5 @@
-"""A stand-in for the Kubernetes API server's pod list and watch endpoints, for discovery tests.
+"""A stand-in for the Kubernetes API server's pod and InferencePool list and watch endpoints, for
+discovery tests.
 
 No real cluster runs here, so discovery is tested against this: it serves exactly the JSON the API
 server serves for ``GET /api/v1/namespaces/{ns}/pods`` (a ``PodList`` with
@@ -9,6 +10,11 @@ the same path with ``watch=1`` (newline-delimited ``{"type": ADDED|MODIFIED|DELE
 ERROR event holding a ``Status`` of code 410, reason ``Expired``, as the real server does). Tests
 drive pod lifecycles (Pending -> Running/Ready -> readiness flaps -> Terminating -> deleted, IP
 changes), expire the history, and drop watch connections.
+
+InferencePools (Gateway API Inference Extension, ``inference.networking.k8s.io/v1``) are served the
+same way at ``GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools`` (an
+``InferencePoolList``; list and watch, ``fieldSelector=metadata.name=...``), sharing the server's
+resourceVersion sequence and history with the pods, as one API server does.
 """
 
 from __future__ import annotations
@@ -28,6 +34,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from harness import ThreadedServer
 
 TOKEN = "standin-service-account-token"
+POOL_API = "inference.networking.k8s.io/v1"
+
+
+def field_matches(selector: str, obj: dict[str, Any]) -> bool:
+    """``metadata.name`` / ``metadata.namespace`` field selectors (= and ==; != too), the ones the
+    API server supports on every resource."""
+    for part in (p.strip() for p in selector.split(",")):
+        if not part:
+            continue
+        m = re.match(r"^metadata\.(name|namespace)\s*(==|=|!=)\s*(\S*)$", part)
+        if m is None:
+            raise ValueError(f"unsupported field selector {part!r}")
+        equal = obj["metadata"].get(m.group(1)) == m.group(3)
+        if equal != (m.group(2) != "!="):
+            return False
+    return True
 
 
 def _now() -> str:
@@ -79,6 +101,7 @@ class KubeStandIn:
         self.version = 100
         self.oldest = 100  # watches from an older version get 410
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self.pools: dict[tuple[str, str], dict[str, Any]] = {}
         self.history: list[tuple[int, str, dict[str, Any]]] = []
         self.watchers: set[asyncio.Queue[tuple[str, dict[str, Any]] | None]] = set()
         self.requests: list[str] = []
@@ -222,6 +245,55 @@ class KubeStandIn:
         """The pod object is gone."""
         self._call(self._delete, namespace, name)
 
+    def put_pool(
+        self,
+        name: str,
+        match_labels: dict[str, str],
+        target_ports: list[int],
+        namespace: str = "engines",
+    ) -> None:
+        """Create an InferencePool, or replace its spec (kubectl apply): ADDED, then MODIFIED."""
+
+        def put() -> None:
+            key = (namespace, name)
+            old = self.pools.get(key)
+            pool: dict[str, Any] = (
+                copy.deepcopy(old)
+                if old is not None
+                else {
+                    "apiVersion": POOL_API,
+                    "kind": "InferencePool",
+                    "metadata": {
+                        "name": name,
+                        "namespace": namespace,
+                        "uid": str(uuid.uuid4()),
+                        "creationTimestamp": _now(),
+                        "generation": 0,
+                        "labels": {},
+                    },
+                }
+            )
+            pool["metadata"]["generation"] += 1
+            pool["spec"] = {
+                "selector": {"matchLabels": dict(match_labels)},
+                "targetPorts": [{"number": n} for n in target_ports],
+                "endpointPickerRef": {"name": "kvrouter-epp", "port": {"number": 9002}},
+            }
+            pool["status"] = {"parents": []}
+            self._bump(pool)
+            self.pools[key] = pool
+            self._emit("MODIFIED" if old is not None else "ADDED", pool)
+
+        self._call(put)
+
+    def delete_pool(self, name: str, namespace: str = "engines") -> None:
+        def delete() -> None:
+            pool = self.pools.pop((namespace, name))
+            self._bump(pool)
+            self._emit("DELETED", pool)
+
+        self._call(delete)
+
     def expire(self) -> None:
         """The retained history is compacted: open watches end with 410 Expired, and so does any
         watch from a version before now (clients must relist)."""
@@ -288,51 +360,64 @@ class KubeStandIn:
 
         @app.get("/api/v1/namespaces/{namespace}/pods")
         async def pods(namespace: str, request: Request) -> Response:
-            standin.loop = asyncio.get_running_loop()
-            standin.requests.append(str(request.url))
-            q = request.query_params
-            if request.headers.get("authorization") != f"Bearer {TOKEN}":
-                status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 401}
-                return JSONResponse(status, status_code=401)
-            if standin.refuse:
-                status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500}
-                return JSONResponse(status, status_code=500)
-            selector = q.get("labelSelector", "")
-            if q.get("watch") in ("1", "true") and standin.fail_watches > 0:
-                standin.fail_watches -= 1
-                status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500}
-                return JSONResponse(status, status_code=500)
-            if q.get("watch") in ("1", "true") and standin.refuse_watches:
-                status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403}
-                return JSONResponse(status, status_code=403)
-            if q.get("watch") in ("1", "true") and standin.silent_watches:
-                return StreamingResponse(standin._silent(), media_type="application/json")
-            if q.get("watch") in ("1", "true"):
-                since = int(q.get("resourceVersion") or standin.version)
-                timeout = float(q.get("timeoutSeconds") or 1800)
-                bookmarks = q.get("allowWatchBookmarks") in ("1", "true") or standin.bookmarks
-                return StreamingResponse(
-                    standin._watch(namespace, selector, since, timeout, bookmarks),
-                    media_type="application/json",
-                )
-            items = [
-                copy.deepcopy(p)
-                for (ns, _), p in sorted(standin.pods.items())
-                if ns == namespace and selector_matches(selector, p["metadata"]["labels"])
-            ]
-            for item in items:  # a list carries no kind/apiVersion per item
-                item.pop("kind", None)
-                item.pop("apiVersion", None)
-            return JSONResponse(
-                {
-                    "kind": "PodList",
-                    "apiVersion": "v1",
-                    "metadata": {"resourceVersion": str(standin.version)},
-                    "items": items,
-                }
-            )
+            return await standin._serve("Pod", namespace, request)
+
+        @app.get(f"/apis/{POOL_API}/namespaces/{{namespace}}/inferencepools")
+        async def pools(namespace: str, request: Request) -> Response:
+            return await standin._serve("InferencePool", namespace, request)
 
         return app
+
+    async def _serve(self, kind: str, namespace: str, request: Request) -> Response:
+        """A list or a watch of one kind of object (Pod, InferencePool) in one namespace."""
+        standin = self
+        standin.loop = asyncio.get_running_loop()
+        standin.requests.append(str(request.url))
+        q = request.query_params
+        if request.headers.get("authorization") != f"Bearer {TOKEN}":
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 401}
+            return JSONResponse(status, status_code=401)
+        if standin.refuse:
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500}
+            return JSONResponse(status, status_code=500)
+        selector = q.get("labelSelector", "")
+        fields = q.get("fieldSelector", "")
+        if q.get("watch") in ("1", "true") and standin.fail_watches > 0:
+            standin.fail_watches -= 1
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500}
+            return JSONResponse(status, status_code=500)
+        if q.get("watch") in ("1", "true") and standin.refuse_watches:
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403}
+            return JSONResponse(status, status_code=403)
+        if q.get("watch") in ("1", "true") and standin.silent_watches:
+            return StreamingResponse(standin._silent(), media_type="application/json")
+        if q.get("watch") in ("1", "true"):
+            since = int(q.get("resourceVersion") or standin.version)
+            timeout = float(q.get("timeoutSeconds") or 1800)
+            bookmarks = q.get("allowWatchBookmarks") in ("1", "true") or standin.bookmarks
+            return StreamingResponse(
+                standin._watch(kind, namespace, selector, fields, since, timeout, bookmarks),
+                media_type="application/json",
+            )
+        store = standin.pods if kind == "Pod" else standin.pools
+        items = [
+            copy.deepcopy(p)
+            for (ns, _), p in sorted(store.items())
+            if ns == namespace
+            and selector_matches(selector, p["metadata"]["labels"])
+            and field_matches(fields, p)
+        ]
+        for item in items:  # a list carries no kind/apiVersion per item
+            item.pop("kind", None)
+            item.pop("apiVersion", None)
+        return JSONResponse(
+            {
+                "kind": f"{kind}List",
+                "apiVersion": "v1" if kind == "Pod" else POOL_API,
+                "metadata": {"resourceVersion": str(standin.version)},
+                "items": items,
+            }
+        )
 
     async def _silent(self) -> AsyncIterator[bytes]:
         while self.silent_watches:
@@ -341,7 +426,14 @@ class KubeStandIn:
         yield b""  # (an async generator that sends nothing)
 
     async def _watch(
-        self, namespace: str, selector: str, since: int, timeout: float, bookmarks: bool
+        self,
+        kind_watched: str,
+        namespace: str,
+        selector: str,
+        fields: str,
+        since: int,
+        timeout: float,
+        bookmarks: bool,
     ) -> AsyncIterator[bytes]:
         def line(kind: str, obj: dict[str, Any]) -> bytes:
             return json.dumps({"type": kind, "object": obj}).encode() + b"\n"
@@ -365,7 +457,8 @@ class KubeStandIn:
                 except TimeoutError:
                     if bookmarks:
                         meta = {"resourceVersion": str(self.version)}
-                        yield line("BOOKMARK", {"kind": "Pod", "apiVersion": "v1", "metadata": meta})
+                        api = "v1" if kind_watched == "Pod" else POOL_API
+                        yield line("BOOKMARK", {"kind": kind_watched, "apiVersion": api, "metadata": meta})
                     continue
                 if item is None:
                     return
@@ -373,9 +466,11 @@ class KubeStandIn:
                 if kind == "ERROR":
                     yield line(kind, pod)
                     continue
-                if pod["metadata"]["namespace"] != namespace:
+                if pod["kind"] != kind_watched or pod["metadata"]["namespace"] != namespace:
                     continue
                 if not selector_matches(selector, pod["metadata"]["labels"]):
+                    continue
+                if not field_matches(fields, pod):
                     continue
                 yield line(kind, pod)
         finally:

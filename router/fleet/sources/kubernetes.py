@@ -28,6 +28,9 @@ off). A pod with no KV-events port named or annotated gets ``kv_events = "auto"`
 ``kvrouter.io/kv-topic`` override the defaults. A pod that cannot be turned into a valid backend
 (no IP yet is normal and waits; a missing port or a bad annotation is not) is skipped with one log
 line naming it and counted in ``kvrouter_discovery_skipped_total{reason}``; discovery goes on.
+
+With ``inference_pool`` set, the selector and the HTTP port come from a Gateway API InferencePool
+instead, and follow it (router/fleet/sources/inferencepool.py).
 """
 
 from __future__ import annotations
@@ -172,9 +175,13 @@ def _port(pod: dict[str, Any], ports: dict[str, int], key: str, default: str, re
 
 
 def pod_backend(
-    pod: dict[str, Any], cfg: KubernetesConfig, default_topic: str | None = None
+    pod: dict[str, Any],
+    cfg: KubernetesConfig,
+    default_topic: str | None = None,
+    http_port: int | None = None,
 ) -> BackendConfig:
-    """The backend a Ready pod stands for; SkipPod when it cannot be one."""
+    """The backend a Ready pod stands for; SkipPod when it cannot be one. ``http_port``: an
+    InferencePool's target port, which the gateway sends to whatever the pod says."""
     name = _get(pod, "metadata", "name")
     if not isinstance(name, str) or not name:
         raise SkipPod("bad_pod", "no metadata.name")
@@ -187,7 +194,7 @@ def pod_backend(
     if not isinstance(ann, dict) or not isinstance(labels, dict):
         raise SkipPod("bad_pod", "annotations or labels are not maps")
     ports = _container_ports(pod)
-    http = _port(pod, ports, "http-port", cfg.http_port, required=True)
+    http = http_port or _port(pod, ports, "http-port", cfg.http_port, required=True)
     kv = _port(pod, ports, "kv-events-port", cfg.kv_events_port, required=False)
     replay = _port(pod, ports, "kv-replay-port", cfg.kv_replay_port, required=False) if kv else None
     kv_ann = ann.get(f"{ANNOTATION}kv-events-port")
@@ -244,8 +251,13 @@ class PodWatcher:
         self.cfg = cfg
         self.membership = membership
         self.default_topic = default_topic
-        self.selector = parse_selector(cfg.label_selector)
+        self.selector = parse_selector(cfg.label_selector) if cfg.label_selector else []
+        self.selector_text = cfg.label_selector
+        """The selector the pods are listed with (an InferencePool's, when following one)."""
+        self.http_port: int | None = None
+        """The followed InferencePool's target port (None: the pods' own, by ``http_port``)."""
         self._client_factory = client_factory or self._make_client
+        self._client: Any = None
         self.namespace = ""
         self.pods: dict[str, dict[str, Any]] = {}
         self.resource_version = ""
@@ -264,6 +276,18 @@ class PodWatcher:
         self.last_error = ""
         self._bad: dict[str, str] = {}  # pod -> last skip message (logged once per change)
         self._task: asyncio.Task[None] | None = None
+        self.pool: Any = None
+        """The InferencePool follower (router/fleet/sources/inferencepool.py), when configured."""
+        if cfg.inference_pool:
+            from router.fleet.sources.inferencepool import PoolFollower
+
+            self.pool = PoolFollower(self)
+
+    def client(self) -> Any:
+        """The API client (made once; its namespace in ``namespace``)."""
+        if self._client is None:
+            self._client, self.namespace = self._client_factory()
+        return self._client
 
     def _make_client(self) -> Any:
         # optional: lightkube only with Kubernetes discovery
@@ -306,7 +330,7 @@ class PodWatcher:
                 log.info("pod %s is not ready: skipped until it is", name)
             return
         try:
-            spec = pod_backend(pod, self.cfg, self.default_topic)
+            spec = pod_backend(pod, self.cfg, self.default_topic, self.http_port)
         except SkipPod as exc:
             self._skip(name, exc)
             return
@@ -368,7 +392,7 @@ class PodWatcher:
             items.append(pod.to_dict())
         self._resync(items)
         self.relists += 1
-        log.info("kubernetes: %d pods match %r in %s", len(items), self.cfg.label_selector, self.namespace)
+        log.info("kubernetes: %d pods match %r in %s", len(items), self.selector_text, self.namespace)
         self.resource_version = str(listing.resourceVersion)
         return self.resource_version
 
@@ -410,17 +434,22 @@ class PodWatcher:
             self.on_event(kind, pod.to_dict())
 
     async def run(self) -> None:
-        """List, then watch, forever (cancel to stop)."""
+        """Follow the pods (or the InferencePool, which follows its pods) forever (cancel to stop)."""
+        if self.pool is not None:
+            await self.pool.run()
+        else:
+            await self.watch_pods()
+
+    async def watch_pods(self) -> None:
+        """List, then watch the selected pods, forever (cancel to stop)."""
         # optional: httpx and lightkube only with Kubernetes discovery
         import httpx
         from lightkube import ApiError
 
         backoff = self.cfg.backoff_s
-        client = None
         while True:
             try:
-                if client is None:
-                    client, self.namespace = self._client_factory()
+                client = self.client()
                 version = await self._list(client)
                 self.connected = True
                 self._delivered = False
@@ -449,6 +478,15 @@ class PodWatcher:
                 self._delivered = False
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.max_backoff_s)
+
+    def remove_all(self, reason: str) -> int:
+        """Drain and remove every discovered member (its pool is gone); how many there were."""
+        self.pods.clear()
+        self._bad.clear()
+        gone = [m.name for m in self.membership.members.values() if m.origin == "kubernetes"]
+        for name in gone:
+            self.membership.drain(name, remove=True, reason=reason)
+        return len(gone)
 
     def _failed(self, error: str) -> None:
         self.failures += 1

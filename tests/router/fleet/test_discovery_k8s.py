@@ -464,3 +464,158 @@ def test_an_admin_drain_of_a_discovered_pod_holds_through_its_status_updates() -
     assert m.state == "draining" and m.remove_when_drained
     watcher.on_event("MODIFIED", pod("4", ip="10.0.0.6"))  # the pod on new endpoints: a new engine
     assert m.state == "joining" and not m.remove_when_drained
+
+
+# --- discovery from a Gateway API InferencePool ---------------------------------------------------
+
+
+@pytest.fixture
+def pool_router(standin: KubeStandIn, tmp_path: Path) -> Iterator[RouterRunner]:
+    kubeconfig = tmp_path / "kubeconfig"
+    standin.kubeconfig(kubeconfig)
+    toml = (
+        f"block_size = {BS}\n[health]\ninterval_s = 2.0\n[membership]\ndrain_timeout_s = 30\n"
+        "[membership.kubernetes]\nenabled = true\n"
+        f'kubeconfig = "{kubeconfig}"\ninference_pool = "vllm-pool"\nnamespace = "engines"\n'
+        "backoff_s = 0.05\nmax_backoff_s = 0.2\nwatch_timeout_s = 3\n"
+    )
+    r = RouterRunner(toml, tmp_path)
+    yield r
+    r.stop()
+
+
+def pool_info(router: RouterRunner) -> dict[str, Any]:
+    out: dict[str, Any] = debug(router)["membership"]["kubernetes"]["inference_pool"]
+    return out
+
+
+def test_the_inference_pools_selector_and_port_drive_the_membership(
+    standin: KubeStandIn,
+    engines: dict[str, FakeEngine],
+    pool_router: RouterRunner,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    router = pool_router
+    e1, e2 = engines["e1"], engines["e2"]
+    http1, http2 = ports(e1)["http"], ports(e2)["http"]
+    # a's and b's own named http ports differ; the pool's target port is what the gateway uses
+    standin.add_pod("a", ports(e1), labels={"app": "vllm"})
+    standin.add_pod("b", ports(e2), labels={"app": "vllm", "tier": "canary"})
+    standin.add_pod("c", ports(e2), labels={"app": "sglang"})
+    standin.add_pod("elsewhere", ports(e1), labels={"app": "vllm"}, namespace="other")
+    for name in ("a", "b", "c"):
+        standin.start_pod(name)
+    standin.start_pod("elsewhere", namespace="other")
+    wait_for(lambda: pool_info(router)["connected"], "the pool's watch")
+    assert not pool_info(router)["exists"] and members(router) == {}  # no pool yet: no pods
+
+    standin.put_pool("vllm-pool", {"app": "vllm"}, [http1])
+    standin.put_pool("another-pool", {"app": "sglang"}, [http2])  # not the one configured
+    wait_for(lambda: sorted(members(router)) == ["a", "b"], "the pool's pods join")
+    wait_for(lambda: {state(router, "a"), state(router, "b")} == {"ready"}, "a and b ready")
+    m = members(router)
+    assert m["a"]["url"] == m["b"]["url"] == e1.url  # the target port, not b's own http port
+    assert m["a"]["kv_events"] == e1.kv_events and m["b"]["kv_events"] == e2.kv_events  # named ports
+    assert m["a"]["origin"] == "kubernetes"
+    assert served_by(router) <= {"a", "b"}
+    k8s = debug(router)["membership"]["kubernetes"]
+    assert k8s["label_selector"] == "app=vllm" and pool_info(router)["target_port"] == http1
+
+    # the selector narrows: a leaves, b stays as it was (no re-join); widened again, a is back
+    def changes_of(name: str) -> list[str]:
+        return [t["change"] for t in debug(router)["membership"]["transitions"] if t["backend"] == name]
+
+    of_b = changes_of("b")
+    standin.put_pool("vllm-pool", {"app": "vllm", "tier": "canary"}, [http1])
+    wait_for(lambda: sorted(members(router)) == ["b"], "a leaves with the narrower selector")
+    standin.put_pool("vllm-pool", {"app": "vllm"}, [http1])
+    wait_for(lambda: sorted(members(router)) == ["a", "b"], "a back")
+    assert changes_of("b") == of_b and changes_of("a").count("removed") == 1
+
+    # the port changes: the pods re-join on it; another selector: other pods
+    standin.put_pool("vllm-pool", {"app": "sglang"}, [http2, 9999])
+    wait_for(lambda: sorted(members(router)) == ["c"], "the sglang pod replaces the vllm ones")
+    wait_for(lambda: state(router, "c") == "ready", "c ready")
+    assert members(router)["c"]["url"] == e2.url
+    assert "only the first" in caplog.text  # the second target port is not followed
+    changes = pool_info(router)["changes"]
+
+    # a pool the API server would refuse is ignored; the last good one stays followed
+    standin.put_pool("vllm-pool", {}, [http2])
+    wait_for(
+        lambda: metric(router, "kvrouter_discovery_skipped_total", '{reason="bad_pool"}') == 1, "bad pool"
+    )
+    assert sorted(members(router)) == ["c"] and pool_info(router)["changes"] == changes
+
+    # an expired watch relists and still follows the pool
+    relists = pool_info(router)["relists"]
+    standin.expire()
+    wait_for(lambda: pool_info(router)["relists"] > relists, "the pool relisted")
+    standin.put_pool("vllm-pool", {"app": "sglang"}, [http2])  # good again, the same target
+    wait_for(lambda: pool_info(router)["resource_version"] == str(standin.version), "the pool's event")
+    assert sorted(members(router)) == ["c"] and pool_info(router)["changes"] == changes
+
+    # the pool deleted: its pods leave (logged); created again: they come back
+    standin.delete_pool("vllm-pool")
+    wait_for(lambda: members(router) == {}, "the pool's pods leave with it")
+    assert not pool_info(router)["exists"]
+    assert "InferencePool vllm-pool is gone: its 1 pods leave" in caplog.text
+    removed = [t for t in debug(router)["membership"]["transitions"] if t["change"] == "removed"]
+    assert any(t["backend"] == "c" for t in removed)
+    standin.put_pool("vllm-pool", {"app": "vllm"}, [http1])
+    wait_for(lambda: sorted(members(router)) == ["a", "b"], "the pool back, its pods too")
+    # the namespace's other pods never joined, and the other pool was never followed
+    assert "elsewhere" not in members(router)
+    assert any("fieldSelector=metadata.name%3Dvllm-pool" in u for u in standin.requests)
+
+
+def test_pool_targets_and_the_pool_port_over_the_pods_own() -> None:
+    from router.fleet.sources.inferencepool import BadPool, pool_target
+
+    def pool(labels: Any, ports: Any) -> dict[str, Any]:
+        return {"spec": {"selector": {"matchLabels": labels}, "targetPorts": ports}}
+
+    assert pool_target(pool({"b": "2", "app.kubernetes.io/name": "vllm"}, [{"number": 8000}])) == (
+        ((("app.kubernetes.io/name", "vllm"), ("b", "2")), 8000),
+        1,
+    )
+    assert pool_target(pool({"a": ""}, [{"number": 1}, {"number": 2}]))[1] == 2
+    for bad in (
+        {"spec": {}},
+        pool({}, [{"number": 8000}]),
+        pool({"a": "b"}, []),
+        pool({"a": "b"}, [{"number": 0}]),
+        pool({"a": "b"}, [{"number": True}]),
+        pool({"a": "b"}, [{"number": "8000"}]),
+        pool({"a": "b"}, [{"number": 1}] * 9),
+        pool({"a": 1}, [{"number": 8000}]),
+        pool({"a b": "c"}, [{"number": 8000}]),
+        pool({"a": "c,d"}, [{"number": 8000}]),  # would widen the selector we send
+        pool({f"k{i}": "v" for i in range(65)}, [{"number": 8000}]),
+    ):
+        with pytest.raises(BadPool):
+            pool_target(bad)
+    # the pool's port wins over the pod's annotation and the http_port setting
+    b = pod_backend(pod(annotations={"kvrouter.io/http-port": "9000"}), kcfg(), http_port=8100)
+    assert b.url == "http://10.0.0.7:8100" and b.kv_events == "tcp://10.0.0.7:5557"
+    http_only = pod(ports=[])  # no container ports at all: the pool's port still names the server
+    b = pod_backend(http_only, kcfg(), http_port=8100)
+    assert (b.url, b.kv_events) == ("http://10.0.0.7:8100", "auto")
+
+
+def test_inference_pool_config() -> None:
+    from router.config import parse_config
+
+    base = {"membership": {"kubernetes": {"enabled": True}}}
+    k8s = parse_config(
+        {"membership": {"kubernetes": {"enabled": True, "inference_pool": "vllm-pool", "namespace": "ns"}}}
+    ).membership.kubernetes
+    assert (k8s.inference_pool, k8s.namespace, k8s.label_selector) == ("vllm-pool", "ns", "")
+    for bad in (
+        {},  # neither a selector nor a pool
+        {"inference_pool": "vllm-pool", "label_selector": "app=vllm"},  # two sources of the selector
+        {"inference_pool": "Vllm_Pool"},
+        {"inference_pool": "x" * 254},
+    ):
+        with pytest.raises(ConfigError):
+            parse_config({"membership": {"kubernetes": {**base["membership"]["kubernetes"], **bad}}})
