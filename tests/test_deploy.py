@@ -647,6 +647,52 @@ def test_k8s_discovers_the_statefulset_pods_with_just_enough_rbac() -> None:
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
 
 
+def test_the_gateway_picker_follows_its_inference_pool_with_just_enough_rbac() -> None:
+    """The picker reads its fleet from the InferencePool: the pool it names must be the one the
+    HTTPRoute sends to, select the engine pods on their OpenAI port, and the picker's account may
+    read pools and pods (get, list, watch), nothing more."""
+    from router.config import parse_config
+
+    gateway = DEPLOY / "gateway"
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in _yaml_docs(gateway / "epp.yaml")}
+    docs = _yaml_docs(gateway / "inferencepool.yaml")
+    pools = {d["metadata"]["name"]: d for d in docs if d["kind"] == "InferencePool"}
+    cfg = parse_config(tomllib.loads(objs[("ConfigMap", "kvrouter-epp-config")]["data"]["fleet.toml"]))
+    k8s = cfg.membership.kubernetes
+    assert k8s.enabled and k8s.inference_pool and not k8s.label_selector and not cfg.backends
+    pool = pools[k8s.inference_pool]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    (route,) = [d for d in docs if d["kind"] == "HTTPRoute"]
+    refs = [r for rule in route["spec"]["rules"] for r in rule["backendRefs"]]
+    assert {
+        "group": "inference.networking.k8s.io",
+        "kind": "InferencePool",
+        "name": pool["metadata"]["name"],
+    } in refs
+    assert pool["spec"]["endpointPickerRef"]["name"] == "kvrouter-epp"
+    # the pool selects the engine pods (deploy/k8s/vllm.yaml) on their OpenAI server's port
+    template = _k8s_objects()[("StatefulSet", "vllm")]["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    (engine,) = template["spec"]["containers"]
+    named = {p["name"]: p["containerPort"] for p in engine["ports"]}
+    assert pool["spec"]["targetPorts"][0]["number"] == named["http"]
+    assert {"kv-events", "kv-replay"} <= named.keys()  # what the picker's KV event ports name
+    # RBAC: the Deployment's account reads pods and InferencePools in its namespace
+    account = objs[("Deployment", "kvrouter-epp")]["spec"]["template"]["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", account) in objs
+    (binding,) = [o for k, o in objs.items() if k[0] == "RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    role = objs[("Role", binding["roleRef"]["name"])]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"],
+        },
+    ]
+
+
 def test_k8s_static_variant_lists_the_statefulset_pods() -> None:
     objs = _k8s_objects()
     static = K8S / "static"

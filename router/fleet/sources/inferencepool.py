@@ -24,10 +24,9 @@ import asyncio
 import contextlib
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from router.fleet.sources.kubernetes import PodWatcher
+from router.config import KubernetesConfig
 
 log = logging.getLogger("kvrouter.discovery")
 
@@ -44,6 +43,23 @@ _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 
 Target = tuple[tuple[tuple[str, str], ...], int]
 """(the pool's matchLabels, sorted; its HTTP port): what the pod watch follows."""
+
+
+class PodWatch(Protocol):
+    """What the follower drives of the pod watcher (router/fleet/sources/kubernetes.py PodWatcher)."""
+
+    cfg: KubernetesConfig
+    namespace: str
+    selector: list[tuple[str, Any]]
+    selector_text: str
+    http_port: int | None
+    connected: bool
+    skipped: dict[str, int]
+
+    def client(self) -> Any: ...
+    async def watch_pods(self) -> None: ...
+    def remove_all(self, reason: str) -> int: ...
+    def failed(self, error: str) -> None: ...
 
 
 class BadPool(Exception):
@@ -83,7 +99,7 @@ def pool_target(pool: dict[str, Any]) -> tuple[Target, int]:
 class PoolFollower:
     """Keeps a PodWatcher on the pods one InferencePool selects (see the module docstring)."""
 
-    def __init__(self, pods: PodWatcher) -> None:
+    def __init__(self, pods: PodWatch) -> None:
         self.pods = pods
         self.name = pods.cfg.inference_pool
         self.target: Target | None = None
@@ -238,10 +254,10 @@ class PoolFollower:
                     if code == 410:
                         log.info("InferencePool %s: watch version expired (410 Gone): relisting", self.name)
                         continue
-                    self.pods._failed(f"InferencePool {self.name}: API error {code}: {message}")
+                    self.pods.failed(f"InferencePool {self.name}: API error {code}: {message}")
                 except Exception as exc:  # connection refused, reset, bad kubeconfig, ...
                     self.connected = False
-                    self.pods._failed(f"InferencePool {self.name}: {type(exc).__name__}: {exc}")
+                    self.pods.failed(f"InferencePool {self.name}: {type(exc).__name__}: {exc}")
                 if self._delivered:
                     backoff = cfg.backoff_s
                     self._delivered = False

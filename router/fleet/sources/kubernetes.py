@@ -46,6 +46,7 @@ from typing import Any
 
 from router.config import AUTO, BackendConfig, ConfigError, KubernetesConfig, Role, validate_backend
 from router.fleet.membership import Membership
+from router.fleet.sources.inferencepool import PoolFollower
 
 log = logging.getLogger("kvrouter.discovery")
 
@@ -276,12 +277,8 @@ class PodWatcher:
         self.last_error = ""
         self._bad: dict[str, str] = {}  # pod -> last skip message (logged once per change)
         self._task: asyncio.Task[None] | None = None
-        self.pool: Any = None
+        self.pool = PoolFollower(self) if cfg.inference_pool else None
         """The InferencePool follower (router/fleet/sources/inferencepool.py), when configured."""
-        if cfg.inference_pool:
-            from router.fleet.sources.inferencepool import PoolFollower
-
-            self.pool = PoolFollower(self)
 
     def client(self) -> Any:
         """The API client (made once; its namespace in ``namespace``)."""
@@ -469,10 +466,10 @@ class PodWatcher:
                 if code == 410:
                     log.info("kubernetes: watch version expired (410 Gone): relisting")
                     continue
-                self._failed(f"API error {code}: {message}")
+                self.failed(f"API error {code}: {message}")
             except Exception as exc:  # connection refused, reset, bad kubeconfig, ...
                 self.connected = False
-                self._failed(f"{type(exc).__name__}: {exc}")
+                self.failed(f"{type(exc).__name__}: {exc}")
             if self._delivered:  # the watch worked before it failed: this failure backs off anew
                 backoff = self.cfg.backoff_s
                 self._delivered = False
@@ -488,7 +485,8 @@ class PodWatcher:
             self.membership.drain(name, remove=True, reason=reason)
         return len(gone)
 
-    def _failed(self, error: str) -> None:
+    def failed(self, error: str) -> None:
+        """Count and log (rate-limited) one failure of the list/watch; the loop retries."""
         self.failures += 1
         self.last_error = error
         if self.failures <= 5 or self.failures % 100 == 0:

@@ -580,6 +580,7 @@ def test_pool_targets_and_the_pool_port_over_the_pods_own() -> None:
         1,
     )
     assert pool_target(pool({"a": ""}, [{"number": 1}, {"number": 2}]))[1] == 2
+    bad: dict[str, Any]
     for bad in (
         {"spec": {}},
         pool({}, [{"number": 8000}]),
