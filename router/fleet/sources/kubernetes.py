@@ -310,16 +310,15 @@ class PodWatcher:
                 self.skipped[exc.reason] = self.skipped.get(exc.reason, 0) + 1
                 log.warning("pod %s skipped (%s): %s", name, exc.reason, exc)
 
-    def _apply(self, name: str, pod: dict[str, Any] | None) -> None:
-        """Bring the member named after a pod in line with the pod (None: deleted)."""
+    def _apply(self, name: str, pod: dict[str, Any] | None, gone: str = "pod deleted") -> None:
+        """Bring the member named after a pod in line with the pod (None: deleted, or no longer
+        selected: ``gone`` says which, in the membership's transitions)."""
         m = self.membership.get(name)
         ours = m is not None and m.origin == "kubernetes"
         if pod is None or _get(pod, "metadata", "deletionTimestamp"):
             self._bad.pop(name, None)
             if ours:
-                self.membership.drain(
-                    name, remove=True, reason="pod deleted" if pod is None else "pod terminating"
-                )
+                self.membership.drain(name, remove=True, reason=gone if pod is None else "pod terminating")
             return
         if not pod_ready(pod):
             if ours and m is not None and m.discovery_ready:
@@ -355,10 +354,10 @@ class PodWatcher:
                 listed[name] = pod
         for name in list(self.pods):
             if name not in listed:
-                self._apply(name, None)
+                self._apply(name, None, "pod not listed")
         for m in list(self.membership.members.values()):
             if m.origin == "kubernetes" and m.name not in listed:
-                self._apply(m.name, None)
+                self._apply(m.name, None, "pod not listed")
         self.pods = listed
         for name, pod in listed.items():
             self._apply(name, pod)

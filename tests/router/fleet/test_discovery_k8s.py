@@ -531,6 +531,8 @@ def test_the_inference_pools_selector_and_port_drive_the_membership(
     standin.put_pool("vllm-pool", {"app": "vllm"}, [http1])
     wait_for(lambda: sorted(members(router)) == ["a", "b"], "a back")
     assert changes_of("b") == of_b and changes_of("a").count("removed") == 1
+    reasons = {t["reason"] for t in debug(router)["membership"]["transitions"] if t["backend"] == "a"}
+    assert "pod not listed" in reasons  # deselected, not deleted
 
     # the port changes: the pods re-join on it; another selector: other pods
     standin.put_pool("vllm-pool", {"app": "sglang"}, [http2, 9999])
@@ -562,6 +564,8 @@ def test_the_inference_pools_selector_and_port_drive_the_membership(
     assert "InferencePool vllm-pool is gone: its 1 pods leave" in caplog.text
     removed = [t for t in debug(router)["membership"]["transitions"] if t["change"] == "removed"]
     assert any(t["backend"] == "c" for t in removed)
+    draining = [t for t in debug(router)["membership"]["transitions"] if t["change"] == "draining"]
+    assert draining[-1]["reason"] == "InferencePool vllm-pool deleted"
     standin.put_pool("vllm-pool", {"app": "vllm"}, [http1])
     wait_for(lambda: sorted(members(router)) == ["a", "b"], "the pool back, its pods too")
     # the namespace's other pods never joined, and the other pool was never followed
