@@ -112,6 +112,8 @@ class KubeStandIn:
         """Watches are accepted, then nothing comes, past their timeout: a link that died without a
         FIN or RST (a control-plane node or a load balancer gone)."""
         self.bookmarks = False
+        self.no_pool_crd = False
+        """InferencePools answer 404, as a cluster without the Inference Extension's CRDs does."""
         """Send BOOKMARKs even when not asked (a client must tolerate them; kvrouter's does not ask)."""
         self.server = ThreadedServer(self._app()).start()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -380,6 +382,9 @@ class KubeStandIn:
         if standin.refuse:
             status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500}
             return JSONResponse(status, status_code=500)
+        if kind == "InferencePool" and standin.no_pool_crd:
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404}
+            return JSONResponse({**status, "reason": "NotFound", "message": "404 page not found"}, 404)
         selector = q.get("labelSelector", "")
         fields = q.get("fieldSelector", "")
         if q.get("watch") in ("1", "true") and standin.fail_watches > 0:

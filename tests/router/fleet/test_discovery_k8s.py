@@ -1,6 +1,7 @@
 """Kubernetes discovery against a stand-in API server (tests/k8s_standin.py): pod lifecycles, bad
-pods, expired watches, outages, annotations. The engines behind the pods are real (harness.FakeEngine
-with KV publishers): a pod's IP is 127.0.0.1 and its container ports are the engine's ports.
+pods, expired watches, outages, annotations, InferencePools. The engines behind the pods are real
+(harness.FakeEngine with KV publishers): a pod's IP is 127.0.0.1 and its container ports are the
+engine's ports.
 
 What this does not show (README, "Kubernetes discovery"): lightkube against a real API server, TLS
 and service-account tokens, RBAC. The stand-in serves the documented wire format only.
@@ -624,3 +625,50 @@ def test_inference_pool_config() -> None:
     ):
         with pytest.raises(ConfigError):
             parse_config({"membership": {"kubernetes": {**base["membership"]["kubernetes"], **bad}}})
+
+
+def test_a_cluster_without_the_pool_crd_is_retried_until_the_pool_exists(
+    standin: KubeStandIn, engines: dict[str, FakeEngine], tmp_path: Path
+) -> None:
+    """No InferencePool CRD (the Inference Extension not installed yet): a failure, retried with the
+    backoff and logged, not a crash; once the pool exists its pods join."""
+    import asyncio
+
+    from router.fleet.membership import Membership
+    from router.fleet.sources.kubernetes import PodWatcher
+
+    kubeconfig = tmp_path / "kubeconfig"
+    standin.kubeconfig(kubeconfig)
+    cfg = KubernetesConfig(
+        enabled=True,
+        kubeconfig=str(kubeconfig),
+        inference_pool="vllm-pool",
+        backoff_s=0.05,
+        max_backoff_s=0.2,
+    )
+    watcher = PodWatcher(cfg, Membership())
+    standin.no_pool_crd = True
+    standin.add_pod("p1", ports(engines["e1"]))
+    standin.start_pod("p1")
+
+    async def scenario() -> None:
+        watcher.start()
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            while watcher.failures < 3:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert "InferencePool vllm-pool: API error 404" in watcher.last_error
+            assert watcher.membership.members == {} and watcher.pool is not None
+            assert not watcher.pool.connected
+            standin.no_pool_crd = False  # installed, and the pool applied
+            standin.put_pool("vllm-pool", {"app": "vllm"}, [ports(engines["e1"])["http"]])
+            while "p1" not in watcher.membership.members:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert watcher.pool.connected and watcher.pool.exists
+        finally:
+            await watcher.stop()
+        assert watcher.pool._task is None  # the pod watch stopped with it
+
+    asyncio.run(scenario())
