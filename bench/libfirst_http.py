@@ -19,7 +19,7 @@ prober asks ``/health`` twice a second, as a load balancer does. Rounds alternat
 figures are medians over rounds. CPU is the user+system time of the side's whole process group
 over the window, divided by the requests completed in it.
 
-    flock /tmp/kvrouter-heavy.lock .venv/bin/python bench/libfirst_http.py [--conns 8,64,256] \\
+    flock HEAVY_LOCK .venv/bin/python bench/libfirst_http.py [--conns 8,64,256] \\
         [--rounds 3] [--seconds 6] [--json bench/out/libfirst-http.json]
 """
 

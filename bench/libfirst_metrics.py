@@ -13,7 +13,7 @@ and the request path's metric updates (about ten per proxied request).
   ``observe_ttft`` do) with ``LeanCounter``/``LeanHistogram`` and with prometheus-client's
   ``Counter``/``Histogram`` ``.labels(...).inc/observe``, over 64 backends. Microseconds per request.
 
-    flock /tmp/kvrouter-heavy.lock .venv/bin/python bench/libfirst_metrics.py [--rounds 7]
+    flock HEAVY_LOCK .venv/bin/python bench/libfirst_metrics.py [--rounds 7]
 """
 
 from __future__ import annotations
