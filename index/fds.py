@@ -5,8 +5,8 @@ Every followed source holds descriptors (its sockets' libzmq mailboxes and TCP c
 Linux starts most processes at a soft RLIMIT_NOFILE of 1,024 whatever their hard limit: ~250 event
 sources would use it up. The index raises the soft limit to the hard one when its subscriber is
 made (the router's ``kvrouter serve`` does so at start too; a library user of ``KVIndex`` gets it
-here), and sizes its ZeroMQ context's socket cap from what the limit allows. (router/ has the same
-helpers for its client connections; index/ never imports router/.)
+here), and sizes its ZeroMQ context's socket cap from what the limit allows. router/ uses the same
+functions for its client connections (router/net/fds.py adds their cap).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def raise_fd_limit() -> int:
     returns the soft limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
+        log.debug("file descriptor limit: %d (the hard limit)", fd_limit())
         return fd_limit()
     target = _UNLIMITED if hard == resource.RLIM_INFINITY else int(hard)
     try:
@@ -39,7 +40,7 @@ def raise_fd_limit() -> int:
     except (ValueError, OSError) as exc:
         log.warning("file descriptor limit kept at %d: raising it to %d failed (%s)", soft, target, exc)
         return int(soft)
-    log.info("file descriptor limit raised from %d to %d for the event streams", soft, target)
+    log.info("file descriptor limit raised from %d to %d", soft, target)
     return target
 
 
