@@ -27,6 +27,7 @@ import re
 from typing import Any, Protocol
 
 from router.config import KubernetesConfig
+from router.fleet.sources.listwatch import list_and_watch
 
 log = logging.getLogger("kvrouter.discovery")
 
@@ -113,7 +114,7 @@ class PoolFollower:
         self.relists = 0
         self._bad = ""  # the last rejected pool's message (logged once per change)
         self._ports_logged = 0
-        self._delivered = False
+        self.delivered = False
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -211,7 +212,7 @@ class PoolFollower:
             except TimeoutError:
                 log.info("InferencePool %s: nothing from the watch for %.0fs: relisting", self.name, silent_s)
                 return
-            self._delivered = True  # the watch works: a failure after this backs off anew
+            self.delivered = True  # the watch works: a failure after this backs off anew
             self.events[kind] = self.events.get(kind, 0) + 1
             seen = getattr(getattr(pool, "metadata", None), "resourceVersion", None)
             if seen:
@@ -225,44 +226,16 @@ class PoolFollower:
 
     async def run(self) -> None:
         """List, then watch the pool, forever; the pod watch runs beside it (cancel to stop both)."""
-        # optional: httpx and lightkube only with Kubernetes discovery
-        import httpx
-        from lightkube import ApiError
-
-        cfg = self.pods.cfg
-        backoff = cfg.backoff_s
         try:
-            while True:
-                try:
-                    client = self.pods.client()
-                    version = await self._list(client)
-                    self.connected = True
-                    self._delivered = False
-                    await self._watch(client, version)
-                    backoff = cfg.backoff_s
-                    continue
-                except asyncio.CancelledError:
-                    raise
-                except (ApiError, httpx.HTTPStatusError) as exc:
-                    self.connected = False
-                    if isinstance(exc, ApiError):
-                        code = getattr(exc.status, "code", None)
-                        message = getattr(exc.status, "message", str(exc))
-                    else:
-                        code = exc.response.status_code
-                        message = str(exc)
-                    if code == 410:
-                        log.info("InferencePool %s: watch version expired (410 Gone): relisting", self.name)
-                        continue
-                    self.pods.failed(f"InferencePool {self.name}: API error {code}: {message}")
-                except Exception as exc:  # connection refused, reset, bad kubeconfig, ...
-                    self.connected = False
-                    self.pods.failed(f"InferencePool {self.name}: {type(exc).__name__}: {exc}")
-                if self._delivered:
-                    backoff = cfg.backoff_s
-                    self._delivered = False
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, cfg.max_backoff_s)
+            await list_and_watch(
+                f"InferencePool {self.name}",
+                self,
+                self.pods.cfg,
+                self.pods.client,
+                self._list,
+                self._watch,
+                lambda error: self.pods.failed(f"InferencePool {self.name}: {error}"),
+            )
         finally:
             await self._stop_pods()
 

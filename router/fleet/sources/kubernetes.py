@@ -47,6 +47,7 @@ from typing import Any
 from router.config import AUTO, BackendConfig, ConfigError, KubernetesConfig, Role, validate_backend
 from router.fleet.membership import Membership
 from router.fleet.sources.inferencepool import PoolFollower
+from router.fleet.sources.listwatch import list_and_watch
 
 log = logging.getLogger("kvrouter.discovery")
 
@@ -269,7 +270,7 @@ class PodWatcher:
         self.relists = 0
         self.failures = 0
         self.silences = 0
-        self._delivered = False
+        self.delivered = False
         """The current watch delivered an event (then its failure starts the backoff anew)."""
         """Watches that went silent for watch_timeout_s + 30 s (then relisted; + watch_timeout_s
         when that is shorter)."""
@@ -420,7 +421,7 @@ class PodWatcher:
                 self.silences += 1
                 return
             self.connected = True
-            self._delivered = True
+            self.delivered = True
             seen = getattr(getattr(pod, "metadata", None), "resourceVersion", None)
             if seen:
                 self.resource_version = str(seen)
@@ -438,42 +439,7 @@ class PodWatcher:
 
     async def watch_pods(self) -> None:
         """List, then watch the selected pods, forever (cancel to stop)."""
-        # optional: httpx and lightkube only with Kubernetes discovery
-        import httpx
-        from lightkube import ApiError
-
-        backoff = self.cfg.backoff_s
-        while True:
-            try:
-                client = self.client()
-                version = await self._list(client)
-                self.connected = True
-                self._delivered = False
-                await self._watch(client, version)  # (returns when it went silent: relist)
-                backoff = self.cfg.backoff_s
-                continue
-            except asyncio.CancelledError:
-                raise
-            except (ApiError, httpx.HTTPStatusError) as exc:
-                self.connected = False
-                if isinstance(exc, ApiError):
-                    code = getattr(exc.status, "code", None)
-                    message = getattr(exc.status, "message", str(exc))
-                else:
-                    code = exc.response.status_code
-                    message = str(exc)
-                if code == 410:
-                    log.info("kubernetes: watch version expired (410 Gone): relisting")
-                    continue
-                self.failed(f"API error {code}: {message}")
-            except Exception as exc:  # connection refused, reset, bad kubeconfig, ...
-                self.connected = False
-                self.failed(f"{type(exc).__name__}: {exc}")
-            if self._delivered:  # the watch worked before it failed: this failure backs off anew
-                backoff = self.cfg.backoff_s
-                self._delivered = False
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.cfg.max_backoff_s)
+        await list_and_watch("kubernetes", self, self.cfg, self.client, self._list, self._watch, self.failed)
 
     def remove_all(self, reason: str) -> int:
         """Drain and remove every discovered member (its pool is gone); how many there were."""
