@@ -45,6 +45,7 @@ from router.net.asgi import Scope
 from router.net.body import LARGE_BODY_BYTES, decode_json
 from router.net.upstream import UpstreamPool
 from router.observe.checks import PredictionChecks, StreamStats
+from router.observe.gcpauses import GcPauses
 from router.observe.history import DashboardHistory, sample_forever
 from router.observe.metrics import (
     BreakerCollector,
@@ -136,6 +137,8 @@ class KVRouter:
         self.metrics = RouterMetrics(self.index, self.membership, self.loads, caches)
         self.pd_metrics = PDMetrics()
         self.metrics.add_series(self.pd_metrics.series)
+        self.gc_pauses = GcPauses()
+        self.metrics.add_series([self.gc_pauses.histogram])
         self.checks = PredictionChecks(config.checks, self._stream_stats) if config.checks.enabled else None
         self.proxy = ProxyHandler(
             self.service,
@@ -337,6 +340,7 @@ class KVRouter:
         healthy backends finish their index bootstrap) before serving."""
         if self.epp is not None:  # (liveness answers while the rest starts; readiness at the end)
             await self.epp.start()
+        self.gc_pauses.install()
         self.index.start()
         self.membership.reconcile("config", self.config.backends, "in the config file")
         await self.health.check_all()
@@ -406,6 +410,7 @@ class KVRouter:
             self.flow.close()
         await self.fleet.stop()
         self.index.stop()
+        self.gc_pauses.remove()
         self.tokenizer.close()
         self.pool.close()
 
