@@ -5,8 +5,14 @@ Per width (8, 64, 256, 1,024 candidates: backends x 8 DP ranks on one zero-laten
 both taking the same traffic), a keep-alive client sends completions with a 1,024-token prompt of
 token ids (an 8-block prefix shared, the rest each request's own) at a fixed concurrency; measured
 on the first replica: its CPU (``/proc/<pid>/stat`` utime + stime) per proxied request over
-``--count`` requests after a warm-up, and the client's request latency p50/p99. The index follows
-no event stream here (the mock publishes none): what grows with width is the router's own work.
+``--count`` requests after a warm-up, and the client's request latency p50/p99, and the
+replica's garbage collections in that window (``kvrouter_gc_pause_seconds``: full collections and
+the longest pause's bucket). The index follows no event stream here (the mock publishes none): what
+grows with width is the router's own work.
+
+``--pin``: the measured replica on one CPU, everything else (this client, the upstream, Redis, the
+second replica) on the other, so the tail shows the router's own pauses rather than the scheduler
+sharing two cores between the client and the router.
 
 Several trees side by side in one run (each router runs from its tree, with its extensions built
 in place)::
@@ -26,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -72,6 +79,44 @@ def get(port: int, path: str) -> tuple[int, bytes]:
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
+
+
+_GC_LINE = re.compile(
+    rb'^kvrouter_gc_pause_seconds_(count|sum|bucket)\{generation="(\d)"(?:,le="([^"]+)")?\} (\S+)', re.M
+)
+
+
+def gc_stats(port: int) -> dict[tuple[str, str, float], float]:
+    """The replica's collections so far (``kvrouter_gc_pause_seconds``): (kind, generation, bucket
+    bound) -> value (HTTP/1.0: one unchunked body)."""
+    with socket.create_connection(("127.0.0.1", port), 5) as s:
+        s.sendall(b"GET /metrics HTTP/1.0\r\nHost: b\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    out: dict[tuple[str, str, float], float] = {}
+    for m in _GC_LINE.finditer(data.partition(b"\r\n\r\n")[2]):
+        kind, gen, le, value = m.groups()
+        out[(kind.decode(), gen.decode(), float(le) if le else 0.0)] = float(value)
+    return out
+
+
+def gc_window(
+    before: dict[tuple[str, str, float], float], after: dict[tuple[str, str, float], float]
+) -> dict[str, float]:
+    """What the replica collected between two :func:`gc_stats`: collections and seconds per
+    generation, and the smallest bucket bound holding every pause of the window (inf: above all)."""
+
+    def delta(key: tuple[str, str, float]) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    row = {f"gc{g}_collections": delta(("count", g, 0.0)) for g in "012"}
+    row |= {f"gc{g}_seconds": delta(("sum", g, 0.0)) for g in "012"}
+    total = sum(row[f"gc{g}_collections"] for g in "012")
+    bounds = sorted({k[2] for k in after if k[0] == "bucket" and k[2] != float("inf")})
+    held = (b for b in bounds if sum(delta(("bucket", g, b)) for g in "012") >= total)
+    row["gc_max_pause_le_s"] = next(held, float("inf"))
+    return row
 
 
 def wait_for(cond: Any, what: str, timeout: float = 90.0) -> None:
@@ -212,10 +257,17 @@ def arm(
             runs = [Client(p, reqs).run(count, args.concurrency, seed + k) for k, p in enumerate(ports)]
             return (await asyncio.gather(*runs))[0]
 
+        if args.pin:
+            for p, cpus in ((a, {1}), (b, {0})):
+                if p is not None:
+                    for tid in os.listdir(f"/proc/{p.pid}/task"):  # (every thread of it)
+                        os.sched_setaffinity(int(tid), cpus)
         asyncio.run(drive(args.warmup, 1))
+        gc0 = gc_stats(port_a)
         cpu0 = cpu_seconds(a.pid)
         spans = asyncio.run(drive(args.count, 2))
         cpu = cpu_seconds(a.pid) - cpu0
+        gc_row = gc_window(gc0, gc_stats(port_a))
         spans.sort()
         return {
             "tree": tree.name if args.names is None else args.names[str(tree)],
@@ -224,8 +276,10 @@ def arm(
             "cpu_us_per_request": cpu / len(spans) * 1e6,
             "p50_ms": statistics.median(spans) * 1e3,
             "p99_ms": spans[int(len(spans) * 0.99) - 1] * 1e3,
+            "p99_over_p50": spans[int(len(spans) * 0.99) - 1] / statistics.median(spans),
             "requests": len(spans),
-        }
+            "pinned": bool(args.pin),
+        } | gc_row
     finally:
         if b is not None:
             procs.stop(b)
@@ -242,7 +296,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1, help="each arm this many times, in turn; medians")
     ap.add_argument("--out", type=Path, default=Path("bench/out/decision-service.json"))
+    ap.add_argument("--pin", action="store_true", help="the measured replica on CPU 1, the rest on CPU 0")
     args = ap.parse_args()
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            raise SystemExit("--pin needs two CPUs")
+        os.sched_setaffinity(0, {0})  # (this client; the upstream and Redis started below inherit it)
     trees = [(n, Path(p).resolve()) for n, p in (t.split("=", 1) for t in args.trees.split(","))]
     args.names = {str(p): n for n, p in trees}
     procs = Procs()
@@ -286,7 +345,8 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((row["tree"], row["candidates"], row["arm"]), []).append(row)
     out = []
     for (tree, width, which), rs in groups.items():
-        figures = ("cpu_us_per_request", "p50_ms", "p99_ms")
+        figures: tuple[str, ...] = ("cpu_us_per_request", "p50_ms", "p99_ms", "p99_over_p50")
+        figures += ("gc2_collections", "gc_max_pause_le_s")
         out.append({"tree": tree, "candidates": width, "arm": which, "rounds": len(rs)})
         out[-1] |= {f: statistics.median(r[f] for r in rs) for f in figures}
     return out
