@@ -15,6 +15,11 @@ MAX_BANDS = 16
 """Distinct priorities (bands) at most: each band has its own bounded queue and metric series."""
 
 
+MAX_RESERVE = 0.9
+"""``higher_band_reserve`` at most: beyond it a band below the highest keeps almost no room at all
+(a single slot per target), which is what a sheddable band is for, not a reserve."""
+
+
 class FlowError(ValueError):
     """A ``[flow]`` key is unusable; the message names it."""
 
@@ -59,6 +64,16 @@ class FlowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     to the highest band at or below it, else the lowest band)."""
     objectives: dict[str, int] = {}
     """``x-gateway-inference-objective`` name -> priority (as an InferenceObjective names one)."""
+    higher_band_reserve: float = 0.0
+    """Share of a target's room each band leaves to the bands above it (trunk reservation): a band
+    with k configured bands above it is saturated at ``max_active * (1 - higher_band_reserve)**k``
+    requests in flight (rounded down, at least 1) and at that share of
+    ``max_pending_prefill_tokens``, so a higher band's request finds a free slot at once instead of
+    waiting for lower bands' requests to end, and its engine batches it with fewer of theirs. The
+    highest band (and a lone band) keeps the full room. 0 (the default): every band fills the whole
+    room, and strict priority only orders the queue; the reserve idles up to that share of each
+    engine whenever no higher-band request is in flight, which only a deployment that defines
+    bands and weighs their latency above the lower bands' throughput should choose."""
     recheck_s: float = 0.05
     """While requests wait, capacity is also re-checked this often: load freed by other worker
     processes or replicas, and scraped engine figures, come with no local signal."""
@@ -76,6 +91,8 @@ def validate_flow(cfg: FlowConfig) -> None:
         raise FlowError("flow.max_band_requests and flow.max_band_bytes: must be at least 1")
     if not 0.001 <= cfg.recheck_s <= 10:
         raise FlowError("flow.recheck_s: must be within 0.001..10")
+    if not 0 <= cfg.higher_band_reserve <= MAX_RESERVE:
+        raise FlowError(f"flow.higher_band_reserve: must be within 0..{MAX_RESERVE} (0: no reserve)")
     if len(bands_of(cfg)) > MAX_BANDS:
         raise FlowError(f"flow: at most {MAX_BANDS} distinct priorities (default, priorities, objectives)")
     for name in cfg.objectives:
@@ -88,4 +105,4 @@ def bands_of(cfg: FlowConfig) -> list[int]:
     return sorted({cfg.default_priority, *cfg.priorities, *cfg.objectives.values()}, reverse=True)
 
 
-__all__ = ["MAX_BANDS", "FlowConfig", "FlowError", "bands_of", "validate_flow"]
+__all__ = ["MAX_BANDS", "MAX_RESERVE", "FlowConfig", "FlowError", "bands_of", "validate_flow"]

@@ -126,11 +126,13 @@ class FlowController:
         self._band_len = dict.fromkeys(self.bands, 0)
         self._band_bytes = dict.fromkeys(self.bands, 0)
         self._labels = {p: (str(p),) for p in self.bands}
+        self._reserved = {p for p in self.bands if self.sat.limits[p] != self.sat.limits[self.bands[0]]}
+        """The bands whose room the reserve for higher bands makes smaller than the highest's."""
         self._pump_soon = False
         self._recheck: asyncio.TimerHandle | None = None
         self._rate = 0.0
         self._window = (clock(), 0)
-        self.metrics = FlowMetrics(lambda: dict(self._band_len))
+        self.metrics = FlowMetrics(lambda: dict(self._band_len), reserve=bool(self._reserved))
         loads.on_free = self.capacity_freed
 
     # --- what the front ends call ---------------------------------------------------------------
@@ -182,7 +184,7 @@ class FlowController:
         q = self._queues.get(model)
         if q is None:
             targets = self.targets_for(model) if model else None
-            if not targets or self.sat.headroom(targets) > self._granted.get(model, 0):
+            if not targets or self.sat.headroom(targets, meta.priority) > self._granted.get(model, 0):
                 return self._grant(model, meta.priority, 0.0)
         p = meta.priority
         if self._band_len[p] >= self.cfg.max_band_requests:
@@ -200,6 +202,8 @@ class FlowController:
         w.deadline = now + self.cfg.ttl_s
         w.timer = loop.call_later(self.cfg.ttl_s, self._expire, w)
         self._pump()  # (a higher band's arrival, or room freed since the last wake-up)
+        if w.alive and p in self._reserved and self._room(model) > 0:
+            self.metrics.reserve_held.inc(self._labels[p])  # (room, but only a higher band's)
         self._arm_recheck()
         try:
             result: Ticket | Rejection = await w.future
@@ -227,22 +231,38 @@ class FlowController:
         """What :meth:`admit` would do with this request now (``/route``): ``would_queue`` and why."""
         targets = self.targets_for(meta.model) if meta.model else []
         q = self._queues.get(meta.model)
-        room = self.sat.headroom(targets) - self._granted.get(meta.model, 0) if targets else UNBOUNDED
+        p = meta.priority
+        room = self._room(meta.model, p, targets)
         waiting = q.live if q is not None else 0
-        out: dict[str, Any] = {"band": meta.priority, "flow": meta.flow, "queued": waiting}
+        out: dict[str, Any] = {"band": p, "flow": meta.flow, "queued": waiting}
         if not targets:
             out["would_queue"] = False
             return out
-        out["would_queue"] = waiting > 0 or room <= 0
+        # (the requests it would wait behind: its own band's and the bands above; a lower band's
+        # wait for room this one may have, as the reserve for higher bands makes them do)
+        ahead = sum(b.live for b in q.bands if b.priority >= p) if q is not None else 0
+        out["would_queue"] = ahead > 0 or room <= 0
         out["room"] = max(min(room, UNBOUNDED), 0)
+        if p in self._reserved:
+            out["reserved"] = max(min(self._room(meta.model, None, targets), UNBOUNDED), 0) - out["room"]
         if out["would_queue"]:
-            out["reason"] = (
-                f"{waiting} requests already wait for this model"
-                if waiting and room > 0
-                else "every candidate is saturated"
-            )
-            out["targets"] = self.sat.explain(targets)
+            if ahead and room > 0:
+                out["reason"] = f"{ahead} requests already wait for this model"
+            elif p in self._reserved and out["reserved"] > 0:
+                out["reason"] = "the room left is reserved for higher bands (flow.higher_band_reserve)"
+            else:
+                out["reason"] = "every candidate is saturated"
+            out["targets"] = self.sat.explain(targets, p)
         return out
+
+    def _room(self, model: str, band: int | None = None, targets: list[Target] | None = None) -> int:
+        """Requests ``model``'s candidates may still take for ``band`` (None: the highest band's,
+        the full room), less those let through whose decision is not yet counted as load."""
+        if targets is None:
+            targets = self.targets_for(model)
+        if not targets:
+            return UNBOUNDED
+        return self.sat.headroom(targets, band) - self._granted.get(model, 0)
 
     # --- capacity signals -------------------------------------------------------------------------
     def capacity_freed(self) -> None:
@@ -274,19 +294,26 @@ class FlowController:
 
     # --- the queue --------------------------------------------------------------------------------
     def _pump(self) -> None:
-        """Dispatch waiting requests while their model has room: highest band first, fairest flow."""
+        """Dispatch waiting requests while their band has room on their model: highest band first,
+        fairest flow first. A band's room is never more than the band above's (the reserve only
+        takes from lower bands), so the first band left waiting for room stops its model's round."""
         for model, q in list(self._queues.items()):
             targets = self.targets_for(model)
-            room = self.sat.headroom(targets) - self._granted.get(model, 0) if targets else UNBOUNDED
             now = self.clock()
-            while room > 0 and q.live:
-                w = q.pop()
-                if w is None:
+            for band in q.bands:
+                if not band.live:
+                    continue
+                room = self._room(model, band.priority, targets)
+                while room > 0 and band.live:
+                    w = q.pop_band(band)
+                    if w is None:
+                        break
+                    self._left(w)
+                    if not w.future.done():
+                        w.future.set_result(self._grant(model, band.priority, now - w.enqueued))
+                        room -= 1
+                if band.live:
                     break
-                self._left(w)
-                if not w.future.done():
-                    w.future.set_result(self._grant(model, w.band.priority, now - w.enqueued))
-                    room -= 1
             if not q.live:
                 del self._queues[model]
         if not self._queues and self._recheck is not None:

@@ -1,4 +1,5 @@
-"""Flow-control series: queue depth per band (read at scrape time), wait, dispatches, rejections.
+"""Flow-control series: queue depth per band (read at scrape time), wait, dispatches, rejections,
+and, with a reserve for higher bands, the requests it held back.
 
 Recorded by the controller in the request path's lean counters (:mod:`router.observe.metrics`) and
 exported with the router's other series. Label values are bounded: ``band`` is a configured
@@ -22,7 +23,9 @@ WAIT_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
 class FlowMetrics:
     """The four flow-control families."""
 
-    def __init__(self, depth: Callable[[], dict[int, int]]) -> None:
+    def __init__(self, depth: Callable[[], dict[int, int]], reserve: bool = False) -> None:
+        """``reserve``: ``flow.higher_band_reserve`` holds some band back, so
+        ``kvrouter_flow_reserve_held`` is exported too (without it the series could only read 0)."""
         self._depth = depth
         self.wait = LeanHistogram(
             "kvrouter_flow_wait_seconds",
@@ -41,7 +44,15 @@ class FlowMetrics:
             "bytes_full: answered 429 or 503; disconnect: the client left)",
             ["band", "reason"],
         )
+        self.reserve_held = LeanCounter(
+            "kvrouter_flow_reserve_held",
+            "Requests that queued on arrival while their model had room, because the room left was "
+            "reserved for higher bands (flow.higher_band_reserve), by band",
+            ["band"],
+        )
         self.series: list[LeanCounter | LeanHistogram] = [self.wait, self.dispatched, self.rejected]
+        if reserve:
+            self.series.append(self.reserve_held)
 
     def collect(self) -> Iterable[Family]:
         """``kvrouter_flow_queue_depth{band}``, read now."""

@@ -136,6 +136,13 @@ class ModelQueue:
                     return w
         return None
 
+    def pop_band(self, band: Band) -> Waiter | None:
+        """The next request of one of this model's bands (the dispatch checks each band's room)."""
+        w = band.pop()
+        if w is not None:
+            self.live -= 1
+        return w
+
     def remove(self, w: Waiter) -> None:
         w.band.remove(w)
         self.live -= 1

@@ -305,3 +305,30 @@ def test_a_higher_band_leaves_first(fleet: Callable[..., Fleet]) -> None:
             assert order == [3, 2, 1]
 
     asyncio.run(go())
+
+
+def test_the_reserve_for_higher_bands_holds_in_the_picker(fleet: Callable[..., Fleet]) -> None:
+    """higher_band_reserve through the picker, as in the proxy (the same controller): the default
+    band stops at one of max_active 2, the higher band's request is picked at once past the queued
+    default one, which goes when the room is below its ceiling again."""
+    f = fleet("max_active = 2\npriorities = [10]\nhigher_band_reserve = 0.5")
+
+    async def go() -> None:
+        async with grpc.aio.insecure_channel(f.address) as ch:
+            first = await Req(ch, 0).send()
+            assert picked(await first.answer())
+            low = await Req(ch, 1).send()
+            await until(lambda: f.depth() == 1, "the default band's next request queued")
+            assert f.metric("kvrouter_flow_reserve_held_total", 'band="0"') == 1
+            high = await Req(ch, 2, {"x-kvrouter-priority": "10"}).send()
+            assert picked(await high.answer())
+            assert f.depth() == 1
+            read = asyncio.ensure_future(low.answer())
+            await first.finish()
+            await high.finish()
+            assert picked(await read)
+            await low.finish()
+        assert f.metric("kvrouter_flow_dispatched_total", 'band="10"') == 1
+        assert f.metric("kvrouter_flow_dispatched_total", 'band="0"') == 2
+
+    asyncio.run(go())

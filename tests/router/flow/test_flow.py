@@ -392,10 +392,88 @@ def test_any_target_mode_still_queues(make: Callable[..., Any]) -> None:
         clients.close()
 
 
+def test_reserve_lets_a_higher_band_past_a_full_lower_band(make: Callable[..., Any]) -> None:
+    """higher_band_reserve = 0.5 of max_active 2: the default band stops at one request in flight,
+    so while its next request queues, a higher band's reaches the engine at once; /route and the
+    metrics say the default one is held back by the reserve. Without the reserve the default band
+    takes both slots and the higher band's request waits behind them."""
+    flow = "max_active = 2\npriorities = [10]"
+    high = {"x-kvrouter-priority": "10"}
+    router, [engine] = make(1, flow=flow + "\nhigher_band_reserve = 0.5")
+    plain, [other] = make(1, flow=flow)
+    clients, others = Clients(router.url), Clients(plain.url)
+    try:
+        futs = [clients.send("d0", body(0))]
+        wait_for(lambda: engine.in_flight == 1, "the default band's one slot taken")
+        futs.append(clients.send("d1", body(1)))
+        wait_for(lambda: depth(router) == 1, "the next default request queued")
+        held = httpx.post(router.url + "/route", json=body(9)).json()["flow"]
+        assert held["would_queue"] is True and held["room"] == 0 and held["reserved"] == 1, held
+        assert "reserved for higher bands" in held["reason"]
+        assert held["targets"][0]["saturated"] == [
+            "active 1 >= 1 (max_active 2 less higher_band_reserve for the bands above)"
+        ]
+        ahead = httpx.post(router.url + "/route", json=body(9), headers=high).json()["flow"]
+        assert ahead["would_queue"] is False and ahead["room"] == 1 and "reserved" not in ahead
+        assert metric(router, "kvrouter_flow_reserve_held_total", 'band="0"') == 1
+        futs.append(clients.send("h0", body(2), high))
+        wait_for(lambda: engine.order == ["d0", "h0"], "the higher band's request sent at once")
+        assert depth(router) == 1 and engine.in_flight == 2  # (d1 still waits in the router)
+        full = httpx.post(router.url + "/route", json=body(9), headers=high).json()["flow"]
+        assert full["would_queue"] is True and full["reason"] == "every candidate is saturated"
+
+        # the same traffic without the reserve: the default band fills the room, h0 waits
+        plain_futs = [others.send("d0", body(0)), others.send("d1", body(1))]
+        wait_for(lambda: other.in_flight == 2, "both slots taken by the default band")
+        plain_futs.append(others.send("h0", body(2), high))
+        wait_for(lambda: depth(plain) == 1, "the higher band's request queued")
+        assert sorted(other.order) == ["d0", "d1"]
+        assert "kvrouter_flow_reserve_held" not in httpx.get(plain.url + "/metrics").text
+        assert "reserved" not in httpx.post(plain.url + "/route", json=body(9)).json()["flow"]
+
+        engine.release(2)
+        wait_for(lambda: engine.order[2:] == ["d1"], "d1 sent once the room is free")
+        engine.open()
+        other.open()
+        assert [f.result(timeout=30).status_code for f in futs + plain_futs] == [200] * 6
+        assert other.order[2] == "h0"
+        assert metric(router, "kvrouter_flow_dispatched_total", 'band="10"') == 1
+    finally:
+        clients.close()
+        others.close()
+
+
+def test_reserve_scales_each_lower_band(tmp_path: Path) -> None:
+    """Each band below the highest keeps (1 - reserve) of the room of the band above it, rounded
+    down, at least 1; the scraped engine brakes are the same for every band."""
+    from router.config import load_config
+    from router.fleet.load import LoadTracker
+    from router.flow.config import FlowConfig
+    from router.flow.saturation import Saturation
+
+    path = tmp_path / "f.toml"
+    path.write_text(
+        "[flow]\nmax_active = 8\npriorities = [10, -1]\nhigher_band_reserve = 0.25\n"
+        "[flow.objectives]\ncritical = 20\n"
+        '[[backends]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
+    sat = Saturation(load_config(path).flow, LoadTracker())
+    assert sat.limits == {20: (8, 65536), 10: (6, 49152), 0: (4, 36864), -1: (3, 27648)}
+    tight = FlowConfig(max_active=2, max_pending_prefill_tokens=0, higher_band_reserve=0.9, priorities=[2])
+    assert Saturation(tight, LoadTracker()).limits == {2: (2, 0), 0: (1, 0)}  # (0 stays "off")
+
+
 def test_config_rejects_bad_flow_keys(tmp_path: Path) -> None:
     from router.config import ConfigError, load_config
 
-    for bad in ("ttl_s = 0", "max_kv_usage = 2.0", "priorities = [" + ",".join(map(str, range(20))) + "]"):
+    for bad in (
+        "ttl_s = 0",
+        "max_kv_usage = 2.0",
+        "priorities = [" + ",".join(map(str, range(20))) + "]",
+        "higher_band_reserve = 0.95",
+        "higher_band_reserve = -0.1",
+        "higher_band_reserve = nan",
+    ):
         path = tmp_path / "f.toml"
         path.write_text(f'[flow]\n{bad}\n[[backends]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
         with pytest.raises(ConfigError, match="flow"):
