@@ -1,7 +1,7 @@
 """Flow control: routing quality at saturation with the admission queue on and off, and its own cost.
 
 ``.venv/bin/python bench/flow_bench.py [--quick] [--stages trace,overhead] [--max-active 4,8]
-[--engine-speed 1.0]`` writes ``bench/out/flow.json`` and ``bench/out/flow.md``.
+[--engine-speed 1.0] [--reserve 0.25,0.5]`` writes ``bench/out/flow.json`` and ``bench/out/flow.md``.
 
 Stages:
 
@@ -16,6 +16,10 @@ Stages:
   ``[flow]`` on adds to each request; off adds one ``None`` check), and the dispatch latency from a
   request's end (``LoadTracker.finish``, capacity freed) to the next queued request's ``admit``
   returning in its own task.
+- ``contention``: 2 mock engines under a closed-loop overload, a router per arm: a high band's TTFT
+  alone and beside 48 default-band clients, and three flows' TTFT alone and beside a flow of 40
+  clients; with flow control on (also with each ``--reserve`` as ``flow.higher_band_reserve``) and
+  off, side by side in one run.
 
 Bounded: each replay stops issuing requests after ``--deadline`` seconds; every process started here
 is stopped at the end; traffic stays on 127.0.0.1.
@@ -282,34 +286,35 @@ async def contention_arm(
         await fleet.stop()
 
 
-async def contention_stage(seconds: float) -> list[dict[str, Any]]:
+async def contention_stage(seconds: float, reserves: list[float]) -> list[dict[str, Any]]:
+    """The priority and fairness arms, with flow control off, on, and on with each
+    ``flow.higher_band_reserve`` in ``reserves``, side by side in one run."""
     flow = "\n[flow]\nenabled = true\nmax_active = 4\npriorities = [10]\n"
     high = {"x-kvrouter-priority": "10"}
     bg: tuple[int, dict[str, str]] = (48, {})
+    on = [("flow on", flow)] + [
+        (f"flow on, reserve {r:g}", flow + f"higher_band_reserve = {r!r}\n") for r in reserves
+    ]
     out = []
     with tempfile.TemporaryDirectory(prefix="kvrouter-flow-") as tmpdir:
         tmp = Path(tmpdir)
-        # priority: 2 high-band clients alone, then beside 48 default-band ones (flow on, then off)
+        # priority: 2 high-band clients alone (the reserve never limits the highest band), then
+        # beside 48 default-band ones: flow on (per reserve), then off
         out.append(await contention_arm("priority: high alone", flow, {"high": (2, high)}, seconds, tmp))
-        out.append(
-            await contention_arm(
-                "priority: loaded, flow on", flow, {"high": (2, high), "default": bg}, seconds, tmp
-            )
-        )
-        out.append(
-            await contention_arm(
-                "priority: loaded, flow off", "", {"high": (2, high), "default": bg}, seconds, tmp
-            )
-        )
-        # fairness: 3 flows of 4 clients each, alone, then beside a flow of 40 (10x)
+        loaded = {"high": (2, high), "default": bg}
+        for label, toml in on:
+            out.append(await contention_arm(f"priority: loaded, {label}", toml, loaded, seconds, tmp))
+        out.append(await contention_arm("priority: loaded, flow off", "", loaded, seconds, tmp))
+        # fairness: 3 flows of 4 clients each, alone, then beside a flow of 40 (10x), per setting
         others = {f"flow{i}": (4, {"x-gateway-inference-fairness-id": f"f{i}"}) for i in range(3)}
         flood = {"flood": (40, {"x-gateway-inference-fairness-id": "flood"})}
-        out.append(await contention_arm("fairness: others alone", flow, others, seconds, tmp))
-        out.append(
-            await contention_arm(
-                "fairness: with a 10x flood, flow on", flow, {**others, **flood}, seconds, tmp
+        for label, toml in on:
+            out.append(await contention_arm(f"fairness: others alone, {label}", toml, others, seconds, tmp))
+            out.append(
+                await contention_arm(
+                    f"fairness: with a 10x flood, {label}", toml, {**others, **flood}, seconds, tmp
+                )
             )
-        )
         out.append(
             await contention_arm(
                 "fairness: with a 10x flood, flow off", "", {**others, **flood}, seconds, tmp
@@ -370,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="300 requests")
     p.add_argument("--stages", default="overhead,contention,trace")
     p.add_argument("--contention-s", type=float, default=12.0, help="seconds per contention arm")
+    p.add_argument(
+        "--reserve",
+        default="",
+        help="contention: also arms with flow.higher_band_reserve at each of these (e.g. 0.25,0.5)",
+    )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--capacity-blocks", type=int, default=64_000, help="as bench/replicas.py (2,000 blocks)")
     p.add_argument(
@@ -385,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     args.max_active = [int(x) for x in args.max_active.split(",") if x]
+    args.reserve = [float(x) for x in args.reserve.split(",") if x]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stages = set(args.stages.split(","))
@@ -398,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             overhead = asyncio.run(overhead_stage(args.n))
             print(f"  overhead {json.dumps(overhead)}", file=sys.stderr)
         if "contention" in stages:
-            contention = asyncio.run(contention_stage(args.contention_s))
+            contention = asyncio.run(contention_stage(args.contention_s, args.reserve))
         if "trace" in stages:
             trace = asyncio.run(trace_stage(args))
     finally:
