@@ -71,9 +71,10 @@ class FlowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``max_pending_prefill_tokens``, so a higher band's request finds a free slot at once instead of
     waiting for lower bands' requests to end, and its engine batches it with fewer of theirs. The
     highest band (and a lone band) keeps the full room. 0 (the default): every band fills the whole
-    room, and strict priority only orders the queue; the reserve idles up to that share of each
-    engine whenever no higher-band request is in flight, which only a deployment that defines
-    bands and weighs their latency above the lower bands' throughput should choose."""
+    room and strict priority only orders the queue, as without this key. Not on by default because
+    the share worth holding is the share of each engine the higher bands' concurrent requests need,
+    which the router cannot know, and whatever is held sits idle while they do not use it (it
+    costs the lower bands that much throughput). At most 0.9."""
     recheck_s: float = 0.05
     """While requests wait, capacity is also re-checked this often: load freed by other worker
     processes or replicas, and scraped engine figures, come with no local signal."""
