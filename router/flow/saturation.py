@@ -50,8 +50,11 @@ class Saturation:
     def room(self, load: TargetLoad, band: int | None = None) -> int:
         """Requests this target may still take for ``band`` (None: the highest band's, the full
         room): 0 when saturated."""
-        cfg = self.cfg
         max_active, max_pending = self._full if band is None else self.limits.get(band, self._full)
+        return self._room(load, max_active, max_pending)
+
+    def _room(self, load: TargetLoad, max_active: int, max_pending: int) -> int:
+        cfg = self.cfg
         if max_pending and load.pending_prefill_tokens >= max_pending:
             return 0
         if cfg.max_engine_waiting and load.engine_waiting >= cfg.max_engine_waiting:
@@ -64,11 +67,12 @@ class Saturation:
 
     def headroom(self, targets: Iterable[Target], band: int | None = None) -> int:
         """Requests the targets may take together for ``band`` (0: every one is saturated)."""
+        max_active, max_pending = self._full if band is None else self.limits.get(band, self._full)
         get = self.loads.get
-        room = self.room
+        room = self._room
         total = 0
         for t in targets:
-            total += room(get(t), band)
+            total += room(get(t), max_active, max_pending)
         return total
 
     def reasons(self, load: TargetLoad, band: int | None = None) -> list[str]:
