@@ -759,6 +759,64 @@ def _validate_epp(e: EppConfig) -> None:
         path = getattr(e, key)
         if path and not Path(path).is_file():
             raise ConfigError(f"epp.{key}: {path!r} is not a readable file")
+    if e.tls_cert_file:
+        _validate_epp_tls(e)
+
+
+_PEM_MAX_BYTES = 1 << 20
+"""A PEM file past this is not a certificate chain or a key (one certificate is ~1-2 KiB)."""
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----")
+_PEM_KEY = re.compile(rb"-----BEGIN (?:RSA |EC |ENCRYPTED )?PRIVATE KEY-----")
+
+
+def _pem(label: str, path: str, what: str, marker: re.Pattern[bytes]) -> bytes:
+    """The file's bytes, or the ConfigError (``label``: the key and its value) saying what is wrong."""
+    try:
+        if Path(path).stat().st_size > _PEM_MAX_BYTES:
+            raise ConfigError(f"{label}: larger than {_PEM_MAX_BYTES >> 20} MiB, not a PEM {what}")
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{label}: not a readable file ({exc.strerror})") from None
+    if not marker.search(data):
+        raise ConfigError(f"{label}: holds no PEM {what}")
+    return data
+
+
+def _validate_epp_tls(e: EppConfig) -> None:
+    """The TLS files parse and belong together, checked here with the standard library's OpenSSL:
+    gRPC reads them only when the port is bound and then says no more than that it "failed to
+    bind", which reads like a port in use. gRPC takes no passphrase, so an encrypted key is refused."""
+    import ssl
+
+    cert = f"epp.tls_cert_file: {e.tls_cert_file!r}"
+    key = f"epp.tls_key_file: {e.tls_key_file!r}"
+    _pem(cert, e.tls_cert_file, "certificate", _PEM_CERT)
+    data = _pem(key, e.tls_key_file, "private key", _PEM_KEY)
+    encrypted = f"{key}: the key is encrypted; gRPC takes no passphrase, give it unencrypted"
+    if b"ENCRYPTED" in data:  # (PKCS#8 "ENCRYPTED PRIVATE KEY", or a legacy "Proc-Type: 4,ENCRYPTED")
+        raise ConfigError(encrypted)
+
+    def no_password() -> bytes:  # (never a prompt on the terminal)
+        raise ConfigError(encrypted)
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(e.tls_cert_file, e.tls_key_file, password=no_password)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(f"{key}: not the key of {cert}") from None
+        raise ConfigError(
+            f"{cert}, {key}: not a usable PEM certificate chain and key ({exc.reason or 'unreadable'})"
+        ) from None
+    if e.tls_client_ca_file:
+        ca = f"epp.tls_client_ca_file: {e.tls_client_ca_file!r}"
+        _pem(ca, e.tls_client_ca_file, "certificate", _PEM_CERT)
+        try:
+            ctx.load_verify_locations(cafile=e.tls_client_ca_file)
+        except ssl.SSLError as exc:
+            raise ConfigError(
+                f"{ca}: holds no usable PEM certificate ({exc.reason or 'unreadable'})"
+            ) from None
 
 
 def load_config(path: str | Path) -> RouterConfig:

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,42 @@ def envoy_binary() -> Path:
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI runs the Envoy tests but {why}", pytrace=False)
     pytest.skip(why)
+
+
+@dataclass(frozen=True)
+class UpstreamTls:
+    """TLS from Envoy to the picker (an UpstreamTlsContext on the ext_proc cluster): the CA Envoy
+    verifies the picker's certificate with, the SAN it must carry (the address Envoy dials), and
+    for mTLS the gateway's own certificate and key."""
+
+    ca: Path
+    san: str = "127.0.0.1"
+    cert: Path | None = None
+    key: Path | None = None
+
+
+def _tls_socket(tls: UpstreamTls) -> dict[str, Any]:
+    common: dict[str, Any] = {
+        "alpn_protocols": ["h2"],  # (gRPC over TLS negotiates HTTP/2 by ALPN)
+        "validation_context": {
+            "trusted_ca": {"filename": str(tls.ca)},
+            "match_typed_subject_alt_names": [
+                {"san_type": "IP_ADDRESS" if tls.san[0].isdigit() else "DNS", "matcher": {"exact": tls.san}}
+            ],
+        },
+    }
+    if tls.cert is not None and tls.key is not None:
+        common["tls_certificates"] = [
+            {"certificate_chain": {"filename": str(tls.cert)}, "private_key": {"filename": str(tls.key)}}
+        ]
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": T + "transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": "localhost",
+            "common_tls_context": common,
+        },
+    }
 
 
 def _cluster(name: str, addresses: list[tuple[str, int]], http2: bool = False) -> dict[str, Any]:
@@ -79,6 +116,7 @@ def bootstrap(
     retries: int = 2,
     original_dst: bool = False,
     response: str | None = None,
+    tls: UpstreamTls | None = None,
 ) -> dict[str, Any]:
     """An Envoy bootstrap: listener -> [set_metadata subset hint] -> ext_proc (the picker at ``epp``;
     None: no picker, Envoy's own round robin) -> router -> the pool of ``engines`` (override_host
@@ -86,7 +124,8 @@ def bootstrap(
     on the header instead). ``mode``: the request body mode; ``response``: the response body mode,
     by default NONE with a BUFFERED request (the picker sees the response headers and the stream's
     end, and asks for a sampled response's body itself with a ``mode_override``, which
-    ``allow_mode_override`` lets through) and the request's mode otherwise (llm-d's configs)."""
+    ``allow_mode_override`` lets through) and the request's mode otherwise (llm-d's configs).
+    ``tls``: the ext_proc cluster speaks TLS (mTLS with a client certificate) to the picker."""
     if response is None:
         response = "NONE" if mode == "BUFFERED" else mode
     filters: list[dict[str, Any]] = []
@@ -175,6 +214,8 @@ def bootstrap(
     clusters = [pool]
     if epp is not None:
         clusters.append(_cluster("epp", [epp], http2=True))
+        if tls is not None:
+            clusters[-1]["transport_socket"] = _tls_socket(tls)
     route: dict[str, Any] = {"cluster": "pool", "timeout": "0s"}
     if retries:
         route["retry_policy"] = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": retries}
