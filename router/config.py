@@ -291,6 +291,11 @@ class EppConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """With the gateway's response body mode NONE (docs/gateway.md: no message per SSE chunk), ask
     Envoy for the body of one in this many checkable responses (``mode_override``: the filter
     needs ``allow_mode_override: true``) to read their usage for the prediction self-check; 0 never."""
+    estimate_prefill: bool = True
+    """For a response seen without its body (response body mode NONE), end its pending prefill when
+    the prefill time measured on the bodies the picker did see says so (router/epp/prefill.py),
+    not at the response headers, which a vLLM stream sends before its prefill; false: at the
+    headers (an engine that sends them only once its prefill is over)."""
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -112,6 +112,8 @@ class FakeEngine:
         self.pd_params: dict[str, Any] | None = None
         """Answer prefill legs (kv_transfer_params.do_remote_decode) with these transfer parameters."""
         self.delay_s = 0.0
+        self.prefill_s = 0.0
+        """Streams: seconds between the response headers and the first chunk (vLLM's prefill)."""
         self.disconnected = 0
         self.publishers = consecutive_publishers(ctx, dp_size)
         self._hashes = 0
@@ -264,6 +266,8 @@ class FakeEngine:
         words = ["hello", " from", f" {self.name}"] * repeat
         held = self.mode == "held_stream"  # a word every 20 ms until the test sets `release`
         try:
+            if self.prefill_s:
+                await asyncio.sleep(self.prefill_s)
             for i, w in enumerate(self._held_words() if held else words):
                 if self.mode == "broken_stream" and i == 2:
                     raise RuntimeError("engine crashed mid-stream")

@@ -42,6 +42,7 @@ from router.config import EppConfig
 from router.decision.classes import request_class_of
 from router.decision.service import Endpoint, Route, RouterService
 from router.epp import protocol as p
+from router.epp.prefill import PrefillClock
 from router.errors import ApiError, bad_request, too_large
 from router.fleet.load import LoadTracker, Ticket
 from router.flow.controller import FlowController, Rejection
@@ -154,6 +155,8 @@ class Picker:
         by the same rules as the proxy's; None when off."""
         self.sampled = 0
         """Checkable responses seen without their body (the sampling of ``_sample_body``)."""
+        self.prefill = PrefillClock()
+        """When a prefill is over for a response seen without its body (router/epp/prefill.py)."""
 
     async def Process(
         self,
@@ -240,6 +243,10 @@ class _Stream:
         self.tail = b""
         self.truncated = False
         self.first = True
+        self.work = 0
+        """The target's pending prefill tokens at the decision, this request's included."""
+        self.prefill_timer: asyncio.TimerHandle | None = None
+        """The estimated end of the prefill of a response seen without its body."""
         self.response_seen = False
         self.body_expected = False
         """Whether Envoy sends the response body (its mode, or the picker's mode_override)."""
@@ -398,6 +405,7 @@ class _Stream:
         self.target = target
         # (no await since the prefill leg's reservation ended: its ticket follows in the same step)
         self.ticket = picker.loads.start(target, service.uncached_tokens(route, target))
+        self.work = self.ticket.load.pending_prefill_tokens
         self._release_grant()  # (the load is counted now: the queue may let the next one go)
         self.decided_at = time.perf_counter()
         self.outcome = "picked"
@@ -507,8 +515,9 @@ class _Stream:
             if self.target is not None:
                 extra = [("x-kvrouter-backend", self.target[0]), ("x-kvrouter-dp-rank", str(self.target[1]))]
                 if not self.body_expected:
-                    self._first_byte()
                     sample = self._sample_body()
+                    if not sample:  # (a sampled body's first chunk is the real first byte)
+                        self._first_byte(seen=False)
         if req.response_headers.end_of_stream:
             self._response_end()
             sample = False
@@ -534,15 +543,29 @@ class _Stream:
         picker.sampled += 1
         return picker.sampled % every == 0
 
-    def _first_byte(self) -> None:
-        """The engine answered: its prefill is over (the first body chunk; with response body mode
-        NONE the response headers, which a vLLM stream sends once the engine took the request, so
-        the pending prefill is released early by the prefill's duration)."""
+    def _first_byte(self, seen: bool = True) -> None:
+        """The engine answered. ``seen``: its first body chunk, so its prefill is over (and how
+        long it took teaches the prefill clock). Otherwise the response headers of a body the
+        picker does not see, which a vLLM stream sends once the engine took the request, before its
+        prefill: the pending prefill is released when the prefill clock says it is over
+        (router/epp/prefill.py), at once where it has no measurement yet."""
         if self.first and self.ticket is not None and self.target is not None:
             self.first = False
-            self.picker.loads.first_byte(self.ticket)
+            picker = self.picker
             self.first_byte_s = time.perf_counter() - self.decided_at
-            self.picker.metrics.observe_ttft(self.target[0], self.first_byte_s)
+            picker.metrics.observe_ttft(self.target[0], self.first_byte_s)
+            if seen:
+                if self.sse:  # (a JSON body's first byte comes after the whole generation)
+                    picker.prefill.learn(self.target, self.work, self.first_byte_s)
+                picker.loads.first_byte(self.ticket)
+                return
+            over = picker.prefill.seconds(self.target, self.work) if picker.config.estimate_prefill else None
+            if over is None or over <= self.first_byte_s:
+                picker.loads.first_byte(self.ticket)
+                return
+            ticket = self.ticket
+            loop = asyncio.get_running_loop()
+            self.prefill_timer = loop.call_later(over - self.first_byte_s, picker.loads.first_byte, ticket)
 
     def _served(self, served: str | None) -> None:
         """Move the request's load (and prediction) to the endpoint that served, when the gateway's
@@ -568,6 +591,7 @@ class _Stream:
             if self.ticket is not None:
                 picker.loads.finish(self.ticket)
             self.ticket = picker.loads.start(target, picker.service.uncached_tokens(route, target))
+            self.work = self.ticket.load.pending_prefill_tokens
             if route.report is not None:
                 picker.service.predict(target, route.report)  # the prefix is computed there now
             self.target = target
@@ -628,6 +652,9 @@ class _Stream:
             self.picker.pd.metrics.leg("decode", backend, status, self.first_byte_s)
 
     def _release(self) -> None:
+        if self.prefill_timer is not None:
+            self.prefill_timer.cancel()
+            self.prefill_timer = None
         if self.ticket is not None:
             self.picker.loads.finish(self.ticket)
             self.ticket = None

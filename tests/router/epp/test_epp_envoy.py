@@ -383,3 +383,43 @@ def test_response_body_none_samples_bodies_for_the_self_check(gateway: Make, eve
     else:
         wait_for(lambda: gw.load("a").active == 0, "both finished")
         assert sum(checks.counts.values()) == 0
+
+
+def test_response_body_none_holds_the_prefill_until_the_measured_prefill_time(
+    gateway: Make, tmp_path: Path
+) -> None:
+    """A vLLM stream sends its headers before the prefill; with response body NONE they are all the
+    picker sees, so the pending prefill is held for the prefill time measured on the bodies it did
+    see (router/epp/prefill.py) instead of ending at the headers. (One engine: the learned
+    prefill time is per target.)"""
+    gw = gateway(names=("a",))
+    engines = [("127.0.0.1", e.server.port) for e in gw.engines.values()]
+    duplex = Envoy(bootstrap(gw.epp, engines, mode="FULL_DUPLEX_STREAMED"), tmp_path, "duplex")
+    try:
+        for e in gw.engines.values():
+            e.prefill_s = 1.0
+        seen = openai.OpenAI(base_url=f"{duplex.url}/v1", api_key="none", max_retries=0)
+        text = "".join(c.choices[0].text for c in seen.completions.create(
+            model="toy", prompt=ids(11, 64), max_tokens=3, stream=True))  # fmt: skip
+        assert text.startswith("hello from")
+    finally:
+        duplex.stop()
+    picker = gw.router.app.epp.picker  # type: ignore[union-attr]
+    learned = [picker.prefill.seconds((n, 0), 64) for n in gw.engines]
+    assert any(s is not None and s >= 1.0 for s in learned), learned  # measured on the body it saw
+    for e in gw.engines.values():
+        e.mode = "held_stream"
+    em = picker.epp_metrics
+    before = em.served.values.get(("primary",), 0)
+    stream = gw.client().completions.create(model="toy", prompt=ids(12, 64), max_tokens=3, stream=True)
+    it = iter(stream)  # (the client has the headers; the first word comes after the prefill)
+    wait_for(lambda: em.served.values.get(("primary",), 0) == before + 1, "the response headers seen")
+    loads = [gw.load(n) for n in gw.engines]
+    assert sum(x.prefilling for x in loads) == 1, "the prefill ended at the headers"
+    assert next(it).choices[0].text.startswith(" w")
+    wait_for(lambda: sum(x.prefilling for x in loads) == 0, "the prefill released at its estimated end")
+    assert sum(x.active for x in loads) == 1  # (still decoding: the stream is held)
+    for e in gw.engines.values():
+        e.release = True
+    "".join(c.choices[0].text for c in it)
+    wait_for(lambda: sum(x.active for x in loads) == 0, "the stream ended")

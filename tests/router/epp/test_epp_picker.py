@@ -103,3 +103,22 @@ def test_docs_gateway_table_mirrors_the_epp_defaults() -> None:
         d = f.default
         want = str(d).lower() if isinstance(d, bool) else (f'"{d}"' if isinstance(d, str) else repr(d))
         assert rows[f.name].strip() == want, (f.name, rows[f.name], want)
+
+
+def test_the_prefill_clock_scales_the_measured_prefill_time_by_the_work() -> None:
+    from router.epp import prefill
+    from router.epp.prefill import PrefillClock
+
+    clock = PrefillClock()
+    assert clock.seconds(("a", 0), 100) is None  # nothing measured: the caller releases at once
+    clock.learn(("a", 0), 0, 1.0)  # (a fully cached prompt says nothing about the rate)
+    clock.learn(("a", 0), 100, -1.0)
+    assert clock.seconds(("a", 0), 100) is None
+    clock.learn(("a", 0), 1000, 0.5)
+    assert clock.seconds(("a", 0), 2000) == 1.0 and clock.seconds(("a", 1), 2000) is None
+    for _ in range(200):  # the engine got twice as slow: the estimate follows
+        clock.learn(("a", 0), 1000, 1.0)
+    assert clock.seconds(("a", 0), 1000) == pytest.approx(1.0, rel=1e-3)
+    for i in range(prefill._MAX_TARGETS + 5):  # bounded under churn, the oldest forgotten first
+        clock.learn((f"pod-{i}", 0), 10, 0.1)
+    assert len(clock._seen) == prefill._MAX_TARGETS and ("a", 0) not in clock._seen
