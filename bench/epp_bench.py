@@ -150,7 +150,7 @@ def quality_workload(name: str, limit: int, deadline_s: float) -> Any:
 
 async def quality_arm(work: Any, arm: str, tmp: Path, tag: str) -> dict[str, Any]:
     """One arm on a fresh fleet and a fresh ``kvrouter serve`` (the same config for every arm)."""
-    from replicas import hist_quantile, parse_metrics, total
+    from replicas import hist_quantile, parse_metrics, pin, total
 
     from sim.driver import DriverConfig, run, scrape_engines
     from sim.fleet import Fleet
@@ -172,6 +172,7 @@ async def quality_arm(work: Any, arm: str, tmp: Path, tag: str) -> dict[str, Any
         router = RouterProcess(path, tmp / f"{tag}.log", port)
         router.start()
         await router.wait_ready(120.0)
+        pin(router.proc)
         url = router.url
         if arm != "serve":
             mode = "FULL_DUPLEX_STREAMED" if "duplex" in arm else "BUFFERED"
@@ -181,6 +182,7 @@ async def quality_arm(work: Any, arm: str, tmp: Path, tag: str) -> dict[str, Any
             else:
                 config = bootstrap(("127.0.0.1", eport), engines, mode=mode)
             envoy = await asyncio.to_thread(Envoy, config, tmp, f"envoy-{tag}")
+            pin(envoy.proc)
             url = envoy.url
         dcfg = DriverConfig(base_url=url, model=work.engine.model, concurrency=work.concurrency,
                             speedup=work.speedup, session_mode=False, deadline_s=work.deadline_s)  # fmt: skip
@@ -362,7 +364,20 @@ def main() -> None:
     ap.add_argument("--arms", default="serve,envoy+epp", help=f"quality: of {', '.join(QUALITY_ARMS)}")
     ap.add_argument("--deadline", type=float, default=60.0, help="quality: seconds of requests per arm")
     ap.add_argument("--limit", type=int, default=1500, help="quality: requests per trace at most")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="quality: the router and Envoy on the last CPU, this process (engines, load) on the others",
+    )
     args = ap.parse_args()
+    if args.pin:
+        import replicas
+
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs at least 2 CPUs")
+        replicas.ROUTER_CPUS = {cpus[-1]}
+        os.sched_setaffinity(0, set(cpus[:-1]))
     stages = set(args.stages.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="epp-bench-"))
     out: dict[str, Any] = {

@@ -791,6 +791,7 @@ def _validate_epp_tls(e: EppConfig) -> None:
     """The TLS files parse and belong together, checked here with the standard library's OpenSSL:
     gRPC reads them only when the port is bound and then says no more than that it "failed to
     bind", which reads like a port in use. gRPC takes no passphrase, so an encrypted key is refused."""
+    # optional: the ssl module only for a config with [epp] TLS files
     import ssl
 
     cert = f"epp.tls_cert_file: {e.tls_cert_file!r}"
