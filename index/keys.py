@@ -118,6 +118,24 @@ def extra_hash(items: Sequence[Any]) -> int:
     return stable_hash(["extra", list(items)])
 
 
+def request_extra_keys(
+    block_size: int, cache_salt: str | None = None, media: Sequence[Sequence[Any]] | None = None
+) -> dict[int, Sequence[Any]] | None:
+    """Each block's extra key items for a prompt, as vLLM's events list them once the LoRA name is
+    dropped (ingest drops it too): a block that a media range ``(offset, length, identifier)``
+    touches carries ``[identifier, offset - block start]`` (negative for the blocks after the
+    range's first), one pair per range in prompt order, then the cache salt on block 0."""
+    out: dict[int, list[Any]] = {}
+    for offset, length, ident in media or ():
+        if length <= 0:
+            continue
+        for b in range(offset // block_size, (offset + length - 1) // block_size + 1):
+            out.setdefault(b, []).append([ident, offset - b * block_size])
+    if cache_salt:
+        out.setdefault(0, []).append(cache_salt)
+    return dict(out) if out else None
+
+
 class _Powers:
     """Cached powers of C and C^-1 mod 2^64, grown on demand (shared per process, read-mostly)."""
 

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from index.ingest import FULL, MAMBA, SLIDING, GroupSpec, Ingestor, SourceStats
-from index.keys import prompt_keys, prompt_keys_both, prompt_keys_raw
+from index.keys import prompt_keys, prompt_keys_both, prompt_keys_raw, request_extra_keys
 from index.store import GroupMatch, PrefixStore, SourceId, SourceMatch, group_medium
 from index.subscriber import EventSubscriber, SourceConfig, SourceStatus, SubscriberConfig
 
@@ -195,6 +195,7 @@ class KVIndex:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        spans: Sequence[Sequence[Any]] | None = None,
     ) -> MatchReport:
         """Longest cached prefix of ``tokens`` on every candidate source, by medium (predictions included)."""
         by_size: dict[int, list[int]] = {}
@@ -213,13 +214,14 @@ class KVIndex:
                 else:
                     plain.append(sidx)
         main_size = self.config.block_size or (next(iter(by_size)) if by_size else 16)
-        extra: dict[int, Sequence[Any]] | None = {0: [cache_salt]} if cache_salt else None
         keys: dict[int, list[int]] = {}
         matches: dict[SourceId, SourceMatch] = {}
         now = time.monotonic()
         predictions = self._predicted
         for size, sidxs in by_size.items():
-            ks, arr = prompt_keys_both(tokens, size, lora_name=lora_name, extra_keys=extra)
+            ks, arr = prompt_keys_both(
+                tokens, size, lora_name=lora_name, extra_keys=request_extra_keys(size, cache_salt, spans)
+            )
             keys[size] = ks
             for sidx in hybrid.get(size, ()):  # hybrid models: vLLM's hybrid rule, source by source
                 hm = self._match_groups(sidx, stats[sidx], size, arr, ks, len(tokens), now)
@@ -233,7 +235,12 @@ class KVIndex:
                         self._extend_with_predictions(m, ks, predicted, now)
                 matches[m.source] = m
         if main_size not in keys:
-            keys[main_size] = prompt_keys(tokens, main_size, lora_name=lora_name, extra_keys=extra)
+            keys[main_size] = prompt_keys(
+                tokens,
+                main_size,
+                lora_name=lora_name,
+                extra_keys=request_extra_keys(main_size, cache_salt, spans),
+            )
         return MatchReport(len(tokens), main_size, len(tokens) // main_size, matches, keys)
 
     def plan(self, candidates: Sequence[SourceId]) -> SourcePlan:
@@ -286,13 +293,13 @@ class KVIndex:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        spans: Sequence[Sequence[Any]] | None = None,
     ) -> PlanMatch:
         """:meth:`match` over a :class:`SourcePlan`'s candidates, as lists in candidate order: one
         compiled lookup per block size, no object per candidate (a dict only for a candidate with
         predictions, a hybrid model's or one the index does not follow). Same answer as
         :meth:`match`."""
         n = plan.n
-        extra: dict[int, Sequence[Any]] | None = {0: [cache_salt]} if cache_salt else None
         keys: dict[int, list[int]] = {}
         arrays: dict[int, bytes] = {}
         matched: list[int] | None = None
@@ -300,7 +307,9 @@ class KVIndex:
         media: list[dict[str, int] | None] | None = None
         lookup = self.store.core.lookup
         for size, sidxs, where in plan.groups:
-            ks, arr = prompt_keys_both(tokens, size, lora_name=lora_name, extra_keys=extra)
+            ks, arr = prompt_keys_both(
+                tokens, size, lora_name=lora_name, extra_keys=request_extra_keys(size, cache_salt, spans)
+            )
             keys[size] = ks
             arrays[size] = arr
             blocks, off = lookup(arr, sidxs)
@@ -326,7 +335,12 @@ class KVIndex:
             stats = self.ingestor.stats
             for i, sidx, size in plan.hybrid:
                 if size not in keys:
-                    ks, arr = prompt_keys_both(tokens, size, lora_name=lora_name, extra_keys=extra)
+                    ks, arr = prompt_keys_both(
+                        tokens,
+                        size,
+                        lora_name=lora_name,
+                        extra_keys=request_extra_keys(size, cache_salt, spans),
+                    )
                     keys[size] = ks
                     arrays[size] = arr
                 st = stats.get(sidx)
@@ -348,7 +362,9 @@ class KVIndex:
             media = self._extend_plan(plan, keys, matched, offs, media, now)
         main = plan.main_size
         if main not in keys:
-            keys[main] = prompt_keys(tokens, main, lora_name=lora_name, extra_keys=extra)
+            keys[main] = prompt_keys(
+                tokens, main, lora_name=lora_name, extra_keys=request_extra_keys(main, cache_salt, spans)
+            )
         return PlanMatch(main, len(tokens) // main, keys, matched, media, offs, groups)
 
     def _extend_plan(
@@ -427,6 +443,7 @@ class KVIndex:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        spans: Sequence[Sequence[Any]] | None = None,
     ) -> tuple[int, list[int], list[dict[str, int] | None]] | None:
         """:meth:`match` as plain lists, without a report: (block size, matched blocks per
         candidate, blocks by medium per candidate: None for ``{"GPU": blocks}``, ``{}`` for a
@@ -452,8 +469,7 @@ class KVIndex:
                     return None
                 sidxs.append(sidx)
                 where.append(i)
-        extra: dict[int, Sequence[Any]] | None = {0: [cache_salt]} if cache_salt else None
-        keys = prompt_keys_raw(tokens, size, lora_name, extra)
+        keys = prompt_keys_raw(tokens, size, lora_name, request_extra_keys(size, cache_salt, spans))
         blocks, offs = self.store.lookup_counts(keys, sidxs)
         n = len(candidates)
         matched = [0] * n

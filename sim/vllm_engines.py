@@ -15,7 +15,11 @@ still has the cache layout of the family it stands for:
   sliding one keeps only the blocks its window still needs;
 - ``qwen3_next``: Gated DeltaNet (Mamba-like state) layers and one full-attention layer; the CPU
   kernels need linear head dims of 128, and vLLM raises the block to 544 tokens so one attention
-  page holds as much as one state.
+  page holds as much as one state;
+- ``idefics3``: a vision-language model (images in chat prompts): the llama text model behind a
+  2-layer vision tower. Idefics3 because vLLM's module for it imports no torchvision (the PyPI
+  torchvision wheels are CUDA builds that do not load beside the CPU torch; LLaVA's module needs
+  it), and transformers then uses its PIL image processor.
 
 **Engines.** An engine runs in its own session (``start_new_session``): its API server, EngineCore
 and Worker processes form one process group, and a kill -9 of the API server alone leaves the other
@@ -61,7 +65,7 @@ MODEL = "tiny"
 VOCAB = 2048
 """The toy tokenizer's vocabulary; the embedding tables are this size."""
 
-BLOCK_SIZES = {"llama": 32, "gemma3": 32, "qwen3_next": 544}
+BLOCK_SIZES = {"llama": 32, "gemma3": 32, "qwen3_next": 544, "idefics3": 32}
 """The engine's block per model: 32 requested; vLLM raises it to 544 for the Qwen3-Next shape (a
 Mamba state page must fit one attention page)."""
 
@@ -128,10 +132,100 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+IMAGE_TOKEN = "<image>"
+"""The vision shape's image token: the template renders one per image part; the engine replaces it
+with :data:`IMAGE_PROMPT` (the media's placeholder range)."""
+MEDIA_TOKENS = ("<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>")
+"""Added after the trained vocabulary, in this order (ids ``VOCAB`` on; the text model's embedding
+table is larger than the trained vocabulary by a margin)."""
+IMAGE_TOKEN_ID = VOCAB + 1
+VISION_IMAGE_SIZE, VISION_PATCH, VISION_SCALE = 224, 14, 2
+IMAGE_TOKENS = (VISION_IMAGE_SIZE // VISION_PATCH) ** 2 // VISION_SCALE**2
+"""Image embeddings per image: a 16 x 16 patch grid, pixel-shuffled by 2 (64)."""
+IMAGE_PROMPT = [VOCAB, VOCAB + 3] + [IMAGE_TOKEN_ID] * IMAGE_TOKENS + [VOCAB]
+"""What an image is in the engine's prompt (image splitting off): the wrapper token, the global
+image tag, the image tokens, the wrapper again: 67 tokens, not a multiple of the 32-token block, so
+images start and end mid-block."""
+
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+"""The toy template, with OpenAI-style content lists: an image part renders as ``<image>``."""
+
+CONFIGS["idefics3"] = {
+    "architectures": ["Idefics3ForConditionalGeneration"],
+    "model_type": "idefics3",
+    "image_token_id": IMAGE_TOKEN_ID,
+    "scale_factor": VISION_SCALE,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "pad_token_id": _COMMON["pad_token_id"],
+    "text_config": {**CONFIGS["llama"], "vocab_size": VOCAB + 64},
+    "vision_config": {
+        "model_type": "idefics3_vision",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "image_size": VISION_IMAGE_SIZE,
+        "patch_size": VISION_PATCH,
+    },
+}
+
+
+def _write_vision_extras(directory: Path) -> None:
+    """The media tokens, the template with image parts, and the processor files vLLM loads: the
+    Idefics3 image processor's PIL backend (what transformers picks without torchvision), image
+    splitting off, so every image is one global image of a fixed size."""
+    tok_path = directory / "tokenizer.json"
+    tok = json.loads(tok_path.read_text(encoding="utf-8"))
+    for i, content in enumerate(MEDIA_TOKENS):
+        flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+        tok["added_tokens"].append({"content": content, "id": VOCAB + i, "special": True, **flags})
+        tok["model"]["vocab"][content] = VOCAB + i
+    tok_path.write_text(json.dumps(tok, ensure_ascii=False, sort_keys=True, indent=1) + "\n", "utf-8")
+    cfg_path = directory / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg["chat_template"] = VISION_CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, ensure_ascii=False, sort_keys=True, indent=2) + "\n", "utf-8")
+    edge = {"longest_edge": VISION_IMAGE_SIZE}
+    pre = {
+        "image_processor_type": "Idefics3ImageProcessor",
+        "processor_class": "Idefics3Processor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": edge,
+        "max_image_size": edge,
+        "do_image_splitting": False,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pad": True,
+        "resample": 1,
+    }
+    (directory / "preprocessor_config.json").write_text(json.dumps(pre, indent=2, sort_keys=True) + "\n")
+    proc = {"processor_class": "Idefics3Processor", "image_seq_len": IMAGE_TOKENS}
+    (directory / "processor_config.json").write_text(json.dumps(proc, indent=2, sort_keys=True) + "\n")
+
+
 def write_model(directory: Path, kind: str) -> Path:
     """Write the model directory of ``kind`` (a key of :data:`CONFIGS`) and return it."""
     directory.mkdir(parents=True, exist_ok=True)
     build_toy_tokenizer(directory, vocab_size=VOCAB)
+    if kind == "idefics3":
+        _write_vision_extras(directory)
     (directory / "config.json").write_text(json.dumps(CONFIGS[kind], indent=2, sort_keys=True) + "\n")
     return directory
 

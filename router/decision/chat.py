@@ -50,6 +50,7 @@ import jinja2.parser
 import jinja2.sandbox
 from tokenizers import Tokenizer, processors
 
+from router.decision.media import IMAGE_PART_TYPES, ImagePrompt, MediaTokens, expand_images, image_prompt_of
 from router.decision.segments import SegmentCache
 from router.decision.tokenizer import (
     ContentFormat,
@@ -205,15 +206,21 @@ _MEDIA_KEEP_BEFORE = 2
 with what follows them, and the engine's prompt has the media's placeholders there."""
 
 
-def _part_texts(content: Any, index: int) -> list[str]:
-    """The text pieces of one message's content (string, None or list of parts)."""
+_IMAGE = object()
+"""An image part the template renders itself (``{"type": "image"}``, as vLLM passes it)."""
+
+
+def _part_texts(content: Any, index: int, images: list[str | None] | None = None) -> list[Any]:
+    """The text pieces of one message's content (string, None or list of parts). With ``images``,
+    an image part becomes :data:`_IMAGE` and its identifier (the client's ``uuid``, or None) is
+    appended there; every other media part is :data:`MEDIA_MARK`."""
     if content is None:
         return []
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
         raise TokenizerError(f"messages[{index}].content must be a string, a list of parts or null")
-    texts: list[str] = []
+    texts: list[Any] = []
     for j, part in enumerate(content):
         if isinstance(part, str):
             texts.append(part)
@@ -223,7 +230,12 @@ def _part_texts(content: Any, index: int) -> list[str]:
         ptype = part.get("type", "text")
         field = _TEXT_PART_TYPES.get(ptype) if isinstance(ptype, str) else None
         if field is None:
-            # images/audio expand into model-specific placeholder tokens inside the engine: the
+            if images is not None and ptype in IMAGE_PART_TYPES:
+                uuid = part.get("uuid")
+                images.append(None if uuid is None else str(uuid))
+                texts.append(_IMAGE)
+                continue
+            # other media expand into model-specific placeholder tokens inside the engine: the
             # prompt is matched up to the first one (PrefixTokens)
             texts.append(MEDIA_MARK)
             continue
@@ -274,8 +286,11 @@ def _tool_calls(raw: Any, index: int) -> list[dict[str, Any]] | None:
     return calls
 
 
-def _normalize_messages(messages: Any, content_format: Literal["string", "openai"]) -> list[dict[str, Any]]:
-    """Build the conversation the template sees from OpenAI messages, keeping only the keys vLLM keeps."""
+def _normalize_messages(
+    messages: Any, content_format: Literal["string", "openai"], images: list[str | None] | None = None
+) -> list[dict[str, Any]]:
+    """Build the conversation the template sees from OpenAI messages, keeping only the keys vLLM
+    keeps. ``images`` (openai content format only): see :func:`_part_texts`."""
     if not isinstance(messages, list) or not messages:
         raise TokenizerError("messages must be a non-empty list")
     out: list[dict[str, Any]] = []
@@ -285,10 +300,10 @@ def _normalize_messages(messages: Any, content_format: Literal["string", "openai
         role = msg.get("role")
         if not isinstance(role, str):
             raise TokenizerError(f"messages[{i}].role must be a string")
-        texts = _part_texts(msg.get("content"), i)
+        texts = _part_texts(msg.get("content"), i, images if content_format == "openai" else None)
         content: Any
         if content_format == "openai":
-            content = [{"type": "text", "text": t} for t in texts]
+            content = [{"type": "image"} if t is _IMAGE else {"type": "text", "text": t} for t in texts]
         else:
             content = "\n".join(texts)
         conv: dict[str, Any] = {"role": role, "content": content}
@@ -435,11 +450,15 @@ class ChatTokenizer:
         content_format: ContentFormat = "auto",
         name: str = "",
         cache_bytes: int = 32 << 20,
+        image_prompt: ImagePrompt | None = None,
     ) -> None:
         """`chat_templates` maps template names to sources ("default" is used; "tool_use" when tools
         are given and it exists). `special_tokens` holds bos_token, eos_token, ... as template
-        variables. `cache_bytes` bounds the segment cache (:mod:`router.decision.segments`; 0: off)."""
+        variables. `cache_bytes` bounds the segment cache (:mod:`router.decision.segments`; 0: off).
+        `image_prompt`: what the engine puts in an image's place, when the model's files fix it
+        (:func:`router.decision.media.image_prompt_of`); None: prompts match up to their first image."""
         self._tok = tokenizer
+        self.image_prompt = image_prompt
         self.segments = SegmentCache(tokenizer, cache_bytes)
         self.name = name
         self._env = _make_environment()
@@ -525,6 +544,7 @@ class ChatTokenizer:
             content_format=content_format,
             name=str(p),
             cache_bytes=cache_bytes,
+            image_prompt=image_prompt_of(directory, tok) if directory is not None else None,
         )
 
     def _compile(
@@ -649,6 +669,7 @@ class ChatTokenizer:
         documents: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
         large: bool = False,
+        images: list[str | None] | None = None,
     ) -> str:
         """Render the chat template to the exact prompt text the engine will tokenize.
 
@@ -658,7 +679,9 @@ class ChatTokenizer:
         `large`: a large request, rendered in a worker thread: ``tojson`` then encodes in short
         steps (the same text). Raises `TokenizerError` for invalid messages, a missing template or
         a template error (such as `raise_exception` for an unsupported role). Media parts render as
-        :data:`MEDIA_MARK`.
+        :data:`MEDIA_MARK`; with ``images`` (a list, filled in prompt order with each image's
+        ``uuid`` or None) and the openai content format, image parts reach the template as
+        ``{"type": "image"}`` parts, as vLLM passes them, and render as its own placeholder.
         """
         if continue_final_message and add_generation_prompt:
             raise TokenizerError("continue_final_message and add_generation_prompt cannot both be true")
@@ -667,7 +690,7 @@ class ChatTokenizer:
         if documents is not None and not isinstance(documents, list):
             raise TokenizerError("documents must be a list")
         template, variables, fmt = self._select(tools, chat_template)
-        conversation = _normalize_messages(messages, fmt)
+        conversation = _normalize_messages(messages, fmt, images)
         context: dict[str, Any] = dict(self._special)
         if chat_template_kwargs:
             if not isinstance(chat_template_kwargs, Mapping):
@@ -707,11 +730,21 @@ class ChatTokenizer:
         add_special_tokens: bool = False,
         large: bool = False,
         max_chars: int | None = None,
+        media_uuids: bool = True,
     ) -> list[int]:
         """Render then encode. `add_special_tokens` defaults to False like vLLM's chat endpoint: the
         template already starts with BOS, and the post-processor would add a second one. `large`:
         see :meth:`render_chat`; a prompt longer than `max_chars` is not encoded
-        (`TokenizerUnavailable`)."""
+        (`TokenizerUnavailable`).
+
+        Images, for a model whose image range is known (:attr:`image_prompt`): expanded as the
+        engine expands them, and a :class:`MediaTokens` carrying each one's range and ``uuid``
+        (its identifier in vLLM's block keys) when every image has one; else the prompt up to the
+        first image without one (:class:`PrefixTokens`). ``media_uuids`` False (the request sets
+        options vLLM hashes into the identifier): no image has a known identifier. Anything else
+        (other media; a placeholder count that is not the image count) is matched up to its first
+        media part, as for a model whose range is unknown."""
+        images: list[str | None] | None = [] if self.image_prompt is not None else None
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -721,14 +754,36 @@ class ChatTokenizer:
             documents=documents,
             chat_template=chat_template,
             large=large,
+            images=images,
         )
         if max_chars is not None and len(text) > max_chars:
             raise prompt_too_long(len(text), max_chars)
         media = text.find(MEDIA_MARK)
+        prompt = self.image_prompt
+        if images and prompt is not None and media < 0:
+            known: list[str | None] = images if media_uuids else [None] * len(images)
+            return self._with_images(text, known, add_special_tokens)
         if media >= 0:
             ids = self.encode_prompt(text[:media], add_special_tokens=add_special_tokens)
+            if images and prompt is not None and prompt.placeholder in ids:
+                return PrefixTokens(ids[: ids.index(prompt.placeholder)])  # (a special token: no merge)
             return PrefixTokens(ids[: max(len(ids) - _MEDIA_KEEP_BEFORE, 0)])
         return self.encode_prompt(text, add_special_tokens=add_special_tokens)
+
+    def _with_images(self, text: str, identifiers: list[str | None], add_special_tokens: bool) -> list[int]:
+        """The engine's prompt for a rendered prompt with images (:meth:`encode_chat`)."""
+        prompt = self.image_prompt
+        assert prompt is not None
+        ids = self.encode_prompt(text, add_special_tokens=add_special_tokens)
+        if ids.count(prompt.placeholder) != len(identifiers):
+            # (the template dropped or repeated an image, or a text part holds the placeholder:
+            # vLLM's own count check decides; the router keeps to what precedes the first one)
+            first = ids.index(prompt.placeholder) if prompt.placeholder in ids else len(ids)
+            return PrefixTokens(ids[:first])
+        out, spans, unknown = expand_images(ids, prompt, identifiers)
+        tokens = MediaTokens(out) if unknown is None else PrefixTokens(out)
+        tokens.spans = tuple(spans)
+        return tokens
 
 
 def _apply_bos_eos_flags(

@@ -666,6 +666,7 @@ class RouterService:
                     plan.sources,
                     lora_name=self.membership.lora_name(model),
                     cache_salt=body.get("cache_salt"),
+                    spans=getattr(tokens, "spans", None),
                 )
             except ValueError as exc:
                 raise bad_request(f"invalid prompt token ids: {exc}") from None

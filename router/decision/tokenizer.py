@@ -64,6 +64,7 @@ class ChatTokenizer(Protocol):
         add_special_tokens: bool = False,
         large: bool = False,
         max_chars: int | None = None,
+        media_uuids: bool = True,
     ) -> list[int]: ...
 
 
@@ -72,10 +73,14 @@ class TokenizerError(ValueError):
 
 
 class PrefixTokens(list[int]):
-    """A chat prompt's tokens up to its first media part (image, audio, video, file), which vLLM
-    expands into model-specific placeholder tokens hashed with the media's identifier: the router
-    cannot reproduce those blocks, so it matches the prompt's text before them only. Every block
-    from the media on is unknown to the router, never a false match."""
+    """A chat prompt's tokens up to its first media part (image, audio, video, file) that the
+    router cannot place: vLLM expands media into model-specific placeholder tokens keyed by the
+    media's identifier, so it matches the prompt before that part only. Every block from there on
+    is unknown to the router, never a false match. ``spans``: the images before it whose range and
+    identifier the router knows (:class:`router.decision.media.MediaSpan`), salted into their
+    blocks' keys."""
+
+    spans: tuple[Any, ...] = ()
 
 
 class TokenizerUnavailable(RuntimeError):
@@ -349,6 +354,8 @@ class RequestTokenizer:
                 if tools or documents or kwargs:
                     size += LARGE_BODY_BYTES
             large = size > LARGE_BODY_BYTES
+            # (vLLM hashes a client's image uuid with these options: the identifier is then unknown)
+            media_uuids = not body.get("mm_processor_kwargs") and not body.get("media_io_kwargs")
 
             def work() -> list[int]:
                 return local.encode_chat(
@@ -362,6 +369,7 @@ class RequestTokenizer:
                     add_special_tokens=add_special,
                     large=large,
                     max_chars=self.config.max_chars,
+                    media_uuids=media_uuids,
                 )
 
             return await self._run(size, work)
