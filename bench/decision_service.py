@@ -179,12 +179,12 @@ class Client:
         return spans
 
 
-def bodies(n: int = 64) -> list[bytes]:
+def bodies(n: int = 64, tokens: int = 1024) -> list[bytes]:
     rng = random.Random(1)
     prefix = [rng.randrange(1, 30000) for _ in range(128)]
     out = []
     for _ in range(n):
-        prompt = prefix + [rng.randrange(1, 30000) for _ in range(1024 - 128)]
+        prompt = prefix + [rng.randrange(1, 30000) for _ in range(tokens - 128)]
         out.append(json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode())
     return out
 
@@ -251,7 +251,7 @@ def arm(
                 return all(len(json.loads(get(p, "/debug/index")[1])["cluster"]["peers"]) == 1 for p in ports)
 
             wait_for(peers_seen, "replicas see each other")
-        reqs = bodies()
+        reqs = bodies(tokens=args.prompt_tokens)
 
         async def drive(count: int, seed: int) -> list[float]:
             runs = [Client(p, reqs).run(count, args.concurrency, seed + k) for k, p in enumerate(ports)]
@@ -294,6 +294,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=1500)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=1024, help="token ids per prompt (128 shared)")
     ap.add_argument("--rounds", type=int, default=1, help="each arm this many times, in turn; medians")
     ap.add_argument("--out", type=Path, default=Path("bench/out/decision-service.json"))
     ap.add_argument("--pin", action="store_true", help="the measured replica on CPU 1, the rest on CPU 0")

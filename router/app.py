@@ -42,7 +42,7 @@ from router.fleet.sources.admin import AdminApi, AdminJournal, admin_auth, beare
 from router.fleet.sources.configfile import ConfigWatcher, Stamp
 from router.flow.controller import FlowController
 from router.net.asgi import Scope
-from router.net.body import LARGE_BODY_BYTES, decode_json
+from router.net.body import decode_json, decodes_at_once
 from router.net.upstream import UpstreamPool
 from router.observe.checks import PredictionChecks, StreamStats
 from router.observe.gcpauses import GcPauses
@@ -504,9 +504,9 @@ class KVRouter:
     def route_answer_now(self, raw: bytes, query: bytes, headers: Any = ()) -> bytes | None:
         """:meth:`route_answer` when it needs no await (a prompt of token ids), else None; raises
         :class:`ApiError` like it. The native server answers such a lookup in the callback that
-        read it, without a task: external schedulers call ``/route`` per request. (Not a large body:
-        its work is done off the event loop.)"""
-        if len(raw) > LARGE_BODY_BYTES or self.flow is not None:  # (flow: route_answer says more)
+        read it, without a task: external schedulers call ``/route`` per request. (Not a body
+        decoded in pieces: its work is done off the event loop.)"""
+        if self.flow is not None or not decodes_at_once(raw):  # (flow: route_answer says more)
             return None
         body = _token_prompt_body(raw)
         if body is None:

@@ -28,7 +28,7 @@ from router.errors import ApiError, bad_request, json_body, not_found_model, una
 from router.fleet.breaker import Breakers
 from router.fleet.load import LoadTracker, PeerLoads, TargetLoad
 from router.fleet.membership import Member, Membership
-from router.net.body import LARGE_BODY_BYTES, release
+from router.net.body import decoded_in_pieces, decodes_at_once, release
 
 if TYPE_CHECKING:
     from router.cluster.affinity import SessionAffinity
@@ -437,18 +437,17 @@ class RouterService:
         with a breaker open."""
 
     async def read_json(self, raw: bytes, parse: Callable[[bytes], Any] = json_body) -> Any:
-        """``parse(raw)`` (the body decoded, or a 400): on the event loop up to
-        :data:`router.net.body.LARGE_BODY_BYTES`, else in the worker threads, in pieces; give
-        it back to :meth:`release` when done with it."""
-        if len(raw) <= LARGE_BODY_BYTES:
+        """``parse(raw)`` (the body decoded, or a 400): on the event loop when it decodes in one
+        bounded call (:func:`router.net.body.decodes_at_once`), else in the worker threads, in
+        pieces; give it back to :meth:`release` when done with it."""
+        if decodes_at_once(raw):
             return parse(raw)
         return await self.tokenizer.offload(parse, raw)
 
     async def write_json(self, body: Any, size: int) -> bytes:
-        """``body`` encoded: on the event loop when it was decoded from at most
-        :data:`router.net.body.LARGE_BODY_BYTES` (``size``), else in the worker threads (a
-        rewritten 16 MiB body held the loop for up to 0.1 s)."""
-        if size <= LARGE_BODY_BYTES:
+        """``body`` encoded: on the event loop when it was decoded at once (``size``: its bytes
+        then), else in the worker threads (a rewritten 16 MiB body held the loop for up to 0.1 s)."""
+        if not decoded_in_pieces(body):
             return msgspec.json.encode(body)
         encoded: bytes = await self.tokenizer.offload(msgspec.json.encode, body)
         return encoded
@@ -456,8 +455,8 @@ class RouterService:
     def release(self, body: Any, size: int) -> None:
         """Free a body :meth:`read_json` decoded from ``size`` bytes, when the caller holds nothing
         of it any more: a large one in the worker threads, in small steps (freed at once, millions of
-        objects held the event loop for 0.1 s)."""
-        if size > LARGE_BODY_BYTES and body is not None:
+        objects held the event loop for 0.1 s); one decoded at once is dropped as usual."""
+        if body is not None and decoded_in_pieces(body):
             self.tokenizer.offload_soon(release, body)
 
     def candidates_for(self, model: str, subset: frozenset[str] | None = None) -> list[Member]:
@@ -516,8 +515,8 @@ class RouterService:
     ) -> Route:
         """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`, no
         pin); ``session``: the request's session id, when session affinity is on; ``size``: the
-        request body's bytes, when known: a body larger than
-        :data:`router.net.body.LARGE_BODY_BYTES` is validated in the worker threads (its
+        request body's bytes, when known: a body decoded in pieces
+        (:func:`router.net.body.decoded_in_pieces`) is validated in the worker threads (its
         messages are walked one by one: 1.3M tiny ones held the loop for 75 ms), and a chat request
         is tokenized inline or in them by it.
 
@@ -527,7 +526,7 @@ class RouterService:
         ``subset``: the members (by name) the choice is limited to (:meth:`candidates_for`).
         ``request_class``: carried on the route (flow control's input; the choice does not read it)."""
         t0 = time.perf_counter()
-        if size is not None and size > LARGE_BODY_BYTES:
+        if size is not None and decoded_in_pieces(body):
             model = self._servable(await self.tokenizer.offload(validate_body, endpoint, body))
         else:
             model = self._servable_model(endpoint, body)

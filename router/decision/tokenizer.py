@@ -23,7 +23,7 @@ import msgspec
 
 from index.keys import TokenBuffer, check_token_ids
 from router.decision.segments import SegmentCache
-from router.net.body import LARGE_BODY_BYTES, decode_json
+from router.net.body import LARGE_BODY_BYTES, decode_json, decodes_at_once
 from router.net.upstream import UpstreamError, UpstreamPool
 
 __all__ = [
@@ -426,11 +426,8 @@ class RequestTokenizer:
             )
         try:
             # (a long prompt's ids: decoded in pieces, off the event loop)
-            data = (
-                decode_json(body)
-                if len(body) <= LARGE_BODY_BYTES
-                else await self.offload(decode_json, body, False)
-            )
+            at_once = decodes_at_once(body)
+            data = decode_json(body) if at_once else await self.offload(decode_json, body, False)
         except ValueError as exc:
             self.remote_failures += 1
             raise TokenizerUnavailable(f"remote tokenize at {url} returned invalid JSON") from exc

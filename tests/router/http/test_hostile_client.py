@@ -768,3 +768,35 @@ def test_the_new_limits_are_validated() -> None:
     srv = cfg.server
     assert (srv.head_timeout_s, srv.body_timeout_s, srv.max_client_connections) == (10.0, 60.0, 10_000)
     assert cfg.tokenizer_max_chars == 2 << 20
+
+
+def test_a_long_flat_prompt_decodes_at_once_and_a_container_rich_body_in_pieces() -> None:
+    """A long prompt (32k token ids, ~200 KB; few containers) decodes in one call on the event loop
+    and is dropped as usual; a body of the same size made of many small containers is decoded in
+    pieces and freed step by step; past FLAT_BODY_BYTES every body takes the pieces."""
+    from router.net.body import (
+        FLAT_BODY_BYTES,
+        LARGE_BODY_BYTES,
+        decode_json,
+        decoded_in_pieces,
+        decodes_at_once,
+        release,
+    )
+
+    flat = msgspec.json.encode({"model": "m", "prompt": list(range(100_000, 132_000)), "max_tokens": 1})
+    assert LARGE_BODY_BYTES < len(flat) <= FLAT_BODY_BYTES
+    assert decodes_at_once(flat)
+    body = decode_json(flat)
+    assert not decoded_in_pieces(body) and body == msgspec.json.decode(flat)
+    rich = msgspec.json.encode({"model": "m", "tools": [{"n": i} for i in range(len(flat) // 10)]})
+    assert LARGE_BODY_BYTES < len(rich) <= FLAT_BODY_BYTES
+    assert not decodes_at_once(rich)
+    body = decode_json(rich)
+    assert decoded_in_pieces(body) and body == msgspec.json.decode(rich)
+    release(body)
+    assert not decoded_in_pieces(body)
+    huge = msgspec.json.encode({"prompt": "x" * FLAT_BODY_BYTES})
+    assert not decodes_at_once(huge)
+    body = decode_json(huge)
+    assert decoded_in_pieces(body)
+    release(body)
