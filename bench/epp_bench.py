@@ -38,6 +38,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -363,7 +364,7 @@ def latency_stage(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 asyncio.run(ttfts(url, n, 32, 500_000 + r * 10_000))
                 per[name].append(n / (cpu_seconds(pid) - c0))
         if args.profile:  # where the picker's CPU goes (py-spy, from PyPI), on the cheap configuration
-            spy_bin = str(Path(sys.executable).parent / "py-spy")
+            spy_bin = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
             spy = subprocess.Popen([spy_bin, "record", "-p", str(router.pid), "-o", args.profile, "-f", "raw",
                                     "-r", "200", "-n"])  # fmt: skip
             time.sleep(1)
@@ -392,7 +393,7 @@ def main() -> None:
         default="",
         help="latency: also run a router from this source tree (e.g. main's, built) beside this one",
     )
-    ap.add_argument("--profile", default="", help="py-spy raw (collapsed) profile of the router to this file")
+    ap.add_argument("--profile", default="", help="py-spy (on PATH) raw profile of the router to this file")
     ap.add_argument("--traces", default="synthetic,conversation", help="quality: Mooncake traces")
     ap.add_argument("--arms", default="serve,envoy+epp", help=f"quality: of {', '.join(QUALITY_ARMS)}")
     ap.add_argument("--deadline", type=float, default=60.0, help="quality: seconds of requests per arm")
