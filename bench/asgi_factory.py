@@ -7,7 +7,7 @@ import os
 
 from router.app import KVRouter
 from router.config import load_config
-from router.http.framework import AsgiApp
+from router.http.asgi import AsgiApp
 
 
 def app() -> AsgiApp:

@@ -1,6 +1,6 @@
-"""kvrouter's own HTTP/1.1 server against maintained ASGI servers running the same app, in front of
-one upstream with vLLM-like latencies, all on the same cores as the client: router CPU per request
-and the TTFT / inter-token latency each adds, side by side in one run.
+"""`kvrouter serve` against other servers running the same app, in front of one upstream with
+vLLM-like latencies, all on the same cores as the client: router CPU per request and the TTFT /
+inter-token latency each adds, side by side in one run.
 
 Why: a hand-written replacement of a maintained library stays only where it buys at least 1.5x on a
 workload like production's. A zero-latency upstream makes the router's own cost everything; behind
@@ -9,18 +9,19 @@ matters is the CPU the router spends per streamed request (which bounds how many
 carries) and the latency it adds to each token.
 
 Sides (all in front of one ``bench/zero_mock.py --ttft-ms T --pace-ms P``, streaming completions):
-``direct`` (no router: the baseline of the latencies), ``kvrouter`` (``kvrouter serve``, its own
-server), ``kvrouter-nocache`` (only meaningful on a build that still has the server's
-cross-connection head caches: the same with them off; not a default side), ``uvicorn`` (the same
-ASGI app on uvicorn + httptools + uvloop) and ``granian`` (the same ASGI app on granian, one
-worker, uvloop). The client is raw asyncio on uvloop: ``c``
-keep-alive connections, each sending one streaming request after another for ``--seconds``; a
-prober asks ``/health`` twice a second, as a load balancer does. Rounds alternate the sides' order;
-figures are medians over rounds. CPU is the user+system time of the side's whole process group
-over the window, divided by the requests completed in it.
+``direct`` (no router: the baseline of the latencies), ``kvrouter`` (``kvrouter serve`` of this
+checkout: uvicorn with kvrouter's client limits), ``before`` (``kvrouter serve`` of the checkout
+given by ``--before``, an earlier commit with its C core built: e.g. one that still had kvrouter's
+own HTTP server), ``uvicorn`` (the same ASGI app on plain ``uvicorn.run``: httptools, uvloop) and
+``granian`` (the same ASGI app on granian, one worker, uvloop). The client is raw asyncio on uvloop:
+``c`` keep-alive connections, each sending one streaming request after another for ``--seconds``;
+a prober asks ``/health`` twice a second, as a load balancer does. Rounds alternate the sides'
+order; figures are medians over rounds. CPU is the user+system time of the side's whole process
+group over the window, divided by the requests completed in it.
 
     flock HEAVY_LOCK .venv/bin/python bench/libfirst_http.py [--conns 8,64,256] \\
-        [--rounds 3] [--seconds 6] [--json bench/out/libfirst-http.json]
+        [--rounds 3] [--seconds 6] [--sides direct,before,kvrouter] [--before CHECKOUT] \\
+        [--json bench/out/libfirst-http.json]
 """
 
 from __future__ import annotations
@@ -40,12 +41,6 @@ import router_bench as rb
 
 CLK = os.sysconf("SC_CLK_TCK")
 
-NO_CACHES = (
-    "import sys; from router.http.server import HttpServer; "
-    "HttpServer.remember_head = lambda self, data, req: None; "
-    "HttpServer.can = lambda self, head, response: None; "
-    "from router.cli import main; sys.exit(main(sys.argv[1:]))"
-)
 GRANIAN = (
     "import sys; from granian.server import Server; "
     "Server('asgi_factory:app', address='127.0.0.1', port=int(sys.argv[1]), interface='asgi', "
@@ -179,6 +174,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--sides", default="direct,kvrouter,uvicorn,granian")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--before", default=None, help="the checkout side 'before' runs `kvrouter serve` from")
     args = ap.parse_args()
     try:
         import uvloop
@@ -211,10 +207,13 @@ def main() -> int:
                     continue
                 port = rb.free_port()
                 cfg = str(rb.router_config(tmp, mport, port, tok))
+                cwd = rb.ROOT
                 if side == "kvrouter":
                     cmd = [rb.PY, "-m", "router.cli", "serve", "--config", cfg]
-                elif side == "kvrouter-nocache":
-                    cmd = [rb.PY, "-c", NO_CACHES, "serve", "--config", cfg]
+                elif side == "before":
+                    if not args.before:
+                        raise SystemExit("side 'before' needs --before CHECKOUT")
+                    cmd, cwd = [rb.PY, "-m", "router.cli", "serve", "--config", cfg], Path(args.before)
                 elif side == "uvicorn":
                     cmd = [rb.PY, "-c", rb.UVICORN, cfg, str(port)]
                 elif side == "granian":
@@ -224,7 +223,7 @@ def main() -> int:
                     raise SystemExit(f"unknown side {side}")
                 os.environ.update(env_cfg)
                 os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent)
-                p = rb.start(cmd, tmp / f"{side}.log")
+                p = rb.start(cmd, tmp / f"{side}.log", cwd)
                 procs.append(p)
                 rb.wait_ready(f"http://127.0.0.1:{port}/health")
                 ports[side] = (port, p.pid)

@@ -139,9 +139,9 @@ def ttft(url: str, n: int) -> list[float]:
     return out
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start(cmd: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
     )
 
 
@@ -155,7 +155,7 @@ def stop(p: subprocess.Popen[bytes]) -> None:
 
 UVICORN = (
     "import sys, uvicorn; from router.app import KVRouter; from router.config import load_config; "
-    "from router.http.framework import AsgiApp; "
+    "from router.http.asgi import AsgiApp; "
     "uvicorn.run(AsgiApp(KVRouter(load_config(sys.argv[1]))), host='127.0.0.1', port=int(sys.argv[2]), "
     "log_level='warning', loop='uvloop', http='httptools', lifespan='on')"
 )

@@ -3,9 +3,10 @@ non-proxied endpoints (``/health``, ``/ready``, ``/v1/models``, ``/route``, ``/d
 ``/metrics``, ``/dashboard`` and ``/dashboard/data``).
 
 ``KVRouter`` is what the front ends serve (:class:`router.frontend.Endpoints`); it imports none of
-them: kvrouter's own server is :mod:`router.http.server`, and ``router.http.framework.AsgiApp``
-makes it a complete ASGI application for any ASGI server. All objects are created here
-and passed in explicitly; nothing is module-global, so tests can run several routers in one process.
+them: ``router.http.asgi.AsgiApp`` makes it a complete ASGI application, which ``kvrouter serve``
+runs on uvicorn (:mod:`router.http.uvicorn_server`) and any other ASGI server can run too. All
+objects are created here and passed in explicitly; nothing is module-global, so tests can run
+several routers in one process.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ class KVRouter:
     def authorize_request(
         self, path: str, headers: Iterable[tuple[bytes, bytes]], query: bytes = b""
     ) -> None:
-        """:meth:`authorize` from the request's parts (the native endpoints' path: no scope dict)."""
+        """:meth:`authorize` from the request's parts (a request refused from its head: no scope dict)."""
         if path.startswith("/admin/") or path == "/admin":
             admin_auth(headers, self._admin_keys, self._keys)
             return
@@ -503,9 +504,9 @@ class KVRouter:
 
     def route_answer_now(self, raw: bytes, query: bytes, headers: Any = ()) -> bytes | None:
         """:meth:`route_answer` when it needs no await (a prompt of token ids), else None; raises
-        :class:`ApiError` like it. The native server answers such a lookup in the callback that
-        read it, without a task: external schedulers call ``/route`` per request. (Not a body
-        decoded in pieces: its work is done off the event loop.)"""
+        :class:`ApiError` like it. Such a lookup is decided without an await: external schedulers
+        call ``/route`` per request. (Not a body decoded in pieces: its work is done off the event
+        loop.)"""
         if self.flow is not None or not decodes_at_once(raw):  # (flow: route_answer says more)
             return None
         body = _token_prompt_body(raw)

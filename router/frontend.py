@@ -1,6 +1,6 @@
 """What a front end may ask of the router: the :class:`Endpoints` protocol.
 
-The front ends (:mod:`router.http`: kvrouter's own server, its native endpoints, the FastAPI app; a
+The front ends (:mod:`router.http`: uvicorn's server, the ASGI app, its native endpoints, the FastAPI app; a
 gateway's endpoint picker beside them) stand above :class:`router.app.KVRouter`, which composes the
 router, and know it only through this: the config, the proxy hot path, the admin API, the metrics,
 and the answers of the non-proxied endpoints. So a front end never imports the composition, and

@@ -130,7 +130,7 @@ def _stream_error_event(message: str) -> bytes:
 
 
 class ProxyHandler:
-    """The two proxied endpoints, for kvrouter's own server (:meth:`handle`) and for ASGI (``__call__``)."""
+    """The two proxied endpoints: ``__call__`` over ASGI, :meth:`handle` once the body is read."""
 
     def __init__(
         self,

@@ -1,5 +1,5 @@
-"""`kvrouter serve`: load the fleet config, build the router and run it on kvrouter's own HTTP server
-(:mod:`router.http.server`; uvloop when installed)."""
+"""`kvrouter serve`: load the fleet config, build the router and run it on uvicorn with kvrouter's
+client limits (:mod:`router.http.uvicorn_server`; uvloop when installed)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from router.fleet.sources.configfile import read_config_file
 
 if TYPE_CHECKING:
     from router.fleet.sources.configfile import Stamp
-    from router.http.server import HttpServer
+    from router.http.uvicorn_server import HttpServer
     from router.workers.supervisor import WorkerContext
 
 log = logging.getLogger("kvrouter")
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return Supervisor(cfg, config_path=args.config, serve=serve_worker).run()
     # optional: the router itself (~0.4 s of imports) only where one runs, not for the parser
     from router.app import KVRouter
-    from router.http.server import HttpServer, loop_factory  # optional: as KVRouter
+    from router.http.uvicorn_server import HttpServer, loop_factory  # optional: as KVRouter
 
     try:
         app = KVRouter(cfg, config_path=args.config, config_file=loaded)
@@ -119,7 +119,7 @@ def serve_worker(
     on a SO_REUSEPORT socket, until SIGTERM."""
     # optional: the router itself (~0.4 s of imports) only where one runs, not for the parser
     from router.app import KVRouter
-    from router.http.server import HttpServer, loop_factory  # optional: as KVRouter
+    from router.http.uvicorn_server import HttpServer, loop_factory  # optional: as KVRouter
     from router.net.listen import bound_socket  # optional: as KVRouter
 
     app = KVRouter(config, worker=ctx, config_path=config_path, config_file=loaded)

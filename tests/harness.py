@@ -304,11 +304,11 @@ class FakeEngine:
 
 
 class NativeServer:
-    """kvrouter's own HTTP server (what `kvrouter serve` runs) in a thread with its own event loop,
+    """`kvrouter serve`'s HTTP server (uvicorn with kvrouter's limits) in a thread with its own event loop,
     on 127.0.0.1:0; stop() drains, shuts the router down and joins."""
 
     def __init__(self, app: Any) -> None:
-        from router.http.server import HttpServer, loop_factory
+        from router.http.uvicorn_server import HttpServer, loop_factory
 
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -370,14 +370,14 @@ class NativeServer:
 
 
 class RouterRunner:
-    """The real router (KVRouter on kvrouter's own HTTP server, as `kvrouter serve` runs it) for a
+    """The real router (KVRouter on `kvrouter serve`'s HTTP server, as `kvrouter serve` runs it) for a
     TOML config written by the test; ``asgi=True`` runs the same router under uvicorn instead
     (``AsgiApp(KVRouter)``)."""
 
     def __init__(self, toml: str, tmp: Path, asgi: bool = False, config_file: bool = False) -> None:
         from router.app import KVRouter
         from router.config import load_config
-        from router.http.framework import AsgiApp
+        from router.http.asgi import AsgiApp
 
         path = tmp / f"fleet-{uuid.uuid4().hex[:6]}.toml"
         path.write_text(toml)

@@ -1,12 +1,12 @@
 """Packaging that tells the truth: the router's wheel holds the router and its index, not the simulated
 fleet; its dependencies are exactly what router/ and index/ import; and a router installed without
-kvrouter-sim and without sim's extra dependencies (httpx, uvicorn) imports, serves its help, and says
+kvrouter-sim and without sim's extra dependency (httpx) imports, serves its help, and says
 how to get the simulation commands, which kvrouter-sim's wheel then adds through its entry points.
 
 The wheels are built for real from a copy of the sources (``pip wheel --no-build-isolation``, the C
 core compiled: ~10 s on a loaded 2-core box) and installed with ``pip install --no-deps --target``
 into a fresh ``python -m venv --without-pip``, whose only other packages are links to this venv's,
-less httpx, uvicorn and anything of kvrouter's own."""
+less httpx and anything of kvrouter's own."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-SIM_ONLY = ("httpx", "uvicorn")
+SIM_ONLY = ("httpx",)
 """What only sim/ (and the kubernetes watch's lazy import) needs: absent from the fresh venv."""
 
 
@@ -73,8 +73,8 @@ LAZY = Path("router/epp")
 def test_the_dependencies_are_exactly_what_the_router_and_index_import() -> None:
     """Every distribution router/ and index/ import is declared, and every declared one is imported
     (an extra's only inside functions: the feature imports it when it is turned on).
-    sortedcontainers (imported nowhere), uvicorn and httpx (sim/ and tests only) were hard
-    dependencies."""
+    sortedcontainers (imported nowhere) and httpx (sim/ and tests only) were hard dependencies;
+    uvicorn is one, since `kvrouter serve` runs on it."""
     own = {"router", "index", "sim"}
     modules: dict[str, bool] = {}
     for package in ("router", "index"):
@@ -171,7 +171,7 @@ if sys.argv[1:] == ["refuse"]:  # (a simulation command, when none is installed)
         main(["demo"])
 print(repr(out.getvalue()))
 print(repr(err.getvalue()))
-print(sorted(m for m in ("httpx", "uvicorn", "sim", "sortedcontainers") if m in sys.modules))
+print(sorted(m for m in ("httpx", "sim", "sortedcontainers") if m in sys.modules))
 print(repr(router.__file__))
 """
 
@@ -192,7 +192,8 @@ def test_the_router_wheel_installs_and_runs_without_sim_or_its_dependencies(tmp_
     assert b"kvrouter = router.cli:main" in entry_points and b"kvrouter.commands" not in entry_points
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     hard = [r for r in requires if "extra ==" not in r]
-    assert not [r for r in hard if re.search(r"\b(httpx|uvicorn|sortedcontainers)\b", r)], hard
+    assert not [r for r in hard if re.search(r"\b(httpx|sortedcontainers)\b", r)], hard
+    assert [r for r in hard if re.search(r"\buvicorn\b", r)], hard  # (what `kvrouter serve` runs on)
     with zipfile.ZipFile(sim_whl) as z:
         sim_tops = {n.split("/")[0] for n in z.namelist()}
         sim_eps = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
@@ -225,7 +226,7 @@ def test_the_router_wheel_installs_and_runs_without_sim_or_its_dependencies(tmp_
 
     _pip("install", "--no-deps", "--target", str(target), str(sim_whl))
     helped, _, loaded, _ = fresh()
-    assert loaded == ["sim"], loaded  # (its command list only: sim.commands, no httpx, no uvicorn)
+    assert loaded == ["sim"], loaded  # (its command list only: sim.commands, no httpx)
     for command in ("mock-engine", "demo", "bench"):
         assert re.search(rf"^\s+{command}\s+\S", helped, re.M), helped
     assert "kvrouter-sim" not in helped, helped

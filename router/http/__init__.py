@@ -1,1 +1,2 @@
-"""The front ends: kvrouter's own HTTP server, its native endpoints, the FastAPI app, the OpenAPI spec."""
+"""The front ends: uvicorn with kvrouter's client limits, the ASGI app, its native endpoints, the
+FastAPI app, the OpenAPI spec."""

@@ -1,18 +1,17 @@
-"""The FastAPI app over :class:`router.frontend.Endpoints` (a ``KVRouter``): every HTTP endpoint,
-for ASGI servers (:class:`AsgiApp`).
+"""The FastAPI app over :class:`router.frontend.Endpoints` (a ``KVRouter``): every endpoint but
+the two proxied ones.
 
-``kvrouter serve`` answers the proxied and the usual endpoints natively (:mod:`router.proxy`,
-:mod:`router.http.native`) and hands only odd requests (unknown paths, other methods, HEAD) to this
-app, which it builds and imports on first use. Under uvicorn or any ASGI server this app serves
-everything but the two proxied paths. The answers come from the same ``KVRouter`` methods as the
-native ones (tests compare both byte for byte).
+:class:`router.http.asgi.AsgiApp` (what ``kvrouter serve`` runs) answers the proxied and the usual
+endpoints itself (:mod:`router.proxy`, :mod:`router.http.native`) and hands only odd requests
+(unknown paths, other methods, the admin API) to this app, which it builds and imports on first use.
+The answers come from the same ``KVRouter`` methods as the native ones (a test compares both byte
+for byte).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,8 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.errors import ApiError, bad_request
 from router.frontend import Endpoints
 from router.http.openapi import openapi_body
-from router.net.asgi import Receive, Scope, Send
-from router.proxy import PATHS, read_body
+from router.proxy import read_body
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -131,24 +129,4 @@ def build_api(router: Endpoints) -> FastAPI:
     return api
 
 
-class AsgiApp:
-    """A router as a complete ASGI application, for uvicorn or any ASGI server: the two proxied
-    POST paths go to the lean proxy hot path, everything else to the FastAPI app (built on first
-    use)."""
-
-    def __init__(self, router: Endpoints) -> None:
-        self.router = router
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PATHS:
-            await self.router.proxy(scope, receive, send)
-        else:
-            await self.api(scope, receive, send)
-
-    @functools.cached_property
-    def api(self) -> FastAPI:
-        """The FastAPI app over the router."""
-        return build_api(self.router)
-
-
-__all__ = ["METRICS_TYPE", "AsgiApp", "build_api"]
+__all__ = ["METRICS_TYPE", "build_api"]

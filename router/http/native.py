@@ -1,43 +1,41 @@
-"""The usual endpoints served natively by kvrouter's own server, without the web framework.
+"""The usual endpoints answered in front of the web framework.
 
 ``POST /route``, ``GET /health``, ``/ready``, ``/v1/models`` (what external schedulers and probes
 call, often per request), ``/metrics``, ``/debug/index``, ``/dashboard`` and ``/dashboard/data``:
 through FastAPI each paid ~0.4 ms of framework work (routing, middleware, request and response
-objects) on top of the answer itself (measured in the running service), and the framework cost ~30 MB
-and ~0.4 s of start-up. Here each is one dictionary lookup away from the request; the GETs are
-answered in one write without a task. The answers are the very same bytes: both paths build them
-with the same :class:`router.frontend.Endpoints` methods, errors are the same OpenAI-shaped bodies with
-the same statuses, and a test compares the two. HEAD on those GETs is answered like the GET without
-its body (load balancers probe with it). A ``/route`` whose prompt is token ids is answered like
-the GETs, in the callback that read it, without a task (~50 us less per lookup). Anything else
-(unknown paths, other methods) goes to the FastAPI app (:mod:`router.http.framework`), built on
-first use, which also keeps every route so the router runs complete under any ASGI server.
+objects) on top of the answer itself, and the framework cost ~30 MB and ~0.4 s of start-up. Here
+each is one dictionary lookup away from the ASGI scope (:class:`router.http.asgi.AsgiApp`), so a
+router that only ever answers these never imports FastAPI. The answers are the very same bytes as
+FastAPI's routes for the same paths (which stay, for odd requests: HEAD is answered here, other
+methods there): both build them with the same :class:`router.frontend.Endpoints` methods, errors are
+the same OpenAI-shaped bodies with the same statuses, and a test compares the two.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import Callable
 
 import msgspec
 
 from router.errors import ApiError
 from router.frontend import Endpoints
 from router.http.openapi import openapi_body
-from router.net.asgi import Headers, ResponseWriter, write_json
-from router.proxy import send_error
+from router.net.asgi import Headers, Receive, Scope, Send
+from router.proxy import read_body
 
-Handler = Callable[[Headers, bytes, bytes, ResponseWriter], Awaitable[None]]
 JSON = b"application/json"
 METRICS = b"text/plain; version=0.0.4; charset=utf-8"
 HTML = b"text/html; charset=utf-8"
 
 
 class NativeEndpoints:
-    """(method, path) -> handler for the endpoints :mod:`router.http.server` serves itself."""
+    """(method, path) -> answer for the endpoints answered without the web framework."""
 
     def __init__(self, app: Endpoints) -> None:
         self.app = app
-        self.routes: dict[tuple[str, str], Handler] = {("POST", "/route"): self._route}
+        self.enabled = True
+        """Off: every request goes to the web framework (a test compares the two)."""
         self.sync: dict[tuple[str, str], Callable[[], tuple[bytes, bytes]]] = {
             ("GET", "/health"): lambda: (JSON, msgspec.json.encode(app.health_body())),
             ("GET", "/ready"): lambda: (JSON, msgspec.json.encode(app.ready_body())),
@@ -48,54 +46,56 @@ class NativeEndpoints:
             ("GET", "/dashboard"): lambda: (HTML, app.dashboard_page.encode()),
             ("GET", "/openapi.json"): lambda: (JSON, openapi_body()),
         }
-        for path in self.sync:  # (what the server does not answer at once, e.g. with access logs on)
-            self.routes[path] = lambda h, q, r, w, p=path[1]: self._get(p, h, q, w)  # type: ignore[misc]
 
-    def get(self, method: str, path: str) -> Handler | None:
-        """The handler of a request, or None when the web framework serves it."""
-        handler = self.routes.get((method, path))
-        if handler is None and method == "HEAD":
-            handler = self.routes.get(("GET", path))  # (the writer sends no body for HEAD)
-        return handler
+    def serves(self, method: str, path: str) -> bool:
+        """Whether a request is answered here (else by the web framework)."""
+        if not self.enabled:
+            return False
+        if method == "POST":
+            return path == "/route"
+        return method in ("GET", "HEAD") and ("GET", path) in self.sync
 
-    def answer_now(
-        self, method: str, path: str, headers: Headers, query: bytes, body: bytes = b""
-    ) -> tuple[int, bytes, bytes] | None:
-        """(status, content type, body) of a request whose answer needs no waiting (every GET
-        above, and a ``POST /route`` whose prompt is token ids), so the server writes it without a
-        task; None for every other request."""
-        if method == "POST" and path == "/route" and self.routes:
-            try:
-                self.app.authorize_request(path, headers, query)
-                answer = self.app.route_answer_now(body, query, headers)
-            except ApiError as err:
-                return err.status, JSON, err.body()
-            return None if answer is None else (200, JSON, answer)
-        make = self.sync.get(("GET" if method == "HEAD" else method, path)) if self.routes else None
-        if make is None:
-            return None
+    def answer_get(self, path: str, headers: Headers, query: bytes) -> tuple[int, bytes, bytes]:
+        """(status, content type, body) of a GET (or HEAD) of one of the lookup endpoints."""
         try:
             self.app.authorize_request(path, headers, query)
-            ctype, body = make()
+            ctype, body = self.sync[("GET", path)]()
             return 200, ctype, body
         except ApiError as err:
             return err.status, JSON, err.body()
 
-    async def _get(self, path: str, headers: Headers, query: bytes, writer: ResponseWriter) -> None:
-        answer = self.answer_now("GET", path, headers, query)
-        assert answer is not None
-        status, ctype, body = answer
-        await writer.start(status, [(b"content-type", ctype), (b"content-length", b"%d" % len(body))])
-        await writer.end(body)
-
-    async def _route(self, headers: Headers, query: bytes, raw: bytes, writer: ResponseWriter) -> None:
+    async def answer_route(self, scope: Scope, receive: Receive) -> tuple[int, bytes, bytes] | None:
+        """``POST /route``'s answer (a prompt of token ids is decided without an await); None when
+        the client left while sending its body."""
+        headers = scope.get("headers", [])
+        query = scope.get("query_string", b"")
         try:
             self.app.authorize_request("/route", headers, query)
-            answer = await self.app.route_answer(raw, query, headers)
+            raw = await read_body(scope, receive, self.app.config.server.max_body_bytes)
+            answer = self.app.route_answer_now(raw, query, headers)
+            if answer is None:
+                answer = await self.app.route_answer(raw, query, headers)
         except ApiError as err:
-            await send_error(writer, err)
-            return
-        await write_json(writer, 200, answer)
+            return err.status, JSON, err.body()
+        except asyncio.CancelledError:
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise
+            return None  # (read_body: the client left)
+        return 200, JSON, answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer a request :meth:`serves` (one response start and one body message)."""
+        method, path = scope["method"], scope["path"]
+        if method == "POST":
+            answer = await self.answer_route(scope, receive)
+            if answer is None:
+                return
+        else:
+            answer = self.answer_get(path, scope.get("headers", []), scope.get("query_string", b""))
+        status, ctype, body = answer
+        headers = [(b"content-type", ctype), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 __all__ = ["NativeEndpoints"]

@@ -1,11 +1,9 @@
-"""The small HTTP vocabulary the proxy is written against, so it runs on kvrouter's own server and
-under any ASGI server alike.
+"""The small HTTP vocabulary the proxy is written against, over ASGI.
 
 :class:`ResponseWriter` is what the proxy needs from a server: start a response, send chunks, end
-it. ``start`` may hold the status line and headers back until the first chunk or :meth:`flush`, so a
-server that owns its socket can send a whole small response in one write (on a 2-vCPU VM
-a socket write that wakes the peer is the largest single cost of a proxied request).
-:class:`AsgiWriter` maps the same calls onto ASGI ``send`` messages.
+it. ``start`` may hold the status line and headers back until the first chunk or :meth:`flush`.
+:class:`AsgiWriter` maps the same calls onto ASGI ``send`` messages (the P/D exchange wraps a
+writer in one of its own).
 """
 
 from __future__ import annotations
@@ -39,26 +37,39 @@ class ResponseWriter(Protocol):
         """The last chunk (possibly empty) and the end of the response."""
 
 
+_NO_BODY = frozenset({204, 304})
+
+
 class AsgiWriter:
-    """A :class:`ResponseWriter` over an ASGI ``send`` (no write coalescing: ASGI sends each message)."""
+    """A :class:`ResponseWriter` over an ASGI ``send`` (no write coalescing: ASGI sends each message).
+
+    A response that has no body by its status (1xx, 204, 304) is passed on without a body and without
+    a ``content-length``, whatever the engine framed it with: the server would wait for the bytes
+    that length announces (uvicorn closes the connection at the end instead), and a body the client
+    does not expect would be read as the next response."""
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self.started = False
+        self._bodyless = False
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True
+        if status in _NO_BODY or status < 200:
+            self._bodyless = True
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     def flush(self) -> None:
         return None
 
     async def send(self, chunk: bytes) -> None:
-        if chunk:
+        if chunk and not self._bodyless:
             await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def end(self, chunk: bytes = b"") -> None:
-        await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
+        body = b"" if self._bodyless else chunk
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 RETRY_AFTER = b"1"

@@ -35,7 +35,7 @@ Fleet = Callable[..., tuple[RouterRunner, dict[str, FakeEngine]]]
 def fleet(
     request: pytest.FixtureRequest, ctx: zmq.Context[Any], tmp_path: Path, tokdir: Path
 ) -> Iterator[Fleet]:
-    """Every test runs on kvrouter's own server (what `kvrouter serve` runs) and under uvicorn
+    """Every test runs on `kvrouter serve`'s server (what `kvrouter serve` runs) and under uvicorn
     (the app is a complete ASGI application too)."""
     made: list[Any] = []
 
@@ -266,7 +266,7 @@ def test_metrics_scrape_is_valid_prometheus_text_and_keeps_the_contract(fleet: F
         assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=30).status_code == 200
     text = httpx.get(f"{router.url}/metrics", timeout=30).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    native = isinstance(router.server, NativeServer)  # (kvrouter's own server adds its figures)
+    native = isinstance(router.server, NativeServer)  # (`kvrouter serve`'s server adds its figures)
     contract = {
         name.removesuffix("_total") if kind == "counter" else name: (kind, labels)
         for name, (kind, labels) in {**EXPORTED_METRICS, **(SERVER_METRICS if native else {})}.items()

@@ -28,7 +28,7 @@ import msgspec
 from index import zsock  # (the publisher too: this interpreter never imports pyzmq)
 from router.app import KVRouter
 from router.config import parse_config
-import router.http.server, router.serve  # everything `kvrouter serve` imports
+import router.http.uvicorn_server, router.serve  # everything `kvrouter serve` imports
 
 async def main():
     server = await asyncio.start_server(probe_backend(CARDS), "127.0.0.1", 0)
@@ -63,8 +63,9 @@ async def main():
             await asyncio.sleep(0.02)
         print(router.index.status()[0].block_size)
         print(*(name in sys.modules for name in ("httpx", "fastapi", "jinja2", "tokenizers", "numpy")))
-        # nor prometheus-client (kvrouter renders its metrics itself) or email (the date header)
-        print(*(name in sys.modules for name in ("prometheus_client", "email.utils")))
+        # nor prometheus-client (kvrouter renders its metrics itself) or starlette (the framework
+        # under FastAPI: uvicorn runs kvrouter's ASGI app, which builds FastAPI only for odd requests)
+        print(*(name in sys.modules for name in ("prometheus_client", "starlette")))
         # nor what only Kubernetes discovery, several workers or the dashboard page need
         print(*(name in sys.modules for name in (
             "router.fleet.sources.kubernetes", "router.workers.supervisor", "importlib.resources")))
@@ -162,7 +163,7 @@ LISTEN_SCRIPT = r"""
 import asyncio, os, socket, sys, tomllib
 from router.app import KVRouter
 from router.config import parse_config
-from router.http.server import HttpServer, loop_factory
+from router.http.uvicorn_server import HttpServer, loop_factory
 
 async def main():
     toml = 'admin_keys = ["k"]\n[server]\nhost = "127.0.0.1"\n'  # (no backend yet)
@@ -213,7 +214,7 @@ STARTING_SCRIPT = r"""
 import asyncio, socket, tomllib
 from router.app import KVRouter
 from router.config import parse_config
-from router.http.server import HttpServer, loop_factory
+from router.http.uvicorn_server import HttpServer, loop_factory
 
 tried = []
 

@@ -1,7 +1,7 @@
 """Router replicas over a real Redis server: shared load, shared predictions, session affinity across
 replicas, a dead replica's load expiring, and the store killed and restarted under traffic.
 
-Every replica is a real router (``KVRouter`` on kvrouter's own HTTP server, or a ``kvrouter serve``
+Every replica is a real router (``KVRouter`` on `kvrouter serve`'s HTTP server, or a ``kvrouter serve``
 process where it must die like one) in front of the same real fake engines, over real sockets.
 Conditions are waited on with generous deadlines, never with fixed sleeps.
 """

@@ -2,7 +2,7 @@
 
 A backend's fields end up in request lines, headers, logs and socket addresses: a CR/LF in an admin
 ``PUT``'s ``api_key`` was accepted, and the engine then received an injected header with every probe
-and request. Here the real router (kvrouter's own server, and uvicorn) takes admin bodies; a fake
+and request. Here the real router (`kvrouter serve`'s server, and uvicorn) takes admin bodies; a fake
 engine on a raw socket records the request heads it gets, byte for byte. Every decode error of a
 body (bad JSON, a body 100k deep, a wrong type, an unknown key) is an OpenAI-shaped 400 naming the
 field. The same checks hold for the config file and for Kubernetes pods (one ``validate_backend``).
@@ -86,7 +86,7 @@ def engine() -> Iterator[RawEngine]:
 
 @pytest.fixture(params=["native", "asgi"])
 def router(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RouterRunner]:
-    """A router with only the admin API to fill its fleet, on kvrouter's own server and under uvicorn."""
+    """A router with only the admin API to fill its fleet, on `kvrouter serve`'s server and under uvicorn."""
     toml = f'admin_keys = ["{ADMIN}"]\nremote_tokenize = false\n[health]\ninterval_s = 0.2\n'
     r = RouterRunner(toml, tmp_path, asgi=request.param == "asgi")
     yield r

@@ -5,7 +5,7 @@ answering /health, /v1/models and /kv_event_sources the way vLLM does (``tcp://*
 and real KV event publishers with replay sockets on ports chosen by the OS, which are NOT vLLM's
 port + rank layout, so only the listing can tell the router where they are. Blocks are published
 before the router (re)subscribes: only the bootstrap replay can bring them in. The router is the
-real one (KVRouter on its own HTTP server, tests/harness.py), probed with real HTTP.
+real one (KVRouter on `kvrouter serve`'s HTTP server, tests/harness.py), probed with real HTTP.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A fleet that changes under a running router: the admin API, config reloads, drains, workers.
 
 Real things only: scriptable engines with real KV publishers and replay sockets (harness.FakeEngine),
-the real router on its own HTTP server, real HTTP clients; `kvrouter serve` processes for signals
+the real router on `kvrouter serve`'s HTTP server, real HTTP clients; `kvrouter serve` processes for signals
 and several workers.
 """
 

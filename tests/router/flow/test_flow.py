@@ -1,5 +1,5 @@
-"""Flow control end to end: the real router on its own HTTP server, engines over real HTTP that hold
-their requests until the test lets them go, real clients (httpx, raw sockets for a disconnect).
+"""Flow control end to end: the real router on `kvrouter serve`'s HTTP server, engines over real
+HTTP that hold their requests until the test lets them go, real clients (httpx, raw sockets for a disconnect).
 
 Every ordering assertion reads the order in which the engines *received* requests (each carries its
 own ``x-request-id``, which the router forwards), so the tests check what the queue did, not timing.

@@ -1,7 +1,7 @@
 """A client's own ``kv_transfer_params`` never reach an engine: in a NIXL fleet they would make the
 engine pull blocks another request holds on another engine (another tenant's prompt).
 
-The real router (kvrouter's own server, and uvicorn) in front of mock vLLM engines with the NIXL
+The real router (`kvrouter serve`'s server, and uvicorn) in front of mock vLLM engines with the NIXL
 connector (sim/nixl.py: a real pull over the producer's side channel). A "victim" prefill holds its
 blocks on engine ``a``, as a P/D request's prefill leg does until its decode engine reads them; an
 attacker then sends those transfer parameters through the router, on every path a request can take.

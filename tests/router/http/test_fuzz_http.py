@@ -1,4 +1,4 @@
-"""Fuzzing the HTTP surface of a running router (kvrouter's own server, real sockets).
+"""Fuzzing the HTTP surface of a running router (`kvrouter serve`'s server, real sockets).
 
 1. **From the OpenAPI description** (router/http/openapi.py, served at /openapi.json): schemathesis
    generates requests for every operation, valid ones and ones that break the schema, and each answer

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation end to end: the real router (kvrouter's own server, and uvicorn where
+"""Prefill/decode disaggregation end to end: the real router (`kvrouter serve`'s server, and uvicorn where
 the client's disconnect matters) in front of mock vLLM engines playing both NIXL roles (a real pull
 of the prefill engine's blocks over the side channel, real KV events), and scriptable engines for
 every failure rule of the two legs."""
@@ -517,7 +517,7 @@ def test_a_prefill_4xx_reaches_the_client(fakes: Fleet) -> None:
 
 @pytest.mark.parametrize("fakes", ["native", "asgi"], indirect=True)
 def test_client_leaving_during_the_prefill_leg_aborts_it(fakes: Fleet) -> None:
-    """On kvrouter's own server and under uvicorn: the two detect a client leaving differently."""
+    """On `kvrouter serve`'s server and under uvicorn: the two detect a client leaving differently."""
     router, p, d = fakes()
     p.mode = "stall"
     with pytest.raises(httpx.ReadTimeout):
