@@ -439,6 +439,14 @@ class ProxyHandler:
                     self._add_retry(route, targets, attempt)
                     continue
                 status = resp.status
+                if not 100 <= status <= 599:
+                    # not a status HTTP defines (RFC 9110: 100-599): the server cannot write it
+                    await resp.aclose()
+                    breakers.failure(backend.name)
+                    self.metrics.error(backend.name, "protocol")
+                    last_error = bad_gateway(f"backend {backend.name} answered status {status}")
+                    self._add_retry(route, targets, attempt)
+                    continue
                 if status >= 500:
                     breakers.failure(backend.name)
                 else:

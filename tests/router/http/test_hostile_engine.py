@@ -111,7 +111,13 @@ def endless_sse_event_with_length(sock: socket.socket, post: Post) -> bool:
     return False
 
 
+def odd_status(sock: socket.socket, post: Post) -> bool:
+    sock.sendall(framed(post.token.split(":")[0] + " Odd", completion(post.token)))
+    return True
+
+
 ATTACKS = {
+    "odd_status": odd_status,
     "smuggle_unframed": smuggle_unframed,
     "smuggle_framed": smuggle_framed,
     "upgrade": upgrade,
@@ -207,6 +213,15 @@ def test_an_upgrade_nobody_asked_for_is_a_502_at_once(router: RouterProcess, eng
         assert time.monotonic() - t0 < 5
         assert_next_is_own(c, engine)
     assert router.metric("kvrouter_upstream_violations_total", reason="upgrade") >= 1
+
+
+def test_a_status_http_does_not_define_is_a_502(router: RouterProcess, engine: HostileEngine) -> None:
+    """An engine's ``999`` (or ``099``): uvicorn cannot write a status outside 100-599 and closed
+    the client's connection mid-answer; the router answers 502 and the connection serves on."""
+    with RawClient(router.port) as c:
+        for status in ("999", "099"):
+            assert_502(c.request("POST", "/v1/completions", completions("odd_status", f"{status}:{token()}")))
+        assert_next_is_own(c, engine)
 
 
 def test_interim_responses_are_skipped(router: RouterProcess, engine: HostileEngine) -> None:
