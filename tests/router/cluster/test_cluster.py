@@ -1,8 +1,9 @@
 """Router replicas over a real Redis server: shared load, shared predictions, session affinity across
 replicas, a dead replica's load expiring, and the store killed and restarted under traffic.
 
-Every replica is a real router (``KVRouter`` on `kvrouter serve`'s HTTP server, or a ``kvrouter serve``
-process where it must die like one) in front of the same real fake engines, over real sockets.
+Every replica is a real router (``KVRouter`` on the HTTP server of ``kvrouter serve``, or a
+``kvrouter serve`` process where it must die like one) in front of the same real fake engines, over
+real sockets.
 Conditions are waited on with generous deadlines, never with fixed sleeps.
 """
 
@@ -612,7 +613,10 @@ def test_workers_are_replicas_without_double_counting(
 
 
 def test_dashboard_lists_the_peers_in_a_browser(
-    redis: RedisServer, engines: list[FakeEngine], cluster_of: Callable[[str, int], Replicas]
+    redis: RedisServer,
+    engines: list[FakeEngine],
+    cluster_of: Callable[[str, int], Replicas],
+    tmp_path: Path,
 ) -> None:
     import shutil
 
@@ -640,7 +644,7 @@ def test_dashboard_lists_the_peers_in_a_browser(
             assert "live" in row.inner_text() and "ago" in row.inner_text()
             assert page.locator("#replicas-summary").inner_text().startswith("connected to redis://")
             page.locator("#replicas").screenshot(
-                path=os.environ.get("KVROUTER_SCREENSHOT_REPLICAS", "/tmp/kvrouter-replicas.png")
+                path=os.environ.get("KVROUTER_SCREENSHOT_REPLICAS", str(tmp_path / "replicas.png"))
             )
         finally:
             browser.close()
