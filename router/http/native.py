@@ -36,6 +36,9 @@ class NativeEndpoints:
         self.app = app
         self.enabled = True
         """Off: every request goes to the web framework (a test compares the two)."""
+        self.from_parser = True
+        """Off: a server that can answer from its parser (:meth:`answer_now`) takes the ASGI path
+        (a test compares the two)."""
         self.sync: dict[tuple[str, str], Callable[[], tuple[bytes, bytes]]] = {
             ("GET", "/health"): lambda: (JSON, msgspec.json.encode(app.health_body())),
             ("GET", "/ready"): lambda: (JSON, msgspec.json.encode(app.ready_body())),
@@ -63,6 +66,21 @@ class NativeEndpoints:
             return 200, ctype, body
         except ApiError as err:
             return err.status, JSON, err.body()
+
+    def answer_now(
+        self, method: str, path: str, headers: Headers, query: bytes, body: bytes
+    ) -> tuple[int, bytes, bytes] | None:
+        """(status, content type, body) of a request :meth:`serves`, its body read whole, when it
+        needs no await (a GET, a ``POST /route`` of token ids); None otherwise. What :meth:`__call__`
+        answers, for a server that answers from its parser (``router.http.uvicorn_server``)."""
+        if method != "POST":
+            return self.answer_get(path, headers, query)
+        try:
+            self.app.authorize_request("/route", headers, query)
+            answer = self.app.route_answer_now(body, query, headers)
+        except ApiError as err:
+            return err.status, JSON, err.body()
+        return None if answer is None else (200, JSON, answer)
 
     async def answer_route(self, scope: Scope, receive: Receive) -> tuple[int, bytes, bytes] | None:
         """``POST /route``'s answer (a prompt of token ids is decided without an await); None when

@@ -914,3 +914,94 @@ def test_a_numeric_listen_address_is_bound_by_the_server() -> None:
                     server_socket("::1", six.getsockname()[1])
             finally:
                 six.close()
+
+
+def _without_date(response: bytes) -> bytes:
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"date:")]
+    if b'"timings_us"' in body:  # (/route: how long each step took, which differs between calls)
+        data = json.loads(body)
+        data["timings_us"], data["time"] = sorted(data["timings_us"]), 0
+        body = json.dumps(data).encode()
+        lines = [line for line in lines if not line.lower().startswith(b"content-length:")]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def test_lookups_answered_from_the_parser_are_the_asgi_answers(
+    setup: tuple[RouterRunner, FakeEngine],
+) -> None:
+    """A lookup with nothing else in flight on its connection is answered from the parser's
+    callbacks (KvProtocol._answer_quick): the same bytes, date aside, as the ASGI path gives, for
+    answers, errors, HEAD, HTTP/1.0 and ``connection: close``; a /route that needs an await (a chat
+    prompt, a body that is not token ids) goes on through the ASGI cycle with its body already
+    read."""
+    router, engine = setup
+    server = cast(NativeServer, router.server).server
+    native = server.asgi.native
+    tokens = [5 + i for i in range(32)]
+    engine.announce(tokens[:16], 4)
+    wait_for(lambda: _route(router, {"model": "toy", "prompt": tokens})[1]["matched_blocks"] == 4, "index")
+    chat = json.dumps({"model": "toy", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    requests = [
+        b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n",
+        b"HEAD /health HTTP/1.1\r\nhost: t\r\n\r\n",
+        b"GET /ready HTTP/1.1\r\nhost: t\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nhost: t\r\n\r\n",
+        _post("/route", json.dumps({"model": "toy", "prompt": tokens}).encode()),
+        _post("/route?endpoint=chat", chat),
+        _post("/route", b"{not json"),
+        _post("/route", json.dumps({"model": "nope", "prompt": tokens}).encode()),
+        _post("/route", json.dumps({"model": "toy", "prompt": [10**9]}).encode()),
+        b"GET /health HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n",
+        b"GET /health HTTP/1.0\r\n\r\n",
+    ]
+
+    def answers() -> list[bytes]:
+        out = []
+        for request in requests:
+            with _connect(router) as s:
+                s.sendall(request)
+                data = b""
+                while chunk := s.recv(65536):  # (each request closes: read to the end)
+                    data += chunk
+                    if b"\r\n\r\n" in data and not request.startswith(b"HEAD"):
+                        head, _, body = data.partition(b"\r\n\r\n")
+                        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                        if len(body) >= length:
+                            break
+                    elif request.startswith(b"HEAD") and b"\r\n\r\n" in data:
+                        break
+                out.append(_without_date(data))
+        return out
+
+    real_now = native.answer_now
+    calls: list[str] = []
+
+    def counting(*args: Any) -> Any:
+        calls.append(args[1])
+        return real_now(*args)
+
+    native.answer_now = counting  # type: ignore[method-assign]
+    awaited: list[bytes] = []
+    real_route = server.app.route_answer
+
+    async def counting_route(raw: bytes, query: bytes, headers: Any = ()) -> bytes:
+        awaited.append(raw)
+        return await real_route(raw, query, headers)
+
+    server.app.route_answer = counting_route  # type: ignore[method-assign]
+    try:
+        quick = answers()
+        assert len(calls) == len(requests) and awaited == [chat, b"{not json"]  # (decoded off the parser)
+        native.from_parser = False
+        try:
+            through_asgi = answers()
+        finally:
+            native.from_parser = True
+        assert len(calls) == len(requests) and len(awaited) == 4
+    finally:
+        del native.answer_now, server.app.route_answer
+    assert quick == through_asgi
+    statuses = [int(a.split(b" ", 2)[1]) for a in quick]
+    assert statuses == [200] * 6 + [400, 404, 400, 200, 200]
+    assert b"connection: close" in quick[-1] and b"connection: close" in quick[-2]
