@@ -492,11 +492,18 @@ class KVRouter:
         try:
             endpoint, session = self._route_args(body, query, headers)
             classed = request_class(headers)
+            meta = self.flow.meta(headers, body, len(raw)) if self.flow is not None else None
             decided = await self.service.decide(
-                endpoint, body, dry_run=True, session=session, size=len(raw), request_class=classed
+                endpoint,
+                body,
+                dry_run=True,
+                session=session,
+                size=len(raw),
+                request_class=classed,
+                band=meta.priority if meta is not None else None,
             )
-            if self.flow is not None:  # flow control: whether the proxy would hold it, and why
-                flow = self.flow.would_queue(self.flow.meta(headers, body, len(raw)))
+            if self.flow is not None and meta is not None:  # flow: whether the proxy would hold it, and why
+                flow = self.flow.would_queue(meta)
                 return decided.explain_json()[:-1] + b',"flow":' + msgspec.json.encode(flow) + b"}"
             return decided.explain_json()
         finally:

@@ -230,7 +230,12 @@ class ProxyHandler:
             session = self.affinity.session_of(headers) if self.affinity is not None else None
             classed = request_class(headers)
             route = await self.service.decide(
-                endpoint, parsed, session=session, size=size, request_class=classed
+                endpoint,
+                parsed,
+                session=session,
+                size=size,
+                request_class=classed,
+                band=grant.priority if grant is not None else None,
             )
             # the decision's own time: a staggered burst's hold (cluster.stagger_bursts) is counted
             # by kvrouter_cluster_held_decisions_total instead

@@ -428,8 +428,9 @@ class RouterService:
         """Other replicas' concurrent decisions, assumed as load (router/cluster/unseen.py)."""
         self._plan_cache: _Plan | None = None
         """The last candidate set's plan (:meth:`_plan`)."""
-        self.flow_open: Callable[[list[Member]], list[Member]] | None = None
-        """Flow control's ``restrict_to_room`` (router/flow): the candidates a decision may take."""
+        self.flow_open: Callable[[list[Member], int | None], list[Member]] | None = None
+        """Flow control's ``restrict_to_room`` (router/flow): the candidates a decision of a band
+        (None: not admitted by flow control, e.g. ``/route``) may take."""
         self._subset: tuple[list[Member], frozenset[str], list[Member]] | None = None
         """(candidates, a gateway's subset, the candidates in it) of the last decision with one."""
         self._unblocked: tuple[list[Member], frozenset[str], list[Member]] | None = None
@@ -512,6 +513,7 @@ class RouterService:
         size: int | None = None,
         subset: frozenset[str] | None = None,
         request_class: RequestClass | None = None,
+        band: int | None = None,
     ) -> Route:
         """Tokenize, match and choose; ``dry_run`` leaves no trace (no prediction, not in `recent`, no
         pin); ``session``: the request's session id, when session affinity is on; ``size``: the
@@ -524,7 +526,10 @@ class RouterService:
         its load ticket nothing yields to the event loop, so a backend that starts draining meanwhile
         is never chosen, and one chosen is never removed before its request counts as in flight.
         ``subset``: the members (by name) the choice is limited to (:meth:`candidates_for`).
-        ``request_class``: carried on the route (flow control's input; the choice does not read it)."""
+        ``request_class``: carried on the route (flow control's input; the choice does not read it).
+        ``band``: the flow-control band the request was admitted in: with ``restrict_to_room`` the
+        candidates are those with room for that band (below its ceiling under
+        ``higher_band_reserve``)."""
         t0 = time.perf_counter()
         if size is not None and decoded_in_pieces(body):
             model = self._servable(await self.tokenizer.offload(validate_body, endpoint, body))
@@ -551,7 +556,7 @@ class RouterService:
                 unseen.note_hold(held)
                 t0 += held  # (the timings are the work's; the hold is reported on its own)
         route = self._choose(
-            endpoint, body, model, tokens, tok_error, t0, held, dry_run, session, subset=subset
+            endpoint, body, model, tokens, tok_error, t0, held, dry_run, session, subset=subset, band=band
         )
         route.request_class = request_class
         return route
@@ -643,6 +648,7 @@ class RouterService:
         session: int | None,
         backends: list[Member] | None = None,
         subset: frozenset[str] | None = None,
+        band: int | None = None,
     ) -> Route:
         """THE decision, from the prompt's tokens on (nothing here yields to the event loop): match,
         score and choose (router/decision/policy.py ``Policy.decide``, one compiled pass), the P/D
@@ -654,7 +660,7 @@ class RouterService:
         if backends is None:
             backends = self.candidates_for(model, subset)
         if self.flow_open is not None:  # flow control (router/flow): only backends with room
-            backends = self.flow_open(backends)
+            backends = self.flow_open(backends, band)
         plan = self._plan(backends)
         inputs = plan.inputs
         found: PlanMatch | None = None

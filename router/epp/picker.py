@@ -365,7 +365,10 @@ class _Stream:
                     return [answer]
             t0 = time.perf_counter()
             classed = request_class_of(headers)
-            route = await service.decide(endpoint, parsed, size=size, subset=subset, request_class=classed)
+            band = self.grant.priority if self.grant is not None else None
+            route = await service.decide(
+                endpoint, parsed, size=size, subset=subset, request_class=classed, band=band
+            )
             decision_s = time.perf_counter() - t0 - route.timings_us.get("held", 0.0) / 1e6
             body = await service.write_json(parsed, size) if changed else None
             self.route = route  # (a reset during a prefill leg: close() sees the route)

@@ -44,8 +44,9 @@ class FlowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``vllm:kv_cache_usage_perc`` (0..1) at or above this saturates a target; read only when
     ``health.scrape_metrics`` is on. 0: not a criterion."""
     restrict_to_room: bool = False
-    """True: a request let through is decided among the targets with room only, so no engine ever
-    passes ``max_active`` (the strict bound). False (the default): among every candidate, the policy
+    """True: a request let through is decided among the targets with room for its band only, so no
+    engine ever passes ``max_active``, nor a band its ceiling under ``higher_band_reserve`` (the
+    strict bound). False (the default): among every candidate, the policy
     weighing their load as always, so a long cached prefix may still send a request to a busy engine
     while another has room; the queue then bounds the fleet's total in flight. On the saturated
     Mooncake replay the strict mode lost three quarters of the hit ratio (every dispatch went to

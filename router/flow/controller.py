@@ -217,14 +217,15 @@ class FlowController:
                     granted.release()  # dispatched just as its client left
             raise
 
-    def open_members(self, backends: list[Member]) -> list[Member]:
+    def open_members(self, backends: list[Member], band: int | None = None) -> list[Member]:
         """``restrict_to_room``: the candidates a decision may take, the backends with a rank with
-        room (all of them when none has: a request let through without room, because the fleet
+        room for ``band`` (below the band's ceiling under ``higher_band_reserve``; None: the full
+        room), or all of them when none has (a request let through without room, because the fleet
         changed meanwhile). A backend's ranks stay together: the decision's candidate plans are
         per set of backends."""
         get = self.sat.loads.get
         room = self.sat.room
-        open_ = [m for m in backends if any(room(get(t)) > 0 for t in m.targets)]
+        open_ = [m for m in backends if any(room(get(t), band) > 0 for t in m.targets)]
         return open_ if len(open_) != len(backends) and open_ else backends
 
     def would_queue(self, meta: FlowMeta) -> dict[str, Any]:

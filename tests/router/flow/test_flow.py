@@ -392,6 +392,38 @@ def test_any_target_mode_still_queues(make: Callable[..., Any]) -> None:
         clients.close()
 
 
+def test_restrict_to_room_keeps_a_band_below_its_ceiling(make: Callable[..., Any]) -> None:
+    """restrict_to_room with higher_band_reserve: a default-band request is decided among the
+    engines below the band's ceiling (1 of max_active 2 here), a higher band's among those below
+    max_active; /route shows the candidates each band's decision would weigh, and the proxy sends
+    the next default request to the engine still below the ceiling."""
+    flow = "max_active = 2\npriorities = [10]\nhigher_band_reserve = 0.5\nrestrict_to_room = true"
+    high = {"x-kvrouter-priority": "10"}
+    router, engines = make(2, flow=flow)
+    clients = Clients(router.url)
+    try:
+        futs = [clients.send("d0", body(0))]
+        wait_for(lambda: sum(e.in_flight for e in engines) == 1, "one default request in flight")
+        busy = next(e for e in engines if e.in_flight == 1)
+        idle = next(e for e in engines if e is not busy)
+
+        def candidates(headers: dict[str, str] | None = None) -> list[str]:
+            r = httpx.post(router.url + "/route", json=body(9), headers=headers).json()
+            assert r["flow"]["would_queue"] is False, r["flow"]
+            return sorted(c["backend"] for c in r["candidates"])
+
+        assert candidates() == [idle.name]  # (busy is at the default band's ceiling)
+        assert candidates(high) == sorted(e.name for e in engines)  # (busy has room for band 10)
+        futs.append(clients.send("d1", body(1)))
+        wait_for(lambda: idle.in_flight == 1, "the second default request on the other engine")
+        assert busy.in_flight == 1 and busy.order == ["d0"] and idle.order == ["d1"]
+        for e in engines:
+            e.open()
+        assert [f.result(timeout=30).status_code for f in futs] == [200] * 2
+    finally:
+        clients.close()
+
+
 def test_reserve_lets_a_higher_band_past_a_full_lower_band(make: Callable[..., Any]) -> None:
     """higher_band_reserve = 0.5 of max_active 2: the default band stops at one request in flight,
     so while its next request queues, a higher band's reaches the engine at once; /route and the
