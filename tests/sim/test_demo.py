@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from envoy_harness import BINARY, envoy_binary
 
 from router.decision.policy import POLICIES
 from sim.routerproc import router_available
@@ -45,6 +46,48 @@ def test_quick_demo_prints_the_table_and_kv_wins(tmp_path: Path) -> None:
     for r in rows.values():
         assert r["requests"] >= 50 and r["errors"] == 0  # the issue's small end-to-end fleet test
     assert rows["kv"]["hit_ratio"] > rows["round_robin"]["hit_ratio"], rows
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(WHY is not None, reason=f"kvrouter demo needs router/serve.py and router/app.py: {WHY}")
+def test_quick_demo_behind_a_real_envoy(tmp_path: Path) -> None:
+    """``--gateway``: the same workload through a real Envoy, first with its own round robin, then
+    with the router as its endpoint picker (ext_proc); every request answered through Envoy, and
+    the picker's routing keeps more of the prompts cached than Envoy's round robin."""
+    envoy_binary()  # (skips without Envoy outside CI, fails in CI)
+    out_json = tmp_path / "demo.json"
+    env = dict(os.environ, KVROUTER_ENVOY_VENV=str(BINARY.parent.parent))
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.cli", "demo", "--quick", "--gateway", "--json", str(out_json)],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "behind Envoy" in out and "the router its endpoint picker" in out, out
+    assert "Envoy's own round robin at http://127.0.0.1:" in out, out
+    assert "through Envoy, kvrouter as its endpoint picker served" in out, out
+    rows = {r["policy"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert set(rows) == {"envoy_rr", "kv+envoy"}
+    for r in rows.values():
+        assert r["requests"] >= 50 and r["errors"] == 0, rows
+    assert rows["kv+envoy"]["hit_ratio"] > rows["envoy_rr"]["hit_ratio"], rows
+
+
+def test_demo_gateway_says_what_it_needs(tmp_path: Path) -> None:
+    """Without Envoy, ``--gateway`` stops before starting anything and says how to install it."""
+    env = dict(os.environ, KVROUTER_ENVOY_VENV=str(tmp_path / "no-envoy"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.cli", "demo", "--quick", "--gateway"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "tests/envoy/install.sh" in proc.stderr and "make demo-gateway" in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(240)
