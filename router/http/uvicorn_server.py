@@ -35,8 +35,8 @@ cycle cost more than the answer: beside the client, ``/health`` took 95 us of se
 p50, now 38 and 66; a 1k-token ``/route`` 240 us p50, now 158). httptools
 still parses every byte and every limit above still applies; the answer is the same call as the ASGI
 path's (:meth:`NativeEndpoints.answer_now`), byte for byte (a test compares the two). Anything else
-(a pipelined request, a body that needs an await, a paused writer, ``server.access_log``) takes the
-ASGI path.
+(a pipelined request, a body that needs an await, an answer that closes the connection, a paused
+writer, ``server.access_log``) takes the ASGI path.
 
 uvicorn itself does the rest: keep-alive (``keepalive_timeout_s``), pipelining, chunked bodies,
 ``Expect: 100-continue``, response framing, and the graceful drain (``drain_timeout_s``). A client
@@ -619,7 +619,11 @@ class KvProtocol(HttpToolsProtocol):
             or self.expect_100_continue
             or chunked
             or self.parser.should_upgrade()
+            or self.parser.get_http_version() == "1.0"
+            or not self.parser.should_keep_alive()
         ):
+            # (an answer that closes the connection goes through uvicorn's cycle, which stops
+            # there: answered here, the requests pipelined after it in the same read would be too)
             return False
         method = self.parser.get_method().decode()
         if method == "POST":
@@ -643,8 +647,8 @@ class KvProtocol(HttpToolsProtocol):
         try:
             answer = native.answer_now(method, path, self.headers, query, body)
         except Exception:
-            log.exception("answering %s %s", method, path)
-            answer = (500, b"", b"")
+            log.exception("answering %s %s from the parser (retried as an ASGI request)", method, path)
+            answer = None  # (uvicorn's cycle answers what it raises: 500, and closes)
         if answer is None:  # (needs an await: uvicorn's cycle, as if the head ended now)
             self._scope()
             super().on_headers_complete()
@@ -654,22 +658,15 @@ class KvProtocol(HttpToolsProtocol):
             cycle.message_event.set()
             return
         status, ctype, content = answer
-        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         date = cast(DateHeader, self.server_state.default_headers).now()[0][1]
-        if status == 500 and not ctype:  # (what uvicorn answers when the app raises)
-            ctype, content, keep_alive = b"text/plain; charset=utf-8", b"Internal Server Error", False
-        head = b"%sdate: %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n" % (
+        head = b"%sdate: %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (
             STATUS_LINE[status],
             date,
             ctype,
             len(content),
-            b"" if keep_alive else b"connection: close\r\n",
         )
         self.transport.write(head if method == "HEAD" else head + content)
         self.server_state.total_requests += 1
-        if not keep_alive:
-            self.transport.close()
-            return
         self._arm("keepalive", self.timeout_keep_alive)  # (uvicorn's own timer: one per request)
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
