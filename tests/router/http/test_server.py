@@ -663,7 +663,7 @@ _TICK = 0.01
 
 
 def test_the_idle_timeout_counts_from_the_last_request(setup: tuple[RouterRunner, FakeEngine]) -> None:
-    """The keep-alive timer is set once and moved lazily (server.py ``_arm_idle``): a connection in
+    """The keep-alive timer is set once and moved lazily (``KvProtocol._arm``): a connection in
     use for several timeouts stays open, and none is closed sooner than ``keepalive_timeout_s``
     (0.5 s here) after the request before (a request sent later than that may meet a closed
     connection only if this thread stalled that long; then the test reconnects)."""
