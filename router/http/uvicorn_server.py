@@ -667,7 +667,7 @@ class KvProtocol(HttpToolsProtocol):
         )
         self.transport.write(head if method == "HEAD" else head + content)
         self.server_state.total_requests += 1
-        self._arm("keepalive", self.timeout_keep_alive)  # (uvicorn's own timer: one per request)
+        self._arm("keepalive", self.timeout_keep_alive)  # (not uvicorn's timer, made per response)
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._running = cycle
