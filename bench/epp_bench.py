@@ -155,11 +155,10 @@ def quality_workload(name: str, limit: int, deadline_s: float) -> Any:
 
 async def quality_arm(work: Any, arm: str, tmp: Path, tag: str) -> dict[str, Any]:
     """One arm on a fresh fleet and a fresh ``kvrouter serve`` (the same config for every arm)."""
-    from replicas import hist_quantile, parse_metrics, pin, total
+    from replicas import hist_quantile, parse_metrics, pin, total, trace_row
 
-    from sim.driver import DriverConfig, run, scrape_engines
+    from sim.driver import DriverConfig, run
     from sim.fleet import Fleet
-    from sim.report import from_live
     from sim.routerproc import RouterProcess, router_config
 
     fleet = Fleet.uniform(work.engines, work.engine)
@@ -199,9 +198,7 @@ async def quality_arm(work: Any, arm: str, tmp: Path, tag: str) -> dict[str, Any
         cpu = cpu_seconds(router.proc.pid) - cpu0
         async with httpx.AsyncClient(timeout=10) as client:
             scrape = parse_metrics((await client.get(router.url + "/metrics")).text)
-        row = from_live(arm, results, await scrape_engines(fleet.urls), work.bound, label=arm)
-        for attr in ("ttft_p50", "ttft_p90", "ttft_p99"):
-            setattr(row, attr, getattr(row, attr) * work.speedup)  # trace seconds
+        row = await trace_row(arm, results, fleet.urls, work)
         routed = total(scrape, "kvrouter_requests_total")
         dp99 = hist_quantile([scrape], "kvrouter_route_decision_seconds", 0.99)
         extra: dict[str, Any] = {

@@ -53,6 +53,7 @@ from replicas import (
     hist_quantile,
     parse_metrics,
     total,
+    trace_row,
     workload,
 )
 
@@ -60,9 +61,8 @@ from router.fleet.load import LoadTracker
 from router.flow.config import FlowConfig
 from router.flow.controller import FlowController, FlowMeta, Ticket
 from sim.demo import RouterProcess, free_port, router_config
-from sim.driver import DriverConfig, run, scrape_engines
+from sim.driver import DriverConfig, run
 from sim.fleet import Fleet
-from sim.report import from_live
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -100,9 +100,7 @@ async def run_arm(work: Workload, label: str, extra_toml: str, tmp: Path) -> dic
         cpu = (cpu_seconds(router.proc.pid) if router.proc else 0.0) - cpu0
         async with httpx.AsyncClient(timeout=10) as client:
             scrape = parse_metrics((await client.get(router.url + "/metrics")).text)
-        row = from_live(label, results, await scrape_engines(fleet.urls), work.bound, label=label)
-        for attr in ("ttft_p50", "ttft_p90", "ttft_p99"):
-            setattr(row, attr, getattr(row, attr) * work.speedup)  # trace seconds
+        row = await trace_row(label, results, fleet.urls, work)
         routed = total(scrape, "kvrouter_requests_total")
         statuses: dict[str, int] = {}
         for r in results:

@@ -435,12 +435,7 @@ async def run_arm(
                 for res in ("new", "kept", "steered", "overloaded", "unavailable")
             }
         extra["bursts"] = burst_placement(work.requests, results, work.engines)
-        row = from_live(arm.label, results, await scrape_engines(fleet.urls), work.bound, label=arm.label)
-        if work.trace_time:
-            for attr in ("ttft_p50", "ttft_p90", "ttft_p99"):
-                setattr(row, attr, getattr(row, attr) * work.speedup)  # back to trace seconds
-            row.throughput_rps /= work.speedup
-            row.output_tps /= work.speedup
+        row = await trace_row(arm.label, results, fleet.urls, work, rates=True)
         return ArmResult(row, results, extra)
     finally:
         if lb is not None:
@@ -492,6 +487,21 @@ def workload(
     engine = scaled_engine(base, trace.scale, capacity_blocks)
     requests, bound = trace_window(trace, engine, speedup, deadline_s)
     return Workload(name, requests, bound, engine, speedup, 4, deadline_s=deadline_s)
+
+
+async def trace_row(
+    label: str, results: Sequence[RequestResult], urls: Sequence[str], work: Workload, rates: bool = False
+) -> Row:
+    """An arm's row from the engines' counters, its TTFTs in trace seconds (x ``work.speedup``)
+    unless the workload runs in wall seconds; ``rates``: its throughput figures too."""
+    row = from_live(label, results, await scrape_engines(urls), work.bound, label=label)
+    if work.trace_time:
+        for attr in ("ttft_p50", "ttft_p90", "ttft_p99"):
+            setattr(row, attr, getattr(row, attr) * work.speedup)
+        if rates:
+            row.throughput_rps /= work.speedup
+            row.output_tps /= work.speedup
+    return row
 
 
 def quality_arms(name: str, only: str = "") -> list[Arm]:
