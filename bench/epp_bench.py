@@ -80,6 +80,20 @@ def wait_http(url: str, timeout: float = 30) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def wait_ok(url: str, timeout: float = 30) -> None:
+    """Until a streamed completion through ``url`` (an Envoy before its picker) answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body(0), timeout=2)
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer 200")
+
+
 def body(i: int) -> dict[str, Any]:
     rng = random.Random(i)
     prefix = [5 + (i % 8) * 7 + k for k in range(192)]  # 8 shared prefixes
@@ -326,6 +340,25 @@ def latency_stage(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             sides = {"envoy+epp": with_epp.url, "envoy+epp (baseline)": b_epp.url,
                      "envoy+epp-duplex": duplex.url, "envoy+epp-duplex (baseline)": b_fd.url,
                      "envoy-rr": plain.url}  # fmt: skip
+        floors: list[tuple[str, str, int]] = []
+        if args.floor:  # do-nothing pickers on each gRPC stack behind their own Envoys (bench/epp_floor.py)
+            import epp_floor
+
+            engine_list = ",".join(f"{h}:{p}" for h, p in engines)
+            for kind in epp_floor.KINDS:
+                if not epp_floor.available(kind):
+                    print(f"floor {kind}: not installed, skipped", file=sys.stderr)
+                    continue
+                fport = free_port()
+                script = str(ROOT / "bench" / "epp_floor.py")
+                floor_cmd = [sys.executable, script, kind, str(fport), engine_list]
+                fproc = subprocess.Popen(floor_cmd)
+                procs.append(fproc)
+                fenvoy = Envoy(bootstrap(("127.0.0.1", fport), engines), tmp, f"envoy-floor-{kind}")
+                envoys.append(fenvoy)
+                wait_ok(fenvoy.url)
+                sides[f"floor {kind}"] = fenvoy.url
+                floors.append((f"floor {kind}", fenvoy.url, fproc.pid))
         results: dict[tuple[str, int], list[float]] = {}
         for url in sides.values():  # warm-up
             asyncio.run(ttfts(url, 50, 8, 10_000))
@@ -353,6 +386,7 @@ def latency_stage(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         if base is not None:
             cpu_sides[1:1] = [("epp (baseline)", sides["envoy+epp (baseline)"], base.pid)]
             cpu_sides[3:3] = [("epp-duplex (baseline)", sides["envoy+epp-duplex (baseline)"], base.pid)]
+        cpu_sides += floors
         per: dict[str, list[float]] = {name: [] for name, _, _ in cpu_sides}
         for r in range(args.rounds):
             for name, url, pid in cpu_sides:
@@ -389,6 +423,11 @@ def main() -> None:
         "--baseline",
         default="",
         help="latency: also run a router from this source tree (e.g. main's, built) beside this one",
+    )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="latency: also do-nothing pickers on grpc.aio, grpc threads, grpclib (bench/epp_floor.py)",
     )
     ap.add_argument("--profile", default="", help="py-spy (on PATH) raw profile of the router to this file")
     ap.add_argument("--traces", default="synthetic,conversation", help="quality: Mooncake traces")
