@@ -351,6 +351,52 @@ static int medium(PyObject *by, PyObject *name, double *out) {
     return as_double(v, out);
 }
 
+/* rng.choice(ties) where ties are the i with tie[i] set, in order (count of them): the same call
+ * and draw as with a list, but the sequence is a memoryview over the indices (len and [] give
+ * Python ints as a list's would), so a wide fleet's ties build no Python int each. The index
+ * chosen, or -1 with an exception set. */
+static Py_ssize_t choose_tie(PyObject *rng, const unsigned char *tie, Py_ssize_t n, Py_ssize_t count) {
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizeof(Py_ssize_t) * count);
+    if (!bytes) return -1;
+    Py_ssize_t *idx = (Py_ssize_t *)PyBytes_AS_STRING(bytes), k = 0;
+    for (Py_ssize_t i = 0; i < n && k < count; i++)
+        if (tie[i]) idx[k++] = i;
+    PyObject *raw = PyMemoryView_FromObject(bytes);
+    Py_DECREF(bytes);
+    if (!raw) return -1;
+    PyObject *seq = PyObject_CallMethod(raw, "cast", "s", "n");
+    Py_DECREF(raw);
+    if (!seq) return -1;
+    PyObject *got = PyObject_CallMethodOneArg(rng, S_CHOICE, seq);
+    Py_DECREF(seq);
+    if (!got) return -1;
+    Py_ssize_t best = PyLong_AsSsize_t(got);
+    Py_DECREF(got);
+    if (best == -1 && PyErr_Occurred()) return -1;
+    if (best < 0 || best >= n) {
+        PyErr_SetString(PyExc_ValueError, "the random generator returned no candidate");
+        return -1;
+    }
+    return best;
+}
+
+/* by.get(PREDICTED / GPU / CPU / STORAGE, 0) as doubles. The index's dicts hold one to three of
+ * these names, as the very string objects interned here: one walk over the items matches them by
+ * identity; a key that is another object (another medium, or an equal string made elsewhere) falls
+ * back to the four lookups, which decide by equality. */
+static int media4(PyObject *by, double *pr, double *g, double *c, double *st) {
+    *pr = *g = *c = *st = 0.0;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(by, &pos, &k, &v)) {
+        double *out = k == S_PREDICTED ? pr : k == S_GPU ? g : k == S_CPU ? c : k == S_STORAGE ? st : NULL;
+        if (!out) return medium(by, S_PREDICTED, pr) || medium(by, S_GPU, g) || medium(by, S_CPU, c) ||
+                         medium(by, S_STORAGE, st);
+        if (as_double(v, out)) return -1;
+    }
+    return 0;
+}
+
 static int get_ll(PyObject *o, long long *out) {
     *out = PyLong_AsLongLong(o);
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
@@ -425,7 +471,8 @@ static PyObject *score(PyObject *self, PyObject *args) {
     long long *wflag_c = COL_L(buf, n, C_WFLAG), *wival_c = COL_L(buf, n, C_WIVAL);
     double *raw = PyMem_Malloc(sizeof(double) * (size_t)n * 2); /* pending / bs, and the spread's terms */
     PyObject **pend = kind == K_LEAST_LOADED ? PyMem_Calloc((size_t)n, sizeof(PyObject *)) : NULL;
-    PyObject *out = NULL, *ties = NULL, *pick = NULL;
+    PyObject *out = NULL, *pick = NULL;
+    unsigned char *tie_c = NULL;
     long long inflight = 0;
     if (!raw || (kind == K_LEAST_LOADED && !pend)) {
         PyErr_NoMemory();
@@ -450,9 +497,7 @@ static PyObject *score(PyObject *self, PyObject *args) {
                 PyErr_SetString(PyExc_TypeError, "media entries must be dicts or None");
                 goto done;
             }
-            if (medium(by, S_PREDICTED, &pr) || medium(by, S_GPU, &g) || medium(by, S_CPU, &c) ||
-                medium(by, S_STORAGE, &st))
-                goto done;
+            if (media4(by, &pr, &g, &c, &st)) goto done;
         } else if (row != Py_None) {
             if (!PyList_Check(row)) {
                 PyErr_SetString(PyExc_TypeError, "offs entries must be lists or None");
@@ -570,8 +615,10 @@ static PyObject *score(PyObject *self, PyObject *args) {
         if (!pick) goto done;
         best = PyLong_AsSsize_t(pick);
     } else {
-        ties = PyList_New(0);
-        if (!ties) goto done;
+        if (!(tie_c = PyMem_Malloc((size_t)n))) {
+            PyErr_NoMemory();
+            goto done;
+        }
         if (kind == K_LEAST_LOADED) {
             Py_ssize_t low = 0;
             for (Py_ssize_t i = 1; i < n; i++) {
@@ -580,20 +627,19 @@ static PyObject *score(PyObject *self, PyObject *args) {
                 if (!lt && (lt = PyObject_RichCompareBool(pend[i], pend[low], Py_LT)) < 0) goto done;
                 if (lt) low = i;
             }
+            /* the ties, marked in tie_c */
+            Py_ssize_t count = 0;
             for (Py_ssize_t i = 0; i < n; i++) {
+                tie_c[i] = 0;
                 if (active_c[i] != active_c[low]) continue;
                 int eq = PyObject_RichCompareBool(pend[i], pend[low], Py_EQ);
                 if (eq < 0) goto done;
                 if (eq) {
-                    PyObject *k = PyLong_FromSsize_t(i);
-                    if (!k || PyList_Append(ties, k)) {
-                        Py_XDECREF(k);
-                        goto done;
-                    }
-                    Py_DECREF(k);
+                    tie_c[i] = 1;
+                    count++;
                 }
             }
-            pick = PyObject_CallMethodOneArg(rng, S_CHOICE, ties);
+            if ((best = choose_tie(rng, tie_c, n, count)) < 0) goto done;
         } else {
             double lo = score_c[0], hi = score_c[0];
             for (Py_ssize_t i = 1; i < n; i++) {
@@ -629,20 +675,15 @@ static PyObject *score(PyObject *self, PyObject *args) {
                 Py_XDECREF(got);
                 if (bad) goto done;
             } else {
-                for (Py_ssize_t i = 0; i < n; i++)
-                    if (score_c[i] == lo) {
-                        PyObject *k = PyLong_FromSsize_t(i);
-                        if (!k || PyList_Append(ties, k)) {
-                            Py_XDECREF(k);
-                            goto done;
-                        }
-                        Py_DECREF(k);
-                    }
-                pick = PyObject_CallMethodOneArg(rng, S_CHOICE, ties);
+                Py_ssize_t count = 0;
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    tie_c[i] = score_c[i] == lo;
+                    count += tie_c[i];
+                }
+                if ((best = choose_tie(rng, tie_c, n, count)) < 0) goto done;
             }
         }
-        if (!pick) goto done;
-        best = PyLong_AsSsize_t(pick);
+        if (pick) best = PyLong_AsSsize_t(pick);
     }
     if (best == -1 && PyErr_Occurred()) goto done;
     if (best < 0 || best >= n) {
@@ -660,7 +701,7 @@ done:
         PyMem_Free(pend);
     }
     PyMem_Free(raw);
-    Py_XDECREF(ties);
+    PyMem_Free(tie_c);
     Py_XDECREF(pick);
     Py_DECREF(rec);
     if (ex) PyBuffer_Release(&extra);
