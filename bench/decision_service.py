@@ -7,7 +7,12 @@ token ids (an 8-block prefix shared, the rest each request's own) at a fixed con
 on the first replica: its CPU (``/proc/<pid>/stat`` utime + stime) per proxied request over
 ``--count`` requests after a warm-up, and the client's request latency p50/p99, and the
 replica's garbage collections in that window (``kvrouter_gc_pause_seconds``: full collections and
-the longest pause's bucket). The index follows no event stream here (the mock publishes none): what
+the longest pause's bucket). The window ends when the measured replica's own client is done (the
+peer's may run on). Before it, ``--idle-s`` seconds with no request give the process's idle CPU
+(probes, heartbeats, the peer's quiet messages): ``cpu_us_per_request_net`` is the window's CPU
+less that rate over the window's length, per request. Holds (``cluster.stagger_bursts``) lower
+the request rate of a closed-loop client, so the raw figure charges the same idle CPU to fewer
+requests; the net one does not. The index follows no event stream here (the mock publishes none): what
 grows with width is the router's own work.
 
 ``--pin``: the measured replica on one CPU, everything else (this client, the upstream, Redis, the
@@ -253,9 +258,20 @@ def arm(
             wait_for(peers_seen, "replicas see each other")
         reqs = bodies(tokens=args.prompt_tokens)
 
-        async def drive(count: int, seed: int) -> list[float]:
-            runs = [Client(p, reqs).run(count, args.concurrency, seed + k) for k, p in enumerate(ports)]
-            return (await asyncio.gather(*runs))[0]
+        async def drive(count: int, seed: int) -> tuple[list[float], float, float]:
+            """Both replicas' clients at once; the measured one's spans, and its CPU and wall time
+            when its own client finished (the peer's may still be running: that tail is not its)."""
+            start = (time.monotonic(), cpu_seconds(a.pid))
+            ends: list[tuple[float, float]] = []
+
+            async def measured() -> list[float]:
+                spans = await Client(port_a, reqs).run(count, args.concurrency, seed)
+                ends.append((time.monotonic(), cpu_seconds(a.pid)))
+                return spans
+
+            runs = [measured()] + [Client(p, reqs).run(count, args.concurrency, seed + 1) for p in ports[1:]]
+            spans = (await asyncio.gather(*runs))[0]
+            return spans, ends[0][1] - start[1], ends[0][0] - start[0]
 
         if args.pin:
             for p, cpus in ((a, {1}), (b, {0})):
@@ -263,10 +279,13 @@ def arm(
                     for tid in os.listdir(f"/proc/{p.pid}/task"):  # (every thread of it)
                         os.sched_setaffinity(int(tid), cpus)
         asyncio.run(drive(args.warmup, 1))
+        # the replica's CPU with no request (probes, heartbeats, the peer's quiet messages), so that
+        # what a request costs can be told from what the process spends per second anyway
+        idle0, t_idle = cpu_seconds(a.pid), time.monotonic()
+        time.sleep(args.idle_s)
+        idle_rate = (cpu_seconds(a.pid) - idle0) / (time.monotonic() - t_idle)
         gc0 = gc_stats(port_a)
-        cpu0 = cpu_seconds(a.pid)
-        spans = asyncio.run(drive(args.count, 2))
-        cpu = cpu_seconds(a.pid) - cpu0
+        spans, cpu, wall = asyncio.run(drive(args.count, 2))
         gc_row = gc_window(gc0, gc_stats(port_a))
         spans.sort()
         return {
@@ -274,6 +293,9 @@ def arm(
             "candidates": width,
             "arm": "cluster" if redis else "alone",
             "cpu_us_per_request": cpu / len(spans) * 1e6,
+            "idle_cpu_share": idle_rate,
+            "requests_per_s": len(spans) / wall,
+            "cpu_us_per_request_net": (cpu - idle_rate * wall) / len(spans) * 1e6,
             "p50_ms": statistics.median(spans) * 1e3,
             "p99_ms": spans[int(len(spans) * 0.99) - 1] * 1e3,
             "p99_over_p50": spans[int(len(spans) * 0.99) - 1] / statistics.median(spans),
@@ -297,6 +319,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1024, help="token ids per prompt (128 shared)")
     ap.add_argument("--rounds", type=int, default=1, help="each arm this many times, in turn; medians")
     ap.add_argument("--out", type=Path, default=Path("bench/out/decision-service.json"))
+    ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle CPU read before each window")
     ap.add_argument("--pin", action="store_true", help="the measured replica on CPU 1, the rest on CPU 0")
     args = ap.parse_args()
     if args.pin:
@@ -346,7 +369,8 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((row["tree"], row["candidates"], row["arm"]), []).append(row)
     out = []
     for (tree, width, which), rs in groups.items():
-        figures: tuple[str, ...] = ("cpu_us_per_request", "p50_ms", "p99_ms", "p99_over_p50")
+        figures: tuple[str, ...] = ("cpu_us_per_request", "cpu_us_per_request_net", "idle_cpu_share")
+        figures += ("requests_per_s", "p50_ms", "p99_ms", "p99_over_p50")
         figures += ("gc2_collections", "gc_max_pause_le_s")
         out.append({"tree": tree, "candidates": width, "arm": which, "rounds": len(rs)})
         out[-1] |= {f: statistics.median(r[f] for r in rs) for f in figures}
