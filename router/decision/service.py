@@ -219,18 +219,37 @@ class Route:
         # every quote follows a backslash)
         return rest.replace(b'"candidates":[]', b'"candidates":' + scored.render(self.outcome), 1)
 
-    def kept(self) -> KeptRoute:
-        """What the recent decisions keep of this one: bounded in objects whatever the fleet's width."""
+    def kept(self, total: int | None = None) -> KeptRoute:
+        """What the recent decisions keep of this one: bounded in objects whatever the fleet's width
+        (``total``: the candidates there were, when this route holds only the top of them)."""
         scored = self.decision.scored
         if scored is not None:
-            total = scored.size
+            count = scored.size
             candidates = scored.top().scores(self.outcome)
         else:
-            total = len(self.candidates)
+            count = len(self.candidates)
             candidates = sorted(self.candidates, key=lambda c: (not c.chosen, c.score))[:TOP_K]
         view = self._view(candidates)
         fields = {f: getattr(view, f) for f in view.__struct_fields__}
-        return KeptRoute(**fields, candidates_total=total)
+        return KeptRoute(**fields, candidates_total=count if total is None else total)
+
+    def keep(self) -> KeptDecision:
+        """:meth:`kept`, made only when shown: the recent decisions hold a copy of this route with its
+        record cut to the top candidates (its match and members dropped), so a proxied request pays
+        for bounding the record, not for the candidates' objects and the view that only the
+        dashboard reads (~15 us a decision)."""
+        scored = self.decision.scored
+        if scored is None:
+            return KeptDecision(self.kept(), None, 0)
+        d = self.decision
+        light = object.__new__(Route)
+        for name in Route.__slots__:
+            setattr(light, name, getattr(self, name))
+        light.decision = Decision(d.backend, d.dp_rank, d.outcome, scored=scored.top())
+        light.report = None
+        light.members = {}
+        light._candidates = None
+        return KeptDecision(None, light, scored.size)
 
     def media_of(self, target: tuple[str, int]) -> dict[str, int]:
         """A candidate's matched blocks by medium ({} for one that was not a candidate)."""
@@ -395,6 +414,30 @@ def validate_body(endpoint: Endpoint, body: Any) -> str:
     return model
 
 
+class KeptDecision:
+    """One of the recent decisions (the dashboard's): a :class:`KeptRoute`, made from the route's
+    bounded copy at the first read (:meth:`Route.keep`)."""
+
+    __slots__ = ("_kept", "_route", "_total")
+
+    def __init__(self, kept: KeptRoute | None, route: Route | None, total: int) -> None:
+        self._kept = kept
+        self._route = route
+        self._total = total
+
+    def kept(self) -> KeptRoute:
+        """The decision as kept (made once)."""
+        if self._kept is None:
+            assert self._route is not None
+            self._kept = self._route.kept(self._total)
+            self._route = None
+        return self._kept
+
+    def explain(self) -> dict[str, Any]:
+        """The decision as builtins (the dashboard's JSON)."""
+        return self.kept().explain()
+
+
 class RouterService:
     """Everything a decision needs, passed in explicitly."""
 
@@ -419,7 +462,7 @@ class RouterService:
         self.loads = loads
         self.policy = policy
         self.tokenizer = tokenizer
-        self.recent: collections.deque[KeptRoute] = collections.deque(maxlen=recent)
+        self.recent: collections.deque[KeptDecision] = collections.deque(maxlen=recent)
         """The last decisions (not dry runs), each kept with its chosen candidate and the lowest
         scores only (:meth:`Route.kept`): bounded in objects whatever the fleet's width."""
         self.affinity: SessionAffinity | None = None
@@ -779,7 +822,7 @@ class RouterService:
                 self.predict((decision.backend, decision.dp_rank), report)
                 if plan_pd is not None and plan_pd.prefill_target is not None:  # P/D: both legs' engines
                     self.predict(plan_pd.prefill_target, report)
-            self.recent.append(route.kept())
+            self.recent.append(route.keep())
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s", route.explain_json().decode())
         return route
@@ -808,4 +851,4 @@ class RouterService:
         return max(route.prompt_tokens - matched * route.block_size, 0)
 
 
-__all__ = ["ApiError", "Endpoint", "KeptRoute", "Route", "RouterService", "validate_body"]
+__all__ = ["ApiError", "Endpoint", "KeptDecision", "KeptRoute", "Route", "RouterService", "validate_body"]

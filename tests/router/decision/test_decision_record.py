@@ -97,3 +97,9 @@ def test_a_kept_decision_holds_the_chosen_candidate_and_the_lowest_scores_only()
     # the record of the decision itself: no object per candidate that the collector tracks
     tracked = len(gc.get_referents(decision.scored))
     assert tracked < 16
+    # what the recent decisions hold: a copy cut to the top candidates, shown as the same KeptRoute
+    lazy = route.keep()
+    assert lazy._route is not None and lazy._route.decision.scored is not None
+    assert lazy._route.decision.scored.size == TOP_K and lazy._route.report is None
+    assert lazy.kept() == kept and lazy.explain() == kept.explain()
+    assert lazy._route is None  # (made once; the copy is let go)
