@@ -381,17 +381,19 @@ static Py_ssize_t choose_tie(PyObject *rng, const unsigned char *tie, Py_ssize_t
 }
 
 /* by.get(PREDICTED / GPU / CPU / STORAGE, 0) as doubles. The index's dicts hold one to three of
- * these names, as the very string objects interned here: one walk over the items matches them by
- * identity; a key that is another object (another medium, or an equal string made elsewhere) falls
- * back to the four lookups, which decide by equality. */
+ * these names, as the very string objects interned here, with plain int counts: one walk over the
+ * items matches them by identity. Any other key (another medium, an equal string made elsewhere)
+ * or value (whose conversion could run Python code during the walk) falls back to the four
+ * lookups, which decide by equality. */
 static int media4(PyObject *by, double *pr, double *g, double *c, double *st) {
     *pr = *g = *c = *st = 0.0;
     Py_ssize_t pos = 0;
     PyObject *k, *v;
     while (PyDict_Next(by, &pos, &k, &v)) {
         double *out = k == S_PREDICTED ? pr : k == S_GPU ? g : k == S_CPU ? c : k == S_STORAGE ? st : NULL;
-        if (!out) return medium(by, S_PREDICTED, pr) || medium(by, S_GPU, g) || medium(by, S_CPU, c) ||
-                         medium(by, S_STORAGE, st);
+        if (!out || !(PyLong_CheckExact(v) || PyFloat_CheckExact(v)))
+            return medium(by, S_PREDICTED, pr) || medium(by, S_GPU, g) || medium(by, S_CPU, c) ||
+                   medium(by, S_STORAGE, st);
         if (as_double(v, out)) return -1;
     }
     return 0;
