@@ -464,7 +464,7 @@ class RouterService:
         self.tokenizer = tokenizer
         self.recent: collections.deque[KeptDecision] = collections.deque(maxlen=recent)
         """The last decisions (not dry runs), each kept with its chosen candidate and the lowest
-        scores only (:meth:`Route.kept`): bounded in objects whatever the fleet's width."""
+        scores only (:meth:`Route.keep`): bounded in objects whatever the fleet's width."""
         self.affinity: SessionAffinity | None = None
         """Session pins (``[cluster] session_header``), applied after the policy (router/cluster)."""
         self.unseen: UnseenPeers | None = None
