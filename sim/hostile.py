@@ -536,9 +536,11 @@ async def _command(reader: asyncio.StreamReader) -> list[bytes] | None:
     return args
 
 
-STORE_ATTACKS = ("array_in_pieces", "endless_line", "huge_bulk", "deep_arrays")
+STORE_ATTACKS = ("array_in_pieces", "endless_line", "huge_bulk", "deep_arrays", "unanswered_publish")
 """On a subscription: a 250k-element array in 4 KiB pieces (1 MB: within limits that allow it), an
-endless status line, a 2 GB bulk string's header and a trickle of its bytes, arrays 100k deep."""
+endless status line, a 2 GB bulk string's header and a trickle of its bytes, arrays 100k deep. On
+the command connection (``unanswered_publish``): every PUBLISH delivered to the subscribers but
+never answered, a store that hangs on commands while its channel looks alive."""
 
 
 class HostileStore:
@@ -621,6 +623,9 @@ class HostileStore:
                 elif name == b"PUBLISH":
                     for sub in self._subscribers:
                         sub.write(b"*3\r\n$7\r\nmessage\r\n" + _bulk(cmd[1]) + _bulk(cmd[2]))
+                    if self._armed.is_set() and self.attack == "unanswered_publish":
+                        self.attacks += 1
+                        continue
                     writer.write(b":%d\r\n" % len(self._subscribers))
                 elif name == b"HOSTILE":
                     writer.write(self._control(cmd[1:]))
@@ -644,6 +649,9 @@ class HostileStore:
         while True:
             await self._armed.wait()
             attack = self.attack
+            if attack == "unanswered_publish":  # (the command connection's attack, not this one's)
+                await self._disarmed()
+                continue
             if attack == "array_in_pieces" and self.attacks:
                 return  # (once: a huge reply within the limits, then an ordinary store)
             self._subscribers.discard(w)  # (nothing else goes on this connection: it is mid-reply)

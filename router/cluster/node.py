@@ -9,10 +9,14 @@ anything: they note what changed and wake the sender.
 Tasks, all on the router's event loop, none on the request path:
 
 - the *sender* publishes what changed (absolute figures of the targets that changed, the new
-  predictions and pins) as one message, at most one per ``publish_interval_s`` (a change after a
-  quiet spell goes out at once; under load changes collect until the interval is up), and every
-  ``heartbeat_s`` the whole table, which is also stored as this replica's snapshot (a key expiring
-  after ``peer_timeout_s``) for replicas that join or reconnect later;
+  predictions and pins) as one message, at most one per ``publish_interval_s`` and one in flight
+  (a change after a quiet spell goes out on the loop's next turn; under load changes collect until
+  the interval is up and the previous message is answered), and every ``heartbeat_s`` the whole
+  table, which is also stored as this replica's snapshot (a key expiring after ``peer_timeout_s``)
+  for replicas that join or reconnect later. It is not a task but a timer callback that writes the
+  message, and a callback on its reply: a message costs no task switch, no event and no timer of
+  its own (a reply missing for ``connect_timeout_s`` is caught by the heartbeat, so a store that
+  hangs on commands counts as down within that and one heartbeat);
 - the *receiver* applies the peers' messages: their figures to the :class:`PeerTable`, their
   predictions to the index (``KVIndex.predict_keys``), their pins to the affinity map. It also reads
   this replica's own messages coming back from the store: the time from a change to its echo is the
@@ -157,7 +161,15 @@ class Cluster:
         self._last_message = 0.0
         self._subscribed_at = 0.0
         self._unacked: dict[int, float] = {}
-        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flush_at: asyncio.Handle | None = None
+        """The sender's next turn, when one is scheduled."""
+        self._last_sent = float("-inf")
+        """When (the loop's clock) the sender last took a message."""
+        self._in_flight: tuple[int, float, int] | None = None
+        """The message awaiting its reply: (link generation, sent at, bytes)."""
+        self._generation = 0
+        """Counts connections: a reply callback of an earlier one changes nothing."""
         self._broken: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._down_logged = False
@@ -205,8 +217,74 @@ class Cluster:
     def _kick(self) -> None:
         if self._first_change is None:
             self._first_change = time.monotonic()
-        if self._wake is not None:
-            self._wake.set()
+        if self._flush_at is None and self._in_flight is None and self._loop is not None:
+            self._schedule()
+
+    # --- sending -------------------------------------------------------------------------------------
+    def _schedule(self) -> None:
+        """The sender's next turn: at once after a quiet spell, else when the interval is up."""
+        loop = self._loop
+        assert loop is not None
+        at = self._last_sent + self.config.publish_interval_s
+        if at <= loop.time():
+            self._flush_at = loop.call_soon(self._flush)
+        else:
+            self._flush_at = loop.call_at(at, self._flush)
+
+    def _flush(self) -> None:
+        """The sender's turn: write what changed as one message (nothing waits for the reply)."""
+        self._flush_at = None
+        loop = self._loop
+        assert loop is not None
+        self._last_sent = loop.time()
+        if not self.connected:
+            self._drop_pending()
+            return
+        taken = self._take()
+        if taken is None:
+            return
+        payload, sets, full = taken
+        generation = self._generation
+        try:
+            self.store.publish_nowait(
+                self.channel,
+                payload,
+                sets,
+                (self.registry, self.id, self.name) if full else None,
+                lambda exc: self._answered(generation, exc),
+            )
+        except self.store.errors as exc:
+            self._publish_failed(exc)
+            return
+        self._in_flight = (generation, self._last_sent, len(payload))
+
+    def _answered(self, generation: int, exc: BaseException | None) -> None:
+        """The store's reply to the message in flight (or its failure)."""
+        flight = self._in_flight
+        if generation != self._generation or flight is None:
+            return  # (a connection already given up)
+        self._in_flight = None
+        if exc is not None:
+            self._publish_failed(exc)
+            return
+        st = self.stats
+        st.messages["sent"] += 1
+        st.bytes["sent"] += flight[2]
+        pending = self._full or self._dirty or self._preds or self._pins
+        if pending and self._flush_at is None and self._loop is not None:
+            self._schedule()
+
+    def _publish_failed(self, exc: BaseException) -> None:
+        self._failed("publish", exc)
+        self._full = True
+        if self._broken is not None:
+            self._broken.set()
+
+    def _stalled(self, now: float) -> bool:
+        """Whether the message in flight has waited longer than ``connect_timeout_s`` (the loop's
+        clock): the store hangs, and counts as down."""
+        flight = self._in_flight
+        return flight is not None and now - flight[1] > self.config.connect_timeout_s
 
     def unseen_window(self) -> float:
         """How long a peer's decision may stay invisible here: a publish interval plus the lag."""
@@ -250,12 +328,10 @@ class Cluster:
         """Start the link (returns at once: decisions never wait for the store)."""
         if self._tasks:
             return
-        self._wake = asyncio.Event()
         self._broken = asyncio.Event()
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._run(), name="kvrouter-cluster-link"),
-            loop.create_task(self._sender(), name="kvrouter-cluster-send"),
             loop.create_task(self._heartbeat(), name="kvrouter-cluster-heartbeat"),
         ]
 
@@ -263,7 +339,11 @@ class Cluster:
         """Say goodbye (peers drop this replica's load at once) and close the link."""
         tasks, self._tasks = self._tasks, []
         link, others = tasks[:1], tasks[1:]
-        await _cancel(others)  # nothing is sent after the goodbye
+        self._loop = None  # nothing is sent after the goodbye
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        await _cancel(others)
         if self.connected:
             self._seq += 1
             bye = encode(Message(replica=self.id, seq=self._seq, bye=True, group=self.group))
@@ -327,6 +407,8 @@ class Cluster:
                         await t
                 self._set_connected(False)
                 self._unacked.clear()
+                self._generation += 1  # (the reply callbacks of this connection change nothing now)
+                self._in_flight = None
                 violated = self.store.violation() is not None
                 self.store.close()
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
@@ -451,40 +533,6 @@ class Cluster:
         for p in pins:
             self.affinity.pin(p.session, (p.backend, p.rank), p.ttl_ms / 1000, announce=False)
 
-    # --- sending -------------------------------------------------------------------------------------
-    async def _sender(self) -> None:
-        assert self._wake is not None
-        interval = self.config.publish_interval_s
-        last = -interval
-        while True:
-            await self._wake.wait()
-            # at most one message per interval, but no waiting after a quiet spell: a change made
-            # when the previous message is older than the interval goes out in this loop iteration
-            # (with whatever else changed in it)
-            await asyncio.sleep(max(0.0, last + interval - time.monotonic()))
-            self._wake.clear()
-            last = time.monotonic()
-            if not self.connected:
-                self._drop_pending()
-                continue
-            taken = self._take()
-            if taken is None:
-                continue
-            payload, sets, full = taken
-            try:
-                await self.store.publish(
-                    self.channel, payload, sets, (self.registry, self.id, self.name) if full else None
-                )
-            except self.store.errors as exc:
-                self._failed("publish", exc)
-                self._full = True
-                assert self._broken is not None
-                self._broken.set()
-                continue
-            st = self.stats
-            st.messages["sent"] += 1
-            st.bytes["sent"] += len(payload)
-
     def _drop_pending(self) -> None:
         if self._preds:
             self.stats.dropped["predictions"] += len(self._preds)
@@ -554,6 +602,8 @@ class Cluster:
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.heartbeat_s)
+            if self._stalled(asyncio.get_running_loop().time()):
+                self._publish_failed(TimeoutError(f"no reply within {cfg.connect_timeout_s} s"))
             self._full = True
             self._kick()
             for peer in self.table.expire(time.monotonic(), cfg.peer_timeout_s):

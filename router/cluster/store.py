@@ -79,12 +79,36 @@ class RedisStore:
     ) -> None:
         """PUBLISH ``payload`` and, in the same round trip, SET each (key, value, ttl ms) and HSET
         (key, field, value)."""
-        commands: list[list[bytes | str | int]] = [["PUBLISH", channel, payload]]
-        for key, value, ttl_ms in sets:
-            commands.append(["SET", key, value, "PX", max(1, ttl_ms)])
-        if hset is not None:
-            commands.append(["HSET", *hset])
-        await self._run(commands)
+        await self._run(_publish_commands(channel, payload, sets, hset))
+
+    def publish_nowait(
+        self,
+        channel: str,
+        payload: bytes,
+        sets: Sequence[tuple[str, bytes, int]],
+        hset: tuple[str, str, str] | None,
+        done: Callable[[BaseException | None], None],
+    ) -> None:
+        """:meth:`publish` without a task or an await: the commands are written now and ``done``
+        is called from the reader with None, or with the failure (an error reply, a lost
+        connection). No timeout here: the caller watches for a reply that never comes. Raises
+        (one of :attr:`errors`) only when there is no connection to write to."""
+        futures = self._conn().send(_publish_commands(channel, payload, sets, hset))
+
+        def answered(_: object) -> None:
+            for f in futures:
+                if f.cancelled():
+                    done(ConnectionError("publish cancelled"))
+                    return
+                exc = f.exception()
+                if exc is None and isinstance(f.result(), RespError):
+                    exc = f.result()
+                if exc is not None:
+                    done(exc)
+                    return
+            done(None)
+
+        futures[-1].add_done_callback(answered)  # replies come in order: the last one comes last
 
     async def read_states(self, registry: str, key_of: str) -> list[tuple[bytes, int]]:
         """(value, remaining ttl ms) of every live key ``key_of.format(field)`` for the fields of the
@@ -141,6 +165,17 @@ class RedisStore:
             if conn is not None:
                 conn.close()
         self._cmd = self._sub = None
+
+
+def _publish_commands(
+    channel: str, payload: bytes, sets: Sequence[tuple[str, bytes, int]], hset: tuple[str, str, str] | None
+) -> list[list[bytes | str | int]]:
+    commands: list[list[bytes | str | int]] = [["PUBLISH", channel, payload]]
+    for key, value, ttl_ms in sets:
+        commands.append(["SET", key, value, "PX", max(1, ttl_ms)])
+    if hset is not None:
+        commands.append(["HSET", *hset])
+    return commands
 
 
 __all__ = ["RedisStore"]

@@ -265,6 +265,39 @@ def test_a_hostile_store_neither_stalls_nor_bloats_the_router(
         store.close()
 
 
+def test_a_store_that_never_answers_a_publish_counts_as_down(engine: MockFleet, tmp_path: Path) -> None:
+    """Its channel stays alive (what is published is delivered), but no PUBLISH is answered: the
+    link gives the store up once a reply is ``connect_timeout_s`` late (caught by the heartbeat),
+    counts a publish failure and reconnects, and requests go on meanwhile."""
+    store = HostileStore("unanswered_publish")
+    router: RouterRunner | None = None
+    try:
+        toml = (
+            "block_size = 16\nremote_tokenize = false\n[health]\ninterval_s = 60\n[cluster]\n"
+            f'redis_url = "{store.url}"\nreconnect_min_s = 0.05\nreconnect_max_s = 0.2\n'
+            "heartbeat_s = 0.25\npeer_timeout_s = 30.0\nconnect_timeout_s = 0.5\n"
+        )
+        router = RouterRunner(toml + engine.backend_toml(0, "e"), tmp_path)
+        cluster = router.app.replicas.cluster
+        wait_for(lambda: cluster.connected and cluster.stats.messages["sent"] > 0, "the link publishing")
+        before = len(store.subscriptions)
+        store.arm()
+        wait_for(lambda: cluster.stats.failures["publish"] >= 1, "the unanswered publish counted")
+        assert "no reply within 0.5 s" in cluster.last_error, cluster.last_error
+        assert cluster.stats.failures["receive"] == 0  # (the channel never went silent)
+        wait_for(lambda: len(store.subscriptions) > before, "the link reconnected")
+        body = {"model": "mock-model", "prompt": [1, 2, 3, 4], "max_tokens": 1}
+        assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
+        store.disarm()
+        wait_for(lambda: cluster.connected, "the link back")
+        sent = cluster.stats.messages["sent"]
+        wait_for(lambda: cluster.stats.messages["sent"] > sent, "publishes answered again")
+    finally:
+        if router is not None:
+            router.stop()
+        store.close()
+
+
 def test_a_message_over_the_limit_on_a_real_store_breaks_the_link_not_the_router(
     engine: MockFleet, tmp_path: Path
 ) -> None:
