@@ -61,8 +61,11 @@ from router.cluster.wire import (
     Pin,
     Prediction,
     decode,
+    decode_head,
     encode,
+    loads_of,
     pack_keys,
+    predictions_of,
     unpack_keys,
 )
 from router.fleet.load import PeerColumns, Target, TargetLoad
@@ -487,7 +490,7 @@ class Cluster:
         """Apply one message from the channel (a peer's, or this replica's own coming back)."""
         st = self.stats
         try:
-            msg = decode(data)
+            msg = decode_head(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             st.failures["decode"] += 1
             log.debug("cluster: undecodable message skipped: %s", exc)
@@ -508,15 +511,22 @@ class Cluster:
             if self.table.drop(msg.replica) is not None:
                 log.info("cluster: replica %s left", msg.name or msg.replica)
             return
+        try:
+            loads = loads_of(msg)
+            predictions = predictions_of(msg) if self.config.share_predictions else []
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            st.failures["decode"] += 1
+            log.debug("cluster: undecodable message skipped: %s", exc)
+            return
         peer = self.table.heard(msg.replica, now, msg.seq)
         if peer is None:
             return
         if msg.name:
             peer.name = msg.name
         peer.group = msg.group
-        self.table.set_loads(peer, msg.loads, msg.full, now)
-        if msg.predictions and self.config.share_predictions:
-            for p in msg.predictions:
+        self.table.set_loads(peer, loads, msg.full, now)
+        if predictions:
+            for p in predictions:
                 try:
                     keys = unpack_keys(p.keys)
                 except ValueError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from router.cluster.wire import LoadRow
 from router.fleet.load import Target
@@ -133,20 +133,28 @@ class PeerTable:
         """Whether a peer's load is added to the sums (not a sibling worker of this process)."""
         return not (self.group and peer.group == self.group)
 
-    def set_loads(self, peer: Peer, rows: Iterable[LoadRow], full: bool, now: float | None = None) -> None:
+    def set_loads(self, peer: Peer, rows: Sequence[LoadRow], full: bool, now: float | None = None) -> None:
         """Apply a peer's figures: the listed targets change; with ``full`` the others drop to zero.
 
         With ``now``, the peer is marked as deciding then when the message shows requests of its
         own: a change of any target's figures (a peer sends only targets whose figures changed, even
         when a request came and went within one publish interval), or, in a full table, a request in
         flight or a zero row (a full table lists idle targets only when they just changed)."""
+        if not full:  # (most messages: only what changed, applied row by row without a dict)
+            if now is not None and rows:
+                peer.last_decided = max(peer.last_decided, now)
+            loads, limit = peer.loads, self.MAX_TARGETS
+            for r in rows:
+                target = (r.backend, r.rank)
+                if target in loads or len(loads) < limit:
+                    self._set(peer, target, (r.active, r.prefilling, r.pending_tokens))
+            return
         new = {(r.backend, r.rank): (r.active, r.prefilling, r.pending_tokens) for r in rows}
-        if now is not None and new and (not full or any(f[0] > 0 or f == _ZERO for f in new.values())):
+        if now is not None and any(f[0] > 0 or f == _ZERO for f in new.values()):
             peer.last_decided = max(peer.last_decided, now)
-        if full:
-            for target in list(peer.loads):
-                if target not in new:
-                    self._set(peer, target, _ZERO)
+        for target in list(peer.loads):
+            if target not in new:
+                self._set(peer, target, _ZERO)
         for target, figures in new.items():
             if target in peer.loads or len(peer.loads) < self.MAX_TARGETS:
                 self._set(peer, target, figures)

@@ -113,9 +113,11 @@ class UnseenPeers:
 
     def assumed(self, now: float | None = None) -> float:
         """How many peer decisions to assume made before the one this replica is about to make."""
-        rank, n = self.ranks()
-        if n <= 1 or self.stagger:
+        if self.stagger:
             return 0.0  # (staggered: the replicas before this one are seen, the ones after see it)
+        rank, n = self.ranks()
+        if n <= 1:
+            return 0.0
         now = self.clock() if now is None else now
         window = self.window_s()
         recent = self._recent

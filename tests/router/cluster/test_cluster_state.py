@@ -23,8 +23,11 @@ from router.cluster.wire import (
     Pin,
     Prediction,
     decode,
+    decode_head,
     encode,
+    loads_of,
     pack_keys,
+    predictions_of,
     session_id,
     unpack_keys,
 )
@@ -48,6 +51,16 @@ def test_message_round_trip_and_key_packing() -> None:
     )
     back = decode(encode(msg))
     assert back == msg
+    head = decode_head(encode(msg))  # what a replica reads of every message before the rest
+    assert (head.replica, head.seq, head.full, head.name, head.group) == ("r1", 7, True, "pod-a:8000", "g")
+    assert head.pins == msg.pins and not head.bye
+    assert loads_of(head) == msg.loads and predictions_of(head) == msg.predictions
+    bare = decode_head(encode(Message(replica="r2", seq=1, bye=True)))
+    assert bare.bye and loads_of(bare) == [] and predictions_of(bare) == []
+    bad = [1, "r3", 1, False, "", "", [["e0", "one", 1, 0, 0]], [], []]
+    bad_row = decode_head(msgspec.msgpack.encode(bad))
+    with pytest.raises(msgspec.ValidationError):  # a malformed row: found when the loads are read
+        loads_of(bad_row)
     assert unpack_keys(back.predictions[0].keys) == keys
     assert len(pack_keys(keys)) == 8 * len(keys)
     with pytest.raises(ValueError):
