@@ -46,7 +46,7 @@ from router.net.asgi import Scope
 from router.net.body import decode_json, decodes_at_once
 from router.net.upstream import UpstreamPool
 from router.observe.checks import PredictionChecks, StreamStats
-from router.observe.gcpauses import GcPauses
+from router.observe.gcpauses import FrozenObjects, GcPauses
 from router.observe.history import DashboardHistory, sample_forever
 from router.observe.metrics import (
     BreakerCollector,
@@ -140,6 +140,7 @@ class KVRouter:
         self.metrics.add_series(self.pd_metrics.series)
         self.gc_pauses = GcPauses()
         self.metrics.add_series([self.gc_pauses.histogram])
+        self.metrics.add_collector(FrozenObjects())
         self.checks = PredictionChecks(config.checks, self._stream_stats) if config.checks.enabled else None
         self.proxy = ProxyHandler(
             self.service,

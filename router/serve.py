@@ -134,6 +134,8 @@ async def serve_until_stopped(server: HttpServer) -> None:
     """``server.run()`` (until SIGINT or SIGTERM), with its shutdown logged when it begins and when
     it is done: the drain between can take ``server.drain_timeout_s``, and an operator who sent
     the signal otherwise saw nothing until the process was gone."""
+    from router.observe.gcpauses import freeze_start_up  # optional: as KVRouter
+
     stop = asyncio.Event()  # (set by the server's own SIGINT/SIGTERM handlers)
     asked: list[float] = []
 
@@ -148,7 +150,7 @@ async def serve_until_stopped(server: HttpServer) -> None:
 
     watcher = asyncio.get_running_loop().create_task(announce(), name="kvrouter-shutdown-log")
     try:
-        await server.run(stop)
+        await server.run(stop, before_listen=freeze_start_up)
     finally:
         watcher.cancel()
     if asked:

@@ -85,6 +85,7 @@ EXPORTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "kvrouter_pd_prompt_tokens_total": ("counter", frozenset({"leg"})),
     "kvrouter_pd_matched_tokens_total": ("counter", frozenset({"leg"})),
     "kvrouter_gc_pause_seconds": ("histogram", frozenset({"generation"})),
+    "kvrouter_gc_frozen_objects": ("gauge", frozenset()),
 }
 # Exported only by routers with a [cluster] table (redis_url, session_header); test_cluster.py scrapes them.
 CLUSTER_METRICS: dict[str, tuple[str, frozenset[str]]] = {

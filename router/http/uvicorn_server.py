@@ -854,15 +854,17 @@ class HttpServer:
             raise
         return out
 
-    async def start(self) -> None:
+    async def start(self, before_listen: Callable[[], None] | None = None) -> None:
         """Bind, start the router's background work, then listen and serve. The address is bound
         first, so a port in use fails before any backend is probed or stream subscribed; it listens
         only once the router serves, so a client or a TCP health check is refused while it starts
         (an L4 balancer's failover keeps working) rather than held. A socket handed in is served as
-        given."""
+        given. ``before_listen`` is called once the router has started, before the port listens."""
         sockets = [self.sock] if self.sock is not None else self._sockets()
         try:
             await self.app.startup()
+            if before_listen is not None:
+                before_listen()
             self.config.load()
             self.server.lifespan = self.config.lifespan_class(self.config)
             self.server.server_state.default_headers = DateHeader()
@@ -891,9 +893,12 @@ class HttpServer:
                     conn.transport.close()
         await self.app.shutdown()
 
-    async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Serve until SIGINT/SIGTERM (or until ``stop`` is set), then shut down gracefully."""
-        await self.start()
+    async def run(
+        self, stop: asyncio.Event | None = None, before_listen: Callable[[], None] | None = None
+    ) -> None:
+        """Serve until SIGINT/SIGTERM (or until ``stop`` is set), then shut down gracefully
+        (``before_listen``: as :meth:`start`'s)."""
+        await self.start(before_listen)
         loop = asyncio.get_running_loop()
         stop = stop or asyncio.Event()
         installed: list[signal.Signals] = []
