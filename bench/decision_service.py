@@ -1,19 +1,22 @@
 """Decision cost against fleet width through the service: ``kvrouter serve`` over real sockets.
 
 Per width (8, 64, 256, 1,024 candidates: backends x 8 DP ranks on one zero-latency upstream,
-``bench/zero_mock.py``) and per arm (``alone``; ``cluster``: a second replica on the same Redis,
-both taking the same traffic), a keep-alive client sends completions with a 1,024-token prompt of
-token ids (an 8-block prefix shared, the rest each request's own) at a fixed concurrency; measured
-on the first replica: its CPU (``/proc/<pid>/stat`` utime + stime) per proxied request over
-``--count`` requests after a warm-up, and the client's request latency p50/p99, and the
-replica's garbage collections in that window (``kvrouter_gc_pause_seconds``: full collections and
-the longest pause's bucket). The window ends when the measured replica's own client is done (the
-peer's may run on). Before it, ``--idle-s`` seconds with no request give the process's idle CPU
-(probes, heartbeats, the peer's quiet messages): ``cpu_us_per_request_net`` is the window's CPU
-less that rate over the window's length, per request. Holds (``cluster.stagger_bursts``) lower
-the request rate of a closed-loop client, so the raw figure charges the same idle CPU to fewer
-requests; the net one does not. The index follows no event stream here (the mock publishes none): what
-grows with width is the router's own work.
+``bench/zero_mock.py``) and per arm (``alone``: one replica; ``pair``: a second replica beside it,
+sharing nothing; ``cluster``: the same two on one Redis), each replica's keep-alive client sends
+completions with a 1,024-token prompt of token ids (an 8-block prefix shared, the rest each
+request's own) at a fixed concurrency. Measured on the first replica: its CPU (``/proc/<pid>/stat``
+utime + stime) per proxied request over ``--count`` requests after a warm-up, the client's request
+latency p50/p99, and the replica's garbage collections in that window
+(``kvrouter_gc_pause_seconds``: full collections and the longest pause's bucket). Each replica's
+window ends when its own client is done (the other's may run on). Before it, ``--idle-s`` seconds
+with no request give each process's idle CPU (probes, heartbeats, the peer's quiet messages):
+``cpu_us_per_request_net`` is the window's CPU less that rate over the window's length, per
+request; ``pair_cpu_us_per_request_net`` the same for both replicas together, over all their
+requests: what sharing costs is the cluster arm's less the pair arm's. One replica's figure alone
+does not tell it: with ``cluster.stagger_bursts`` the replica ranked second (ids are random, so
+either one) holds nearly every decision of this steady traffic (``held_share``), takes a third of
+its peer's requests and applies all the peer's messages. The index follows no event stream here
+(the mock publishes none): what grows with width is the router's own work.
 
 ``--pin``: the measured replica on one CPU, everything else (this client, the upstream, Redis, the
 second replica) on the other, so the tail shows the router's own pauses rather than the scheduler
@@ -39,6 +42,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -91,16 +95,31 @@ _GC_LINE = re.compile(
 )
 
 
-def gc_stats(port: int) -> dict[tuple[str, str, float], float]:
-    """The replica's collections so far (``kvrouter_gc_pause_seconds``): (kind, generation, bucket
-    bound) -> value (HTTP/1.0: one unchunked body)."""
+_HELD_LINE = re.compile(rb'^kvrouter_cluster_held_decisions_total\{unit="decisions"\} (\S+)$', re.M)
+
+
+def metrics_text(port: int) -> bytes:
+    """The replica's /metrics (HTTP/1.0: one unchunked body)."""
     with socket.create_connection(("127.0.0.1", port), 5) as s:
         s.sendall(b"GET /metrics HTTP/1.0\r\nHost: b\r\n\r\n")
         data = b""
         while chunk := s.recv(65536):
             data += chunk
+    return data.partition(b"\r\n\r\n")[2]
+
+
+def held_decisions(port: int) -> float:
+    """Decisions the replica held so far (``cluster.stagger_bursts``; 0 alone)."""
+    m = _HELD_LINE.search(metrics_text(port))
+    return float(m.group(1)) if m else 0.0
+
+
+def gc_stats(port: int) -> dict[tuple[str, str, float], float]:
+    """The replica's collections so far (``kvrouter_gc_pause_seconds``): (kind, generation, bucket
+    bound) -> value."""
+    data = metrics_text(port)
     out: dict[tuple[str, str, float], float] = {}
-    for m in _GC_LINE.finditer(data.partition(b"\r\n\r\n")[2]):
+    for m in _GC_LINE.finditer(data):
         kind, gen, le, value = m.groups()
         out[(kind.decode(), gen.decode(), float(le) if le else 0.0)] = float(value)
     return out
@@ -134,7 +153,7 @@ def wait_for(cond: Any, what: str, timeout: float = 90.0) -> None:
     raise RuntimeError(f"{what}: not within {timeout:.0f} s")
 
 
-def config(port: int, upstream: int, width: int, redis_url: str | None) -> str:
+def config(port: int, upstream: int, width: int, redis_url: str | None, cluster_extra: str = "") -> str:
     backends = max(width // 8, 1)
     dp = width // backends
     lines = ["block_size = 16", "[server]", f"port = {port}", 'log_level = "warning"']
@@ -143,6 +162,7 @@ def config(port: int, upstream: int, width: int, redis_url: str | None) -> str:
         lines += ['models = ["m"]', f"dp_size = {dp}"]
     if redis_url:
         lines += ["[cluster]", f'redis_url = "{redis_url}"']
+        lines += [kv.strip() for kv in cluster_extra.split(",") if kv.strip()]
     return "\n".join(lines) + "\n"
 
 
@@ -222,11 +242,18 @@ class Procs:
 
 
 def router(
-    procs: Procs, tree: Path, tmp: Path, name: str, upstream: int, width: int, redis: str | None
+    procs: Procs,
+    tree: Path,
+    tmp: Path,
+    name: str,
+    upstream: int,
+    width: int,
+    redis: str | None,
+    cluster_extra: str = "",
 ) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     cfg = tmp / f"{name}.toml"
-    cfg.write_text(config(port, upstream, width, redis))
+    cfg.write_text(config(port, upstream, width, redis, cluster_extra))
     p = procs.start([PY, "-m", "router.cli", "serve", "--config", str(cfg)], tree, tmp / f"{name}.log")
     wait_port(port, p)
     wait_for(lambda: get(port, "/ready")[0] == 200, f"{name} ready")
@@ -241,16 +268,19 @@ def arm(
     width: int,
     redis: str | None,
     args: argparse.Namespace,
+    which: str,
 ) -> dict[str, Any]:
-    """One replica measured (and with ``redis`` a second one beside it taking the same traffic)."""
-    tag = f"{tree.name}-{width}-{'cluster' if redis else 'alone'}"
-    a, port_a = router(procs, tree, tmp, tag + "-a", upstream, width, redis)
+    """One replica measured; ``pair``: a second one beside it taking the same traffic, sharing
+    nothing; ``cluster``: the same two on the store at ``redis``."""
+    tag = f"{tree.name}-{width}-{which}"
+    a, port_a = router(procs, tree, tmp, tag + "-a", upstream, width, redis, args.cluster_set)
     b = None
     try:
         ports = [port_a]
-        if redis:
-            b, port_b = router(procs, tree, tmp, tag + "-b", upstream, width, redis)
+        if which != "alone":
+            b, port_b = router(procs, tree, tmp, tag + "-b", upstream, width, redis, args.cluster_set)
             ports.append(port_b)
+        if redis:
 
             def peers_seen() -> bool:
                 return all(len(json.loads(get(p, "/debug/index")[1])["cluster"]["peers"]) == 1 for p in ports)
@@ -258,20 +288,19 @@ def arm(
             wait_for(peers_seen, "replicas see each other")
         reqs = bodies(tokens=args.prompt_tokens)
 
-        async def drive(count: int, seed: int) -> tuple[list[float], float, float]:
-            """Both replicas' clients at once; the measured one's spans, and its CPU and wall time
-            when its own client finished (the peer's may still be running: that tail is not its)."""
-            start = (time.monotonic(), cpu_seconds(a.pid))
-            ends: list[tuple[float, float]] = []
+        procs_ab = [a] + ([b] if b is not None else [])
 
-            async def measured() -> list[float]:
-                spans = await Client(port_a, reqs).run(count, args.concurrency, seed)
-                ends.append((time.monotonic(), cpu_seconds(a.pid)))
-                return spans
+        async def drive(count: int, seed: int) -> list[tuple[list[float], float, float]]:
+            """Both replicas' clients at once; per replica, its client's spans and the replica's CPU
+            and wall time until its own client finished (the other's may still be running: that
+            tail is not its)."""
 
-            runs = [measured()] + [Client(p, reqs).run(count, args.concurrency, seed + 1) for p in ports[1:]]
-            spans = (await asyncio.gather(*runs))[0]
-            return spans, ends[0][1] - start[1], ends[0][0] - start[0]
+            async def one(i: int, port: int) -> tuple[list[float], float, float]:
+                t0, c0 = time.monotonic(), cpu_seconds(procs_ab[i].pid)
+                spans = await Client(port, reqs).run(count, args.concurrency, seed + i)
+                return spans, cpu_seconds(procs_ab[i].pid) - c0, time.monotonic() - t0
+
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(ports))))
 
         if args.pin:
             for p, cpus in ((a, {1}), (b, {0})):
@@ -279,23 +308,42 @@ def arm(
                     for tid in os.listdir(f"/proc/{p.pid}/task"):  # (every thread of it)
                         os.sched_setaffinity(int(tid), cpus)
         asyncio.run(drive(args.warmup, 1))
-        # the replica's CPU with no request (probes, heartbeats, the peer's quiet messages), so that
+        # each replica's CPU with no request (probes, heartbeats, the peer's quiet messages), so that
         # what a request costs can be told from what the process spends per second anyway
-        idle0, t_idle = cpu_seconds(a.pid), time.monotonic()
+        idle0, t_idle = [cpu_seconds(p.pid) for p in procs_ab], time.monotonic()
         time.sleep(args.idle_s)
-        idle_rate = (cpu_seconds(a.pid) - idle0) / (time.monotonic() - t_idle)
-        gc0 = gc_stats(port_a)
-        spans, cpu, wall = asyncio.run(drive(args.count, 2))
+        idle_s = time.monotonic() - t_idle
+        idle_rates = [(cpu_seconds(p.pid) - c) / idle_s for p, c in zip(procs_ab, idle0, strict=True)]
+        idle_rate = idle_rates[0]
+        gc0, held0 = gc_stats(port_a), held_decisions(port_a)
+        spy = None
+        if args.profile is not None:  # py-spy on the measured replica over the window (explains only)
+            folded = args.out.with_name(f"{args.out.stem}-{tag}-r{args.round}.folded")
+            folded.parent.mkdir(parents=True, exist_ok=True)
+            spy_cmd = [args.profile, "record", "-p", str(a.pid), "-r", "250", "-f", "raw", "-o", str(folded)]
+            spy = subprocess.Popen(spy_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        measured = asyncio.run(drive(args.count, 2))
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
         gc_row = gc_window(gc0, gc_stats(port_a))
+        spans, cpu, wall = measured[0]
+        # both replicas together: their CPU (each less its idle rate) over all their requests, the
+        # cost of a request to the pair whichever replica took it (a held replica, ranked second,
+        # takes fewer requests than its peer and applies all the peer's messages)
+        pair_net = sum(c - r * w for (_, c, w), r in zip(measured, idle_rates, strict=True))
+        pair_count = sum(len(m[0]) for m in measured)
         spans.sort()
         return {
             "tree": tree.name if args.names is None else args.names[str(tree)],
             "candidates": width,
-            "arm": "cluster" if redis else "alone",
+            "arm": which,
             "cpu_us_per_request": cpu / len(spans) * 1e6,
             "idle_cpu_share": idle_rate,
             "requests_per_s": len(spans) / wall,
             "cpu_us_per_request_net": (cpu - idle_rate * wall) / len(spans) * 1e6,
+            "pair_cpu_us_per_request_net": pair_net / pair_count * 1e6,
+            "held_share": (held_decisions(port_a) - held0) / len(spans),
             "p50_ms": statistics.median(spans) * 1e3,
             "p99_ms": spans[int(len(spans) * 0.99) - 1] * 1e3,
             "p99_over_p50": spans[int(len(spans) * 0.99) - 1] / statistics.median(spans),
@@ -312,7 +360,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", default="new=.", help="name=path,... (each router runs from its tree)")
     ap.add_argument("--widths", default="8,64,256,1024")
-    ap.add_argument("--arms", default="alone,cluster")
+    ap.add_argument("--arms", default="alone,pair,cluster")
     ap.add_argument("--count", type=int, default=1500)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -321,6 +369,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/out/decision-service.json"))
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle CPU read before each window")
     ap.add_argument("--pin", action="store_true", help="the measured replica on CPU 1, the rest on CPU 0")
+    ap.add_argument("--cluster-set", default="", help="extra [cluster] lines, e.g. stagger_bursts=false")
+    ap.add_argument("--profile", help="a py-spy binary: record the measured replica's window (folded)")
     args = ap.parse_args()
     if args.pin:
         if len(os.sched_getaffinity(0)) < 2:
@@ -350,7 +400,8 @@ def main() -> None:
                 for which in args.arms.split(","):
                     for _, tree in trees:  # (the trees side by side, per width and arm)
                         url = redis_url if which == "cluster" else None
-                        row = arm(procs, tree, tmp, upstream, width, url, args) | {"round": r}
+                        args.round = r
+                        row = arm(procs, tree, tmp, upstream, width, url, args, which) | {"round": r}
                         print(json.dumps(row), flush=True)
                         rows.append(row)
     finally:
@@ -370,6 +421,7 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (tree, width, which), rs in groups.items():
         figures: tuple[str, ...] = ("cpu_us_per_request", "cpu_us_per_request_net", "idle_cpu_share")
+        figures += ("pair_cpu_us_per_request_net", "held_share")
         figures += ("requests_per_s", "p50_ms", "p99_ms", "p99_over_p50")
         figures += ("gc2_collections", "gc_max_pause_le_s")
         out.append({"tree": tree, "candidates": width, "arm": which, "rounds": len(rs)})
