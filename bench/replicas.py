@@ -475,10 +475,18 @@ TRACES: dict[str, dict[str, Any]] = {
 
 
 def workload(
-    name: str, quick: bool, deadline_s: float, capacity_blocks: int, engine_speed: float = 1.0
+    name: str,
+    quick: bool,
+    deadline_s: float,
+    capacity_blocks: int,
+    engine_speed: float = 1.0,
+    limit: int | None = None,
 ) -> Workload:
+    """``limit``: that many requests of the trace instead of its spec's (``quick``: 300)."""
     spec = TRACES[name]
     load = dict(spec["load"])
+    if limit is not None:
+        load["limit"] = limit
     if quick:
         load["limit"] = 300
     trace = load_trace(name, tokens_per_block=spec["tpb"], max_input_tokens=200_000, **load)
