@@ -664,9 +664,10 @@ static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf,
             if (ev->grouped) {
                 medium = src->gmedium[ev->group];
                 keep = src->grule[ev->group] == 2 || nblocks > ev->nh;
-                /* a sliding window cut by the range's start: its hashes are the range's first blocks
+                /* a sliding window cut by the range's start (a range of at most `need` blocks): its
+                 * hashes are the range's first blocks; a longer range is a prefill chunk's tail
                  * (ingest.py _window_drop says why, and what stays ambiguous) */
-                if ((u64)src->gneed[ev->group] > ev->nh) first = 0;
+                if ((u64)src->gneed[ev->group] > ev->nh && (u64)src->gneed[ev->group] >= nblocks) first = 0;
                 else if (src->gneed[ev->group] && src->wonly && first) { /* placed at the range's end */
                     u64 last = ps->buf[ev->h0 + ev->nh - 1], *w = src->wend + win_slot(last) * 3;
                     w[0] = last;

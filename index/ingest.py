@@ -228,9 +228,15 @@ def _window_drop(need: int, n: int, k: int) -> int:
     prompt is whole blocks (a resend computes that block again); a decode-filled block keeps
     nothing (0 hashes). So:
 
-    * fewer hashes than both ``need`` and ``k``: the window was cut by the range's start, and the
-      hashes are the range's first blocks wherever it ends (prompt 8 tokens, 4-token blocks,
-      window 9: 2 blocks, 1 hash, block 0);
+    * fewer hashes than both ``need`` and ``k`` over a range of at most ``need`` blocks: the window
+      was cut by the range's start, and the hashes are the range's first blocks wherever it ends
+      (prompt 8 tokens, 4-token blocks, window 9: 2 blocks, 1 hash, block 0);
+    * fewer hashes than ``need`` over a longer range: a chunk of a chunked prefill, whose window
+      at the chunk's end is still short of ``need`` (vLLM's own scheduler: a 96-token chunk, window
+      64 over 16-token blocks, 3 hashes, blocks 3-5); the range's last blocks. Placed first, they
+      would credit the prefix's start, which the engine no longer holds (over-prediction, seen
+      against vLLM's scheduler in tests/vllm/test_vllm_oracle.py); placed last, a window cut by the
+      range's start that this misreads is credited nothing (never more than the engine has);
     * ``need`` hashes or more over more blocks: ambiguous. A prompt of ``k`` whole blocks and one
       with a partial block after the same ``k`` send the same shape, and the router cannot
       recompute vLLM's hash values. They stay the range's last blocks: right for every prompt
@@ -246,7 +252,7 @@ def _window_drop(need: int, n: int, k: int) -> int:
     Beside a full-attention group (Gemma) the same placement applies, and that group's event,
     which carries every hash of the range, settles each hash on its block either way.
     """
-    if n == 0 or n >= k or n >= need:
+    if n == 0 or n >= k or n >= need or k > need:
         return 0
     return k - n
 

@@ -23,6 +23,7 @@ from test_sim_engine import Sub, run
 from vllm_vectors import shape
 
 from index.kvindex import IndexConfig, KVIndex
+from index.wire import decode_payload
 from sim import cli, demo
 from sim.engine import EngineConfig, MockEngine
 from sim.kvcache import KVCache, PrefixCache
@@ -373,6 +374,37 @@ def test_a_window_only_model_is_predicted_on_a_prompt_of_whole_blocks() -> None:
     assert cache.probe(resend) == (4, 0)  # block 0 alone: every block of a shorter prefix
     assert predicted(resend) == 4  # (the window, cut by the range's start, holds block 0)
     assert predicted([*prompt, 12]) == 4  # and no window ends at block 2
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_short_window_over_a_long_range_is_a_prefill_chunks_tail(compiled: bool) -> None:
+    """Fewer hashes than the window needs over a range longer than the window: vLLM's scheduler
+    sends that for a chunk of a chunked prefill, whose kept blocks are the range's last ones
+    (tests/vllm/test_vllm_oracle.py). Placed at the range's start, they would credit the prefix's
+    first blocks, which the engine no longer holds."""
+    idx = KVIndex(IndexConfig(block_size=4, predict_ttl_s=0))
+    source = ("e", 0)
+    idx.ingestor.add_source(source)
+    sidx = idx.store.source_index(source)
+    assert sidx is not None
+    tokens = list(range(300, 316))  # 4 blocks of 4; window 9 needs 2 blocks before a hit
+    chunk = BlockStored([7001], None, tokens, 4, None, "GPU", None, None, 0, SLIDING_WINDOW, 9)
+    payload = encode_batch([chunk], time.time(), 0)
+    idx.ingestor.apply_chunk([(sidx, payload if compiled else decode_payload(payload))])
+    assert sum(idx.source_blocks_by_medium(source).values()) == 1  # indexed, not skipped
+
+    def predicted(prompt: list[int]) -> int:
+        m = idx.match(prompt, [source]).matches.get(source)
+        return m.blocks if m else 0
+
+    assert predicted(tokens[:5]) == 0  # block 0 is not held: no window cut by the range's start
+    assert predicted([*tokens, 1]) == 0  # block 3 alone is not the 2 blocks a hit at 4 needs
+    follow = BlockStored(
+        [7002], 7001, list(range(400, 404)), 4, None, "GPU", None, None, 0, SLIDING_WINDOW, 9
+    )
+    payload = encode_batch([follow], time.time(), 1)
+    idx.ingestor.apply_chunk([(sidx, payload if compiled else decode_payload(payload))])
+    assert predicted([*tokens, *range(400, 404), 1]) == 5  # blocks 3-4 end at the hit: 5 blocks
 
 
 def test_a_whole_block_prompt_longer_than_the_window_sends_a_partial_block_prompts_event() -> None:
