@@ -1,0 +1,67 @@
+"""The index against vLLM's own prefix-cache lookup, on every KV cache layout the router models.
+
+vLLM's real scheduler and KV cache manager (``oracle_driver.py``, in the vLLM venv, no model) serve a
+workload of shared prefixes and conversations resent with their answers, through a 60-block cache
+under 16 running requests (70 blocks under 24 for a Mamba hybrid): chunked prefill, eviction and
+preemption. Every lookup vLLM makes is compared with what the index, fed the events vLLM emitted
+before it, predicts: through the compiled ingest and the Python one. Expected: none over-predicted,
+at least 99% exact, on a workload that hits the cache and preempts. The tiny model directory only
+gives vLLM a model config; the KV cache layout comes from the driver's per-layer specs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm_oracle import CONFIGS, drive, replay
+
+from sim.vllm_engines import write_model
+
+CI_SHARE = {"full attention", "sliding window + full attention", "Mamba (align) + full attention"}
+WINDOW_ONLY = (
+    "sliding-window-only models with vLLM's default retention: a window's event does not say which "
+    "blocks of its range its hashes are, and a chunk's tail sometimes is placed where a resend's "
+    "window would be (23 of 7,461 lookups over, 99.7% exact, docs/benchmarks/hybrid.md)"
+)
+
+
+def cases() -> list[object]:
+    out: list[object] = []
+    for i, (name, kind, opts) in enumerate(CONFIGS):
+        marks: list[pytest.MarkDecorator] = []
+        if name not in CI_SHARE:
+            marks.append(pytest.mark.vllm_full)
+        if kind == "mistral" and "--dense" not in opts:
+            marks.append(pytest.mark.xfail(strict=True, reason=WINDOW_ONLY))
+        if "--mamba-block" in opts and opts[opts.index("--mamba-block") + 1] == "64":
+            continue  # groups of different block sizes: conservative by design, not exact
+        out.append(
+            pytest.param(kind, opts, id=f"{i}-{kind}{'-dense' if '--dense' in opts else ''}", marks=marks)
+        )
+    return out
+
+
+@pytest.mark.parametrize(("kind", "opts"), cases())
+def test_the_index_agrees_with_vllms_own_lookup(
+    vllm_venv: Path, tmp_path: Path, kind: str, opts: tuple[str, ...]
+) -> None:
+    model = write_model(tmp_path / "model", "llama")
+    out = tmp_path / "trace.msgpack"
+    drive(vllm_venv / "bin" / "python", kind, model, out, *opts, "--requests", "200")
+    for compiled in (True, False):
+        t = replay(out, compiled)
+        assert t.hits >= 20 and t.preempted > 0, t.row()  # the cache is hit, requests are preempted
+        assert t.counts["over"] == 0, (t.row(), t.wrong[:10])
+        assert t.exact_share >= 0.99, (t.row(), t.wrong[:10])
+
+
+def test_groups_of_different_block_sizes_are_never_over_predicted(vllm_venv: Path, tmp_path: Path) -> None:
+    """Mamba groups of 64-token blocks beside full attention of 16 (vLLM hashes at 16): the index
+    counts the source's group metadata malformed and matches nothing for it, by design."""
+    model = write_model(tmp_path / "model", "llama")
+    out = tmp_path / "trace.msgpack"
+    ((kind, opts),) = [(k, o) for _, k, o in CONFIGS if "64" in o]
+    drive(vllm_venv / "bin" / "python", kind, model, out, *opts, "--requests", "100")
+    t = replay(out)
+    assert t.hits > 0 and t.counts["over"] == 0, t.row()
