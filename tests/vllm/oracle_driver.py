@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--max-seqs", type=int, default=6)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=24, help="longest generation (preemption)")
+    ap.add_argument("--scale", type=int, default=1, help="prompt lengths times this (large blocks)")
     ap.add_argument("--dense", action="store_true", help="prefix_cache_retention_interval None")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
@@ -156,7 +157,10 @@ def main() -> None:
     init_none_hash(sha256)
     hasher = get_request_block_hasher(hash_bs, sha256)
     rng = random.Random(args.seed)
-    bases = [[rng.randrange(5, 2000) for _ in range(rng.randrange(8, 200))] for _ in range(6)]
+    bases = [
+        [rng.randrange(5, 2000) for _ in range(rng.randrange(8 * args.scale, 200 * args.scale))]
+        for _ in range(6)
+    ]
     talks: list[list[int]] = []
     pending: deque[Request] = deque()
     done: dict[str, int] = {}
@@ -164,11 +168,13 @@ def main() -> None:
     for i in range(args.requests):
         if talks and rng.random() < 0.5:
             k = rng.randrange(len(talks))
-            prompt = talks[k] + [rng.randrange(5, 2000) for _ in range(rng.randrange(1, 60))]
+            prompt = talks[k] + [rng.randrange(5, 2000) for _ in range(rng.randrange(1, 60 * args.scale))]
         else:
             k = len(talks)
             talks.append([])
-            prompt = rng.choice(bases) + [rng.randrange(5, 2000) for _ in range(rng.randrange(0, 60))]
+            prompt = rng.choice(bases) + [
+                rng.randrange(5, 2000) for _ in range(rng.randrange(0, 60 * args.scale))
+            ]
         prompt = prompt[-ceiling:]
         n = rng.randrange(1, args.max_tokens + 1)
         params = SamplingParams(max_tokens=n, ignore_eos=True)

