@@ -334,6 +334,7 @@ class VllmEngine:
         """Seconds from launch to /health 200, per start."""
         self._log: IO[bytes] | None = None
         self._t0 = 0.0
+        self._log_from = 0
 
     @property
     def url(self) -> str:
@@ -398,6 +399,14 @@ class VllmEngine:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
+    def _launch_log(self) -> str:
+        """This launch's whole log: a port taken shows in the EngineCore's traceback, which the
+        API server's own traceback after it can push out of :meth:`log_tail`."""
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as f:
+            f.seek(self._log_from)
+            return f.read().decode(errors="replace")
+        return ""
+
     def start(self) -> VllmEngine:
         """Launch and wait for /health 200 (the engine's log tail in the error if it dies). At a
         first start, ports some other process took since they were picked are picked again (twice
@@ -443,6 +452,7 @@ class VllmEngine:
         assert self.proc is None
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed by kill)
+        self._log_from = self._log.tell()  # (this launch's lines start here)
         self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.command(),
@@ -468,7 +478,7 @@ class VllmEngine:
         if self.proc.poll() is not None:
             code, tail = self.proc.returncode, self.log_tail()
             self.kill(wait_ports=False)  # (a port another process took stays taken)
-            taken = PortTaken if "Address already in use" in tail else RuntimeError
+            taken = PortTaken if "Address already in use" in self._launch_log() else RuntimeError
             raise taken(f"vllm serve exited with {code} while starting:\n{tail}")
         if time.monotonic() - self._t0 > STARTUP_S:
             self.kill(wait_ports=False)
