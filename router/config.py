@@ -13,6 +13,7 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -614,7 +615,23 @@ _K8S_NAME_RE = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 
 
 def validate(cfg: RouterConfig) -> None:
-    """Checks msgspec's types cannot express."""
+    """Checks msgspec's types cannot express. Each section stops at its first problem, and every
+    section is checked, so a file with mistakes in several tables hears of them all at once (one
+    line each, the error's ``field`` the first's)."""
+    errors: list[ConfigError] = []
+    for check in _CHECKS:
+        try:
+            check(cfg)
+        except ConfigError as exc:
+            errors.append(exc)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigError("\n".join(str(e) for e in errors), errors[0].field)
+
+
+def _check_backends(cfg: RouterConfig) -> None:
+    """At least one backend (or a way to add them), each valid, names unique."""
     k8s = cfg.membership.kubernetes
     if not cfg.backends and not k8s.enabled and not cfg.admin_keys:
         raise ConfigError(
@@ -628,7 +645,16 @@ def validate(cfg: RouterConfig) -> None:
         if b.name in seen:
             raise ConfigError(f"{where}.name: duplicate backend name {b.name!r}", "name")
         seen.add(b.name)
+
+
+def _check_strings(cfg: RouterConfig) -> None:
+    """No control character in any string: keys, topics, models, hosts, names, paths."""
     _no_control(cfg, "")  # (every other string: keys, topics, models, hosts, names, paths)
+
+
+def _check_membership(cfg: RouterConfig) -> None:
+    """``[membership]`` and its Kubernetes discovery."""
+    k8s = cfg.membership.kubernetes
     if k8s.api_key and not _VISIBLE_RE.fullmatch(k8s.api_key):
         raise ConfigError(
             "membership.kubernetes.api_key: must be printable ASCII without spaces (it is sent in the "
@@ -657,6 +683,10 @@ def validate(cfg: RouterConfig) -> None:
     m = cfg.membership
     if m.watch_interval_s < 0.05 or m.join_timeout_s < 0 or m.drain_timeout_s < 0:
         raise ConfigError("membership: watch_interval_s >= 0.05, join_timeout_s and drain_timeout_s >= 0")
+
+
+def _check_keys(cfg: RouterConfig) -> None:
+    """API and admin keys apart; trusted keys among the API keys."""
     overlap = set(cfg.api_keys) & set(cfg.admin_keys)
     if overlap:
         raise ConfigError("admin_keys: a key is also in api_keys (admin keys must be distinct)")
@@ -664,10 +694,18 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError(
             "trusted_api_keys: every key must also be in api_keys (trust is given to known clients)"
         )
+
+
+def _check_index(cfg: RouterConfig) -> None:
+    """The block size and the subscriber's threads."""
     if cfg.block_size is not None and not 1 <= cfg.block_size <= 4096:
         raise ConfigError("block_size: must be between 1 and 4096")
     if not 1 <= cfg.index.subscriber.io_threads <= 64:
         raise ConfigError("index.subscriber.io_threads: must be between 1 and 64")
+
+
+def _check_policy(cfg: RouterConfig) -> None:
+    """The policy's name and weights."""
     if cfg.policy.name not in POLICIES:
         raise ConfigError(f"policy.name: must be one of {', '.join(POLICIES)}")
     pol = cfg.policy
@@ -678,10 +716,18 @@ def validate(cfg: RouterConfig) -> None:
             raise ConfigError(f"policy.{key}: must be a finite number >= 0")
     if not 0.0 <= pol.min_match_ratio <= 1.0:  # (false for NaN)
         raise ConfigError("policy.min_match_ratio: must be between 0 and 1")
+
+
+def _check_pd(cfg: RouterConfig) -> None:
+    """``[pd]``."""
     if cfg.pd.min_uncached_tokens < 0 or cfg.pd.max_prefill_queue_tokens < 0:
         raise ConfigError("pd: min_uncached_tokens and max_prefill_queue_tokens must be >= 0")
     if cfg.pd.prefill_timeout_s <= 0:
         raise ConfigError("pd.prefill_timeout_s: must be positive")
+
+
+def _check_server(cfg: RouterConfig) -> None:
+    """``[server]``."""
     if not 0 < cfg.server.port < 65536:
         raise ConfigError("server.port: must be between 1 and 65535")
     if cfg.server.max_body_bytes < 1024:
@@ -712,10 +758,18 @@ def validate(cfg: RouterConfig) -> None:
         raise ConfigError("server.max_client_connections: must be at least 1")
     if cfg.server.drain_timeout_s < 0:
         raise ConfigError("server.drain_timeout_s: must not be negative")
+
+
+def _check_health(cfg: RouterConfig) -> None:
+    """``[health]``."""
     if cfg.health.interval_s < 0.1 or cfg.health.timeout_s <= 0 or cfg.health.unhealthy_after < 1:
         raise ConfigError("health: interval_s must be >= 0.1, timeout_s > 0 and unhealthy_after >= 1")
     if not cfg.health.kv_sources_refresh_s >= 0:  # (false for NaN)
         raise ConfigError("health.kv_sources_refresh_s: must be >= 0 (0: read only after a failed probe)")
+
+
+def _check_tokenizers(cfg: RouterConfig) -> None:
+    """Tokenizer bounds and paths."""
     if cfg.tokenizer_max_chars < 1:
         raise ConfigError("tokenizer_max_chars: must be at least 1")
     if not 0 <= cfg.tokenizer_cache_mib <= 65536:
@@ -727,15 +781,44 @@ def validate(cfg: RouterConfig) -> None:
     for model, path in cfg.tokenizers.items():
         if not Path(path).exists():
             raise ConfigError(f"tokenizers.{model}: {path!r} does not exist")
+
+
+def _check_epp(cfg: RouterConfig) -> None:
+    """``[epp]``."""
     _validate_epp(cfg.epp)
-    try:  # [cluster] (router/cluster)
+
+
+def _check_cluster(cfg: RouterConfig) -> None:
+    """``[cluster]``, by router/cluster's rules."""
+    try:
         validate_cluster(cfg.cluster)
     except ClusterError as exc:
         raise ConfigError(str(exc)) from None
-    try:  # [flow] (router/flow)
+
+
+def _check_flow(cfg: RouterConfig) -> None:
+    """``[flow]``, by router/flow's rules."""
+    try:
         validate_flow(cfg.flow)
     except FlowError as exc:
         raise ConfigError(str(exc)) from None
+
+
+_CHECKS: tuple[Callable[[RouterConfig], None], ...] = (
+    _check_backends,
+    _check_strings,
+    _check_membership,
+    _check_keys,
+    _check_index,
+    _check_policy,
+    _check_pd,
+    _check_server,
+    _check_health,
+    _check_tokenizers,
+    _check_epp,
+    _check_cluster,
+    _check_flow,
+)
 
 
 def _validate_epp(e: EppConfig) -> None:

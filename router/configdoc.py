@@ -35,7 +35,8 @@ the code differ. Edit the field's docstring, not this file. -->
 The environment variables `KVROUTER_HOST`, `KVROUTER_PORT`, `KVROUTER_POLICY`, `KVROUTER_API_KEYS`
 (comma-separated), `KVROUTER_ADMIN_KEYS`, `KVROUTER_LOG_LEVEL` and `KVROUTER_WORKERS` override the
 file; flags override both. A config error stops start-up with a message naming the key
-(`backends[1].dp_size: Expected int, got str`), a line per key when several are wrong; an invalid
+(`backends[1].dp_size: Expected int, got str`), a line per key when several are wrong (values of
+the wrong type first; once every value has its type, the first problem of each table); an invalid
 choice lists the valid ones. A reload (SIGHUP or the file changing on disk) applies `[[backends]]`,
 `api_keys`, `trusted_api_keys` and `admin_keys`; other keys need a restart.
 

@@ -118,6 +118,28 @@ def test_kvrouter_serve_reports_every_field_error_and_the_choices(tmp_path: Path
     )
 
 
+def test_a_file_with_mistakes_in_several_tables_hears_of_them_all() -> None:
+    """Values of the right type but out of range were reported one at a time, the first table's only;
+    each table's first problem is now on its own line, the error's field the first's."""
+    data = tomllib.loads(
+        "[policy]\nload_weight = -1.0\n[server]\nworkers = 99\n[flow]\nenabled = true\nmax_active = -3\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert str(err.value).splitlines() == [
+        "backends: at least one [[backends]] entry is required (or membership.kubernetes.enabled, "
+        "or admin_keys to add backends at run time)",
+        "policy.load_weight: must be a finite number >= 0",
+        "server.workers: must be between 1 and 63",
+        "flow.max_active and flow.max_pending_prefill_tokens: must be >= 0 (0: not used)",
+    ]
+    assert err.value.field is None  # (the first's: "backends" names no single field)
+    one = {**data, "policy": {}, "server": {}, "flow": {}}
+    with pytest.raises(ConfigError) as err:  # one problem: that error itself, as before
+        parse_config(one)
+    assert str(err.value).startswith("backends: at least one") and "\n" not in str(err.value)
+
+
 def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.toml")
