@@ -150,7 +150,8 @@ def main() -> None:
         if events:
             records.append(["batch", pack.encode(KVEventBatch(ts=time.time(), events=events))])
         out = lookup(request)
-        records.append(["lookup", request.request_id, list(request.all_token_ids), out[1]])
+        hashes = [bytes(h) for h in request.block_hashes]  # (where each engine hash sits: analysis)
+        records.append(["lookup", request.request_id, list(request.all_token_ids), out[1], hashes])
         return out
 
     kvm.get_computed_blocks = recorded  # type: ignore[method-assign]

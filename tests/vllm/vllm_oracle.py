@@ -80,7 +80,7 @@ def replay(path: Path, compiled: bool = True) -> Tally:
         if rec[0] == "batch":
             idx.ingestor.apply_chunk([(sidx, rec[1] if compiled else decode_payload(rec[1]))])
             continue
-        _, rid, tokens, hit = rec
+        rid, tokens, hit = rec[1:4]  # (and the request's block hashes, for analyses)
         m = idx.match(tokens, [source]).matches.get(source)
         predicted = min(m.blocks if m else 0, (len(tokens) - 1) // bs) * bs
         what = "exact" if predicted == hit else ("over" if predicted > hit else "under")
