@@ -55,6 +55,7 @@ typedef int64_t i64;
 #define TAGMUL 0xC2B2AE3D27D4EB4FULL
 #define CHAIN_MUL 0x9E3779B97F4A7C15ULL
 #define WIN_SLOTS 64 /* ingest.py WIN_SLOTS */
+#define GHOST_SLOTS 64 /* ingest.py GHOST_SLOTS */
 #define MIN_CAP 64
 #define MAX_MEDIA 32 /* GPU, CPU, STORAGE and each KV cache group's ("GPU#1"...) */
 #define TOUCH_CAP 65536 /* keys a watched source records between two take_touched calls */
@@ -178,6 +179,10 @@ typedef struct {
      * slot (WIN_SLOTS, see ingest.py SourceStats.wends and Group.rechain) */
     int wonly;
     u64 wend[WIN_SLOTS * 3];
+    /* a window-only model: the hash and key of each recently removed block, by slot (GHOST_SLOTS,
+     * see ingest.py SourceStats.ghosts): a window stored again after its blocks were evicted (a
+     * preempted request recomputed) keeps the place its hashes had */
+    u64 ghost[GHOST_SLOTS * 2];
     i64 gbs;
     int gmedium[MAX_GROUPS];
     char gkind[MAX_GROUPS][MAX_KIND];
@@ -1042,6 +1047,7 @@ static i64 do_drop(Store *s, i64 sidx) {
     src->gbs = 0;
     src->wonly = 0;
     memset(src->wend, 0, sizeof(src->wend));
+    memset(src->ghost, 0, sizeof(src->ghost));
     unlock(s);
     if (src_reset_map(s, src)) return -1;
     if (maybe_shrink(s)) return -1;
@@ -1782,6 +1788,7 @@ static PyObject *Store_set_group(Store *s, PyObject *args) {
         src->gbs = 0;
         src->wonly = 0;
         memset(src->wend, 0, sizeof(src->wend));
+        memset(src->ghost, 0, sizeof(src->ghost));
         Py_RETURN_NONE;
     }
     if (g >= MAX_GROUPS || klen > MAX_KIND || bs <= 0 || need < 0 || check_medium(s, m)) {

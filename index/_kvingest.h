@@ -613,6 +613,29 @@ static int needs_python(Store *s, i64 sidx, Parse *ps) {
 /* the slot of an ambiguous window's last hash (ingest.py _win_slot) */
 static inline size_t win_slot(u64 h) { return (size_t)((h * CHAIN_MUL) >> 56) % WIN_SLOTS; }
 
+/* A window-only model's window of `nh` hashes over a range whose block keys are `keys`: the block
+ * of its first hash (ingest.py _window_place). `placed` is where the event's shape puts it; an
+ * offset up to `last` that the hashes' known keys (mapped, or removed lately: Src.ghost) all
+ * agree on wins over it. */
+static size_t window_place(const Src *src, const u64 *ehs, u64 nh, const u64 *keys, size_t last, size_t placed) {
+    size_t at = placed;
+    int votes = 0;
+    for (u64 j = 0; j < nh; j++) {
+        u64 h = ehs[j], known = 0;
+        i64 i = em_find(src, h);
+        const u64 *g = src->ghost + win_slot(h) % GHOST_SLOTS * 2;
+        if (i >= 0) known = src->em[i * 3 + 1];
+        else if (g[0] == h) known = g[1];
+        if (!known) continue;
+        for (size_t o = 0; o <= last; o++)
+            if (known == keys[o + j]) {
+                if (!votes) at = o, votes = 1;
+                else if (o != at) return placed; /* they disagree: the shape decides */
+            }
+    }
+    return at;
+}
+
 /* pass 2: apply one parsed payload; 0 ok, -1 out of memory */
 static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf, size_t *keycap) {
     Src *src = s->src[sidx];
@@ -667,19 +690,32 @@ static int apply_payload(Store *s, i64 sidx, Parse *ps, double ts, u64 **keybuf,
                 /* a sliding window cut by the range's start (a range of at most `need` blocks): its
                  * hashes are the range's first blocks; a longer range is a prefill chunk's tail
                  * (ingest.py _window_drop says why, and what stays ambiguous) */
-                if ((u64)src->gneed[ev->group] > ev->nh && (u64)src->gneed[ev->group] >= nblocks) first = 0;
-                else if (src->gneed[ev->group] && src->wonly && first) { /* placed at the range's end */
-                    u64 last = ps->buf[ev->h0 + ev->nh - 1], *w = src->wend + win_slot(last) * 3;
-                    w[0] = last;
-                    w[1] = keys[nblocks - 2];
-                    w[2] = keys[nblocks - 1];
-                }
+                size_t placed = first;
+                if ((u64)src->gneed[ev->group] > ev->nh && (u64)src->gneed[ev->group] >= nblocks) placed = 0;
+                if (src->gneed[ev->group] && src->wonly && first) {
+                    first = window_place(src, ps->buf + ev->h0, ev->nh, keys, first, placed);
+                    if (first == nblocks - ev->nh) { /* placed at the range's end: remembered */
+                        u64 last = ps->buf[ev->h0 + ev->nh - 1], *w = src->wend + win_slot(last) * 3;
+                        w[0] = last;
+                        w[1] = keys[nblocks - 2];
+                        w[2] = keys[nblocks - 1];
+                    }
+                } else first = placed;
             }
             if (do_store(s, sidx, medium, ps->buf + ev->h0, keys + first, (i64)ev->nh, keep)) return -1;
             se++;
             sb += (i64)ev->nh;
         } else if (ev->kind == EV_REMOVED) {
             int medium = ev->group > 0 ? src->gmedium[ev->group] : ev->medium;
+            if (src->wonly) /* each block's key, for a window stored again (Src.ghost) */
+                for (u64 j = 0; j < ev->nh; j++) {
+                    u64 h = ps->buf[ev->h0 + j];
+                    i64 i = em_find(src, h);
+                    if (i < 0) continue;
+                    u64 *g = src->ghost + win_slot(h) % GHOST_SLOTS * 2;
+                    g[0] = h;
+                    g[1] = src->em[i * 3 + 1];
+                }
             do_remove(s, sidx, medium, ps->buf + ev->h0, (i64)ev->nh);
             re++;
             rb += (i64)ev->nh;

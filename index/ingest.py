@@ -29,8 +29,9 @@ Decisions (each counted per source, see :class:`SourceStats`):
   the group's kind, window and block size are learned per source (:class:`GroupSpec`), for the
   lookup's hybrid rule. A sliding-window group announces only the blocks it keeps, over the whole
   newly cached token range (fewer hashes than blocks: the hashes are the range's last blocks, or
-  its first ones for a window cut by the range's start, :func:`_window_drop`; 0 hashes when it
-  keeps none), a Mamba group one hash, the block where its state was saved: every block's key is
+  its first ones for a window cut by the range's start, :func:`_window_drop`; a window-only
+  model's where the keys its hashes had agree, :func:`_window_place`; 0 hashes when it keeps
+  none), a Mamba group one hash, the block where its state was saved: every block's key is
   chained over the whole range and the hashes take the last ones. Such a group's
   chain may start after a block it dropped (no parent then), so a hash already mapped (by the
   full-attention group, whose events carry the same hashes) keeps its key
@@ -129,6 +130,7 @@ class SourceStats:
         "blocks_stored",
         "cleared",
         "decode_errors",
+        "ghosts",
         "group_faults",
         "groups",
         "groups_bad",
@@ -165,6 +167,10 @@ class SourceStats:
         self.wends: list[tuple[int, int, int] | None] | None = None
         """A window-only model's windows placed at their range's end (:func:`_window_drop`), by
         :func:`_win_slot` of the last hash: (that hash, keys of the range's last two blocks)."""
+        self.ghosts: list[tuple[int, int] | None] | None = None
+        """A window-only model's recently removed blocks, (engine hash, key) by :func:`_win_slot`
+        modulo :data:`GHOST_SLOTS`: a window stored again keeps its hashes' place
+        (:func:`_window_place`)."""
 
 
 def _ints(hashes: list[int | bytes]) -> list[int]:
@@ -250,7 +256,8 @@ def _window_drop(need: int, n: int, k: int) -> int:
       earlier (:meth:`_Group.rechain`; the C core alike), and the conversation's later turns match.
 
     Beside a full-attention group (Gemma) the same placement applies, and that group's event,
-    which carries every hash of the range, settles each hash on its block either way.
+    which carries every hash of the range, settles each hash on its block either way. A window-only
+    model's reading is checked against the keys its hashes had before (:func:`_window_place`).
     """
     if n == 0 or n >= k or n >= need or k > need:
         return 0
@@ -262,8 +269,36 @@ WIN_SLOTS = 64
 (the C core's WIN_SLOTS): a child of a window overwritten since keeps the root as placed."""
 
 
+GHOST_SLOTS = 64
+"""Removed blocks a window-only source remembers (the C core's GHOST_SLOTS), by :func:`_win_slot`."""
+
+
 def _win_slot(engine_hash: int) -> int:
     return (((engine_hash * CHAIN_MUL) & M64) >> 56) % WIN_SLOTS
+
+
+def _window_place(known: Sequence[int | None], keys: Sequence[int], last: int, placed: int) -> int:
+    """The block of a window-only model's first hash in its event's range of blocks ``keys``.
+
+    ``placed`` is where :func:`_window_drop` puts it by the event's shape, which cannot tell every
+    case apart: vLLM keeps the window that ends at the request's replay boundary, ``prompt - 1``
+    tokens floored to a block, and a preempted request recomputes its prompt *and* its output in
+    one range, so its window sits any number of blocks before the range's end. An engine hash
+    names one block of one prefix for good, so the keys its hashes had before (``known``: still
+    mapped, or removed lately) say where they are: an offset in ``0..last`` that every known key
+    agrees on wins; keys that disagree, or none, leave the shape's reading (measured against vLLM's
+    scheduler in docs/benchmarks/hybrid.md)."""
+    at, voted = placed, False
+    for j, key in enumerate(known):
+        if key is None:
+            continue
+        for o in range(last + 1):
+            if keys[o + j] == key:
+                if not voted:
+                    at, voted = o, True
+                elif o != at:
+                    return placed
+    return at
 
 
 def _window_only(st: SourceStats) -> bool:
@@ -308,6 +343,7 @@ class _Group:
         "starts",
         "tokens",
         "wend_events",
+        "windows",
     )
 
     def __init__(self, block_size: int, number: int) -> None:
@@ -318,6 +354,9 @@ class _Group:
         """Events placing a window at their range's end: (source, last hash), by event number."""
         self.alts: dict[int, int] = {}
         """Events chained on the last block of such an event of this chunk: their source."""
+        self.windows: list[tuple[int, int, int, int]] = []
+        """A window-only model's events with fewer hashes than blocks: (event, source, op row, block
+        of the first hash in the range), placed again once the keys are known (:func:`_window_place`)."""
         self.block_size = block_size
         self.number = number
         """Groups of a chunk are numbered in creation order."""
@@ -773,6 +812,8 @@ class Ingestor:
                                 continue
                             mi = media[medium] = len(media)
                         first = len(rems)
+                        if st.groups and _window_only(st):
+                            self._remember_removed(sidx, st, hashes)
                         if batched:
                             try:
                                 rems.fromlist(hashes)  # all or nothing
@@ -871,6 +912,8 @@ class Ingestor:
                 mi = media.get(medium)
                 if mi is None:
                     mi = media[medium] = len(media)
+                if need and k > n and batched and _window_only(st) and not _block_extras(stored, n):
+                    g.windows.append((e, sidx, len(ops) // _ROW, skip))
                 ops.extend((op, mi, start + skip, n, g.number))
                 se += 1
                 sb += n
@@ -917,6 +960,8 @@ class Ingestor:
             if g.fixes or g.alts:
                 g.rechain(lambda sidx: _window_only(stats[sidx]))
             g.solve()
+            if g.windows and batched and self._place_windows(g, ops):  # (unbatched: the shape's)
+                g.solve()
             for e, (sidx, last) in g.wend_events.items():
                 st = stats[sidx]
                 if _window_only(st):
@@ -1109,12 +1154,64 @@ class Ingestor:
         self.layout_version += 1
         self._bad_event(sidx, st, what)
 
+    def _remember_removed(self, sidx: int, st: SourceStats, hashes: list[int]) -> None:
+        """Keys of a window-only source's blocks being removed (:attr:`SourceStats.ghosts`)."""
+        ghosts = st.ghosts
+        if ghosts is None:
+            ghosts = st.ghosts = [None] * GHOST_SLOTS
+        key_of = self.store.key_of
+        for h in hashes:
+            if type(h) is int and 0 <= h <= M64:
+                key = key_of(sidx, h)
+                if key is not None:
+                    ghosts[_win_slot(h) % GHOST_SLOTS] = (h, key)
+
+    def _known_key(self, sidx: int, h: int) -> int | None:
+        """A window-only source's key for an engine hash: mapped, or removed lately."""
+        key = self.store.key_of(sidx, h)
+        if key is None:
+            ghosts = self.stats[sidx].ghosts
+            ghost = ghosts[_win_slot(h) % GHOST_SLOTS] if ghosts is not None else None
+            if ghost is not None and ghost[0] == h:
+                key = ghost[1]
+        return key
+
+    def _place_windows(self, g: _Group, ops: array[int]) -> bool:
+        """Place a window-only model's windows by their hashes' known keys (:func:`_window_place`):
+        their hashes, op rows and children move; True when a child's parent block moved (the keys
+        are solved again)."""
+        keys = g.keys
+        moved = False
+        for e, sidx, row, off in g.windows:
+            start, k = g.starts[e], g.sizes[e]
+            hashes = _ints(g.events[e].block_hashes)
+            n = len(hashes)
+            at = _window_place(
+                [self._known_key(sidx, h) for h in hashes], keys[start : start + k].tolist(), k - n, off
+            )
+            if at == k - n:
+                g.wend_events[e] = (sidx, hashes[-1])
+            else:
+                g.wend_events.pop(e, None)
+            if at == off:
+                continue
+            g.hashes[start : start + k] = array("Q", [0] * at + hashes + [0] * (k - n - at))
+            ops[row * _ROW + 2] = start + at
+            for i, (c, _b, pe) in enumerate(g.later):
+                if pe == e:
+                    parent = g.events[c].parent_block_hash
+                    if parent in hashes:
+                        g.later[i] = (c, start + at + hashes.index(parent), pe)
+                        moved = True
+        return moved
+
     @staticmethod
     def _forget_groups(st: SourceStats) -> None:
         """An engine restart: the new process announces its groups again (another model may run)."""
         st.groups = {}
         st.groups_bad = False
         st.wends = None
+        st.ghosts = None
 
     def _bad_event(self, sidx: int, st: SourceStats, what: str) -> None:
         st.bad_events += 1

@@ -407,6 +407,48 @@ def test_a_short_window_over_a_long_range_is_a_prefill_chunks_tail(compiled: boo
     assert predicted([*tokens, *range(400, 404), 1]) == 5  # blocks 3-4 end at the hit: 5 blocks
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("removed_first", [True, False], ids=["evicted", "still-held"])
+def test_a_preempted_requests_window_keeps_the_place_its_hashes_had(
+    compiled: bool, removed_first: bool
+) -> None:
+    """vLLM keeps the window ending at the *prompt's* replay boundary; a preempted request
+    recomputes its prompt and its output in one range, so the same hashes come again over a longer
+    range, blocks before its end (seen against vLLM's scheduler, tests/vllm/test_vllm_oracle.py).
+    Their earlier keys place them again, whether the blocks were evicted a moment before (the
+    preemption freed them) or are still held; placed at the new range's end, they would credit two
+    blocks the engine never kept and miss the window it did."""
+    idx = KVIndex(IndexConfig(block_size=4, predict_ttl_s=0))
+    source = ("e", 0)
+    idx.ingestor.add_source(source)
+    sidx = idx.store.source_index(source)
+    assert sidx is not None
+    seq = [0]
+
+    def push(*events: BlockStored | BlockRemoved) -> None:
+        payload = encode_batch(list(events), time.time(), seq[0])
+        seq[0] += 1
+        idx.ingestor.apply_chunk([(sidx, payload if compiled else decode_payload(payload))])
+
+    def predicted(prompt: list[int]) -> int:
+        m = idx.match(prompt, [source]).matches.get(source)
+        return m.blocks if m else 0
+
+    def window(hashes: list[int], tokens: list[int]) -> BlockStored:
+        return BlockStored(hashes, None, tokens, 4, None, "GPU", None, None, 0, SLIDING_WINDOW, 9)
+
+    prompt = list(range(500, 518))  # 4 blocks and 2 tokens: the window kept is blocks 2-3
+    push(window([8002, 8003], prompt[:16]))
+    assert predicted(prompt) == 4
+    output = list(range(600, 606))  # preempted after 6 tokens: 24 computed again, 6 blocks
+    if removed_first:
+        push(BlockRemoved([8002, 8003], "GPU", 0), window([8002, 8003], [*prompt, *output][:24]))
+    else:
+        push(window([8002, 8003], [*prompt, *output][:24]))
+    assert predicted([*prompt, *output, 1]) == 4  # not 6: blocks 4-5 were never kept
+    assert predicted(prompt) == 4  # the window the engine holds still ends at block 4
+
+
 def test_a_whole_block_prompt_longer_than_the_window_sends_a_partial_block_prompts_event() -> None:
     """The ambiguity the index cannot resolve (index/ingest.py _window_drop): a prompt of 3 whole
     blocks keeps the window of blocks 0-1, one of 3 blocks and a token blocks 1-2, and both send 2

@@ -22,10 +22,10 @@ MIXED = "Mamba blocks of 64, full attention of 16"
 """The layout whose groups have different block sizes: conservative by design, not exact."""
 CI_SHARE = {"full attention", "sliding window + full attention", "Mamba (align) + full attention"}
 WINDOW_ONLY = (
-    "sliding-window-only models with vLLM's default retention: the events do not say which blocks "
-    "of their range a window's hashes are; a first prefill chunk exactly the window's blocks long "
+    "sliding-window-only models with vLLM's default retention: a window's first event does not say "
+    "which blocks of its range its hashes are; a first prefill chunk exactly the window's blocks long "
     "reads as a window cut by the range's start, and a whole-block prompt's window as a partial "
-    "one's, one block later (23 of 7,461 lookups over, 99.7% exact, docs/benchmarks/hybrid.md)"
+    "one's, one block later (8 of 7,461 lookups over, 99.9% exact, docs/benchmarks/hybrid.md)"
 )
 
 
