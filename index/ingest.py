@@ -35,9 +35,11 @@ Decisions (each counted per source, see :class:`SourceStats`):
   chained over the whole range and the hashes take the last ones. Such a group's
   chain may start after a block it dropped (no parent then), so a hash already mapped (by the
   full-attention group, whose events carry the same hashes) keeps its key
-  (:data:`index.store.OP_STORE_KEEP`). Malformed group metadata (a group index out of range, a
-  group whose kind, window or block size changes, groups of different block sizes) is counted and
-  makes the source's matches 0 until it restarts: conservative, never larger than the engine's.
+  (:data:`index.store.OP_STORE_KEEP`). A Mamba group of larger blocks than the source's hash
+  block size is read at that size (:func:`_fine_mamba`). Malformed group metadata (a group index
+  out of range, a group whose kind, window or block size changes, other groups of different block
+  sizes) is counted and makes the source's matches 0 until it restarts: conservative, never larger
+  than the engine's.
 """
 
 from __future__ import annotations
@@ -219,6 +221,70 @@ def _block_extras(ev: BlockStored, n: int) -> list[tuple[int, list[Any]]]:
             rest = rest[1:]
         if rest:
             out.append((i, rest))
+    return out
+
+
+def _hash_block_size(events: Sequence[Any], configured: int | None) -> int | None:
+    """A source's hash block size before it is learned, from its batch's full-attention BlockStored
+    events with hashes (:func:`_fine_mamba`): the configured size when one of them has it, else the
+    smallest size of those that carry several blocks, else the smallest (a partial block's event,
+    vLLM's cache_partial_block, carries one hash: it is not taken for the size when another is
+    there)."""
+    sizes: set[int] = set()
+    several: set[int] = set()
+    for ev in events:
+        if type(ev) is BlockStored and ev.block_hashes and ev.kv_cache_spec_kind in (None, FULL):
+            bs = ev.block_size
+            if type(bs) is int and bs > 0:
+                sizes.add(bs)
+                if len(ev.block_hashes) > 1:
+                    several.add(bs)
+    if configured in sizes:
+        return configured
+    return min(several or sizes) if sizes else None
+
+
+def _fine_mamba(events: Sequence[Any], h: int) -> list[Any] | None:
+    """A batch's Mamba events of blocks larger than the source's hash block size ``h``, read at
+    ``h`` (None: the batch has none).
+
+    vLLM hashes every request at the greatest common divisor of its groups' block sizes (its
+    ``hash_block_size``; a Mamba group of 64-token blocks beside full attention of 16 hashes at
+    16), and a larger block's hash is that of its last hash-sized block, the value the
+    full-attention group announces there. A Mamba group saves its state at its own block
+    boundaries and at the hash block that ends a prompt (those come as events of size ``h``), and a
+    hit ends where a state is, at size ``h``. So such an event's range is cut into blocks of ``h``,
+    and its hashes, the states of its last blocks, take the last hash block of each: one event per
+    hash, each chained on the one before."""
+    out: list[Any] | None = None
+    for i, ev in enumerate(events):
+        bs = ev.block_size if type(ev) is BlockStored else 0
+        if not (type(bs) is int and bs > h and bs % h == 0 and ev.kv_cache_spec_kind == MAMBA):
+            if out is not None:
+                out.append(ev)
+            continue
+        if out is None:
+            out = list(events[:i])
+        hashes, tokens = ev.block_hashes, ev.token_ids
+        n, ntokens = len(hashes), len(tokens)
+        if n <= 1 or ntokens % bs or ntokens < n * bs:
+            out.append(msgspec.structs.replace(ev, block_size=h))  # (a bad shape is judged as usual)
+            continue
+        cut = ntokens - (n - 1) * bs  # the first event: every block up to the first state
+        parent = ev.parent_block_hash
+        for j, eh in enumerate(hashes):
+            a, b = (0, cut) if j == 0 else (cut + (j - 1) * bs, cut + j * bs)
+            part = (
+                TokenIds(tokens.buf, tokens.off + a, b - a, tokens.negative)
+                if type(tokens) is TokenIds
+                else list(tokens[a:b])
+            )
+            out.append(
+                msgspec.structs.replace(
+                    ev, block_hashes=[eh], parent_block_hash=parent, token_ids=part, block_size=h
+                )
+            )
+            parent = eh
     return out
 
 
@@ -793,7 +859,11 @@ class Ingestor:
                 continue
             st = stats[sidx]
             se = sb = re = rb = 0
-            for ev in batch.events:
+            events = batch.events
+            if st.block_size is None or any(x.rule == MAMBA for x in st.groups.values()):
+                h = st.block_size or _hash_block_size(events, self.block_size)
+                events = (_fine_mamba(events, h) if h else None) or events
+            for ev in events:
                 kind = type(ev)
                 if kind is not BlockStored:
                     if kind is BlockRemoved:

@@ -449,6 +449,40 @@ def test_a_preempted_requests_window_keeps_the_place_its_hashes_had(
     assert predicted(prompt) == 4  # the window the engine holds still ends at block 4
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_mamba_group_of_larger_blocks_is_read_at_the_hash_block_size(compiled: bool) -> None:
+    """Mamba blocks of 8 tokens beside full attention of 4: vLLM hashes at 4, a Mamba block's hash
+    is its last 4-token block's, and states saved at a prompt's end come as 4-token events
+    (vLLM's scheduler, tests/vllm/test_vllm_oracle.py). Read so, the source is matched by the
+    hybrid rule at 4 tokens; before, its group metadata was malformed and it matched nothing."""
+    idx = KVIndex(IndexConfig(block_size=4, predict_ttl_s=0))
+    source = ("e", 0)
+    idx.ingestor.add_source(source)
+    sidx = idx.store.source_index(source)
+    assert sidx is not None
+    prompt = list(range(700, 716))  # 4 blocks of 4, 2 Mamba blocks of 8
+    mamba = BlockStored([12, 14], None, prompt, 8, None, "GPU", None, None, 0, MAMBA, None)
+    full = BlockStored([11, 12, 13, 14], None, prompt, 4, None, "GPU", None, None, 1, FULL_ATTENTION, None)
+    payload = encode_batch([mamba, full], time.time(), 0)
+    idx.ingestor.apply_chunk([(sidx, payload if compiled else decode_payload(payload))])
+
+    def predicted(tokens: list[int]) -> int:
+        m = idx.match(tokens, [source]).matches.get(source)
+        return m.blocks if m else 0
+
+    assert predicted([*prompt, 1]) == 4  # states after blocks 2 and 4
+    assert predicted([*prompt[:12], 1, 2, 3, 4, 5]) == 2  # full attention holds 3: the state at 2
+    # a state at a prompt's end that is not a Mamba block's: a 4-token event of the same group
+    longer = [*prompt, *range(800, 804)]
+    more = BlockStored([15], 14, longer[16:], 4, None, "GPU", None, None, 1, FULL_ATTENTION, None)
+    state = BlockStored([15], 14, longer[16:], 4, None, "GPU", None, None, 0, MAMBA, None)
+    payload = encode_batch([state, more], time.time(), 1)
+    idx.ingestor.apply_chunk([(sidx, payload if compiled else decode_payload(payload))])
+    assert predicted([*longer, 1]) == 5
+    st = idx.ingestor.stats[sidx]
+    assert not st.groups_bad and st.bad_events == 0 and st.block_size == 4
+
+
 def test_a_whole_block_prompt_longer_than_the_window_sends_a_partial_block_prompts_event() -> None:
     """The ambiguity the index cannot resolve (index/ingest.py _window_drop): a prompt of 3 whole
     blocks keeps the window of blocks 0-1, one of 3 blocks and a token blocks 1-2, and both send 2

@@ -18,9 +18,12 @@ from vllm_oracle import CONFIGS, drive, replay
 
 from sim.vllm_engines import write_model
 
-MIXED = "Mamba blocks of 64, full attention of 16"
-"""The layout whose groups have different block sizes: conservative by design, not exact."""
-CI_SHARE = {"full attention", "sliding window + full attention", "Mamba (align) + full attention"}
+CI_SHARE = {
+    "full attention",
+    "sliding window + full attention",
+    "Mamba (align) + full attention",
+    "Mamba blocks of 64, full attention of 16",
+}
 WINDOW_ONLY = (
     "sliding-window-only models with vLLM's default retention: a window's first event does not say "
     "which blocks of its range its hashes are; a first prefill chunk exactly the window's blocks long "
@@ -37,8 +40,6 @@ def cases() -> list[object]:
             marks.append(pytest.mark.vllm_full)
         if kind == "mistral" and "--dense" not in opts:
             marks.append(pytest.mark.xfail(strict=True, reason=WINDOW_ONLY))
-        if name == MIXED:
-            continue  # (its own test below)
         out.append(
             pytest.param(kind, opts, id=f"{i}-{kind}{'-dense' if '--dense' in opts else ''}", marks=marks)
         )
@@ -57,14 +58,3 @@ def test_the_index_agrees_with_vllms_own_lookup(
         assert t.hits >= 20 and t.preempted > 0, t.row()  # the cache is hit, requests are preempted
         assert t.counts["over"] == 0, (t.row(), t.wrong[:10])
         assert t.exact_share >= 0.99, (t.row(), t.wrong[:10])
-
-
-def test_groups_of_different_block_sizes_are_never_over_predicted(vllm_venv: Path, tmp_path: Path) -> None:
-    """Mamba groups of 64-token blocks beside full attention of 16 (vLLM hashes at 16): the index
-    counts the source's group metadata malformed and matches nothing for it, by design."""
-    model = write_model(tmp_path / "model", "llama")
-    out = tmp_path / "trace.msgpack"
-    ((kind, opts),) = [(k, o) for name, k, o in CONFIGS if name == MIXED]
-    drive(vllm_venv / "bin" / "python", kind, model, out, *opts, "--requests", "100")
-    t = replay(out)
-    assert t.hits > 0 and t.counts["over"] == 0, t.row()
