@@ -626,11 +626,12 @@ static size_t window_place(const Src *src, const u64 *ehs, u64 nh, const u64 *ke
         const u64 *g = src->ghost + win_slot(h) % GHOST_SLOTS * 2;
         if (i >= 0) known = src->em[i * 3 + 1];
         else if (g[0] == h) known = g[1];
-        if (!known) continue;
+        if (!known || (votes && keys[at + j] == known)) continue;
         for (size_t o = 0; o <= last; o++)
             if (known == keys[o + j]) {
-                if (!votes) at = o, votes = 1;
-                else if (o != at) return placed; /* they disagree: the shape decides */
+                if (votes) return placed; /* they disagree: the shape decides */
+                at = o, votes = 1;
+                break;
             }
     }
     return at;

@@ -356,14 +356,13 @@ def _window_place(known: Sequence[int | None], keys: Sequence[int], last: int, p
     scheduler in docs/benchmarks/hybrid.md)."""
     at, voted = placed, False
     for j, key in enumerate(known):
-        if key is None:
+        if key is None or (voted and keys[at + j] == key):
             continue
-        for o in range(last + 1):
-            if keys[o + j] == key:
-                if not voted:
-                    at, voted = o, True
-                elif o != at:
-                    return placed
+        o = next((o for o in range(last + 1) if keys[o + j] == key), -1)
+        if o >= 0:
+            if voted:
+                return placed  # (it agrees with another offset)
+            at, voted = o, True
     return at
 
 
