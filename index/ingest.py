@@ -267,8 +267,11 @@ def _fine_mamba(events: Sequence[Any], h: int) -> list[Any] | None:
             out = list(events[:i])
         hashes, tokens = ev.block_hashes, ev.token_ids
         n, ntokens = len(hashes), len(tokens)
-        if n <= 1 or ntokens % bs or ntokens < n * bs:
-            out.append(msgspec.structs.replace(ev, block_size=h))  # (a bad shape is judged as usual)
+        if ntokens % bs or ntokens < n * bs:
+            out.append(ev)  # (a bad shape at its own size: judged as usual, counted and skipped)
+            continue
+        if n <= 1:
+            out.append(msgspec.structs.replace(ev, block_size=h))
             continue
         cut = ntokens - (n - 1) * bs  # the first event: every block up to the first state
         parent = ev.parent_block_hash

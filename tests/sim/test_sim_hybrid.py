@@ -481,6 +481,12 @@ def test_a_mamba_group_of_larger_blocks_is_read_at_the_hash_block_size(compiled:
     assert predicted([*longer, 1]) == 5
     st = idx.ingestor.stats[sidx]
     assert not st.groups_bad and st.bad_events == 0 and st.block_size == 4
+    # a bad shape at its own block size (12 tokens of 8-token blocks) is not made whole at 4
+    odd = BlockStored([16], 15, list(range(900, 912)), 8, None, "GPU", None, None, 0, MAMBA, None)
+    payload = encode_batch([odd], time.time(), 2)
+    idx.ingestor.apply_chunk([(sidx, payload if compiled else decode_payload(payload))])
+    assert st.bad_events == 1 and not st.groups_bad
+    assert predicted([*longer, *range(900, 912), 1]) == 5
 
 
 def test_a_whole_block_prompt_longer_than_the_window_sends_a_partial_block_prompts_event() -> None:
