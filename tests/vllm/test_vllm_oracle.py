@@ -26,9 +26,9 @@ CI_SHARE = {
 }
 WINDOW_ONLY = (
     "sliding-window-only models with vLLM's default retention: a window's first event does not say "
-    "which blocks of its range its hashes are; a first prefill chunk exactly the window's blocks long "
-    "reads as a window cut by the range's start, and a whole-block prompt's window as a partial "
-    "one's, one block later (8 of 7,461 lookups over, 99.9% exact, docs/benchmarks/hybrid.md)"
+    "which blocks of its range its hashes are; a short first range can read as a window cut by the "
+    "range's start, and a whole-block prompt's window as a partial one's, one block later (8 of "
+    "7,461 lookups over, 99.9% exact, docs/benchmarks/hybrid.md)"
 )
 
 
